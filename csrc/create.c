@@ -1,0 +1,303 @@
+/*
+ * create.c - clone a child into new namespaces and set up its root.
+ *
+ * nsbox_spawn() is called from the Python process. It clones a child with
+ * fork semantics (no shared memory) straight into the new user, mount, PID,
+ * IPC, UTS and network namespaces, so the child is PID 1 of its namespace.
+ * The host process may be multi-threaded, so from the clone until execve the
+ * child only makes system calls: no malloc, no stdio, no locks.
+ *
+ * The child:
+ *   1. moves the descriptors the program keeps to 3, 4, ... and closes every
+ *      other one, so nothing of the host leaks in;
+ *   2. waits for one byte on sync_fd: the host writes it after the child's
+ *      uid/gid maps are in place (it may need newuidmap to write them);
+ *   3. runs the steps Python composed (mounts, pivot_root, hostname, ...),
+ *      reporting the index of a failed step and its errno on error_fd;
+ *   4. execs the init from a descriptor opened before the pivot, so the
+ *      binary does not need to exist inside the root filesystem.
+ * error_fd is close-on-exec: the host reading EOF on it means the exec
+ * succeeded.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/sched.h>
+#include <net/if.h>
+#include <signal.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/mount.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "create.h"
+
+/* Older C libraries lack the new mount API; the kernel has had it since 5.2
+ * (mount_setattr since 5.12). */
+#ifndef OPEN_TREE_CLONE
+#define OPEN_TREE_CLONE 1
+#endif
+#ifndef OPEN_TREE_CLOEXEC
+#define OPEN_TREE_CLOEXEC O_CLOEXEC
+#endif
+#ifndef MOVE_MOUNT_F_EMPTY_PATH
+#define MOVE_MOUNT_F_EMPTY_PATH 0x00000004
+#endif
+#ifndef AT_RECURSIVE
+#define AT_RECURSIVE 0x8000
+#endif
+
+struct nsbox_mount_attr {
+    uint64_t attr_set;
+    uint64_t attr_clr;
+    uint64_t propagation;
+    uint64_t userns_fd;
+};
+
+static void report(int fd, int step, int err)
+{
+    struct nsbox_setup_error e = {.step = step, .err = err};
+    /* Best effort: the host treats a short report like a crash. */
+    ssize_t r = write(fd, &e, sizeof e);
+    (void)r;
+}
+
+static int run_step(const struct nsbox_step *s, int *slots)
+{
+    switch (s->kind) {
+    case NSBOX_STEP_MOUNT:
+        return mount(s->a, s->b, s->c, s->flags, s->d);
+
+    case NSBOX_STEP_TREE_CLONE: {
+        if (s->slot < 0 || s->slot >= NSBOX_SLOTS) {
+            errno = EINVAL;
+            return -1;
+        }
+        unsigned int rec = (s->flags & AT_RECURSIVE) ? AT_RECURSIVE : 0;
+        int fd = (int)syscall(SYS_open_tree, AT_FDCWD, s->a, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | rec);
+        if (fd < 0)
+            return -1;
+        if (s->attr_set || s->attr_clr) {
+            struct nsbox_mount_attr attr = {.attr_set = s->attr_set, .attr_clr = s->attr_clr};
+            if (syscall(SYS_mount_setattr, fd, "", AT_EMPTY_PATH | rec, &attr, sizeof attr) < 0)
+                return -1;
+        }
+        slots[s->slot] = fd;
+        return 0;
+    }
+
+    case NSBOX_STEP_TREE_ATTACH:
+        if (s->slot < 0 || s->slot >= NSBOX_SLOTS || slots[s->slot] < 0) {
+            errno = EBADF;
+            return -1;
+        }
+        if (syscall(SYS_move_mount, slots[s->slot], "", AT_FDCWD, s->b, MOVE_MOUNT_F_EMPTY_PATH) < 0)
+            return -1;
+        close(slots[s->slot]);
+        slots[s->slot] = -1;
+        return 0;
+
+    case NSBOX_STEP_MKDIR: {
+        if (mkdir(s->b, s->mode) < 0 && errno != EEXIST)
+            return -1;
+        /* It must be a directory and not a symlink: a mount on it would
+         * follow the link, and before the pivot that leads to the host. */
+        struct stat st;
+        if (lstat(s->b, &st) < 0)
+            return -1;
+        if (!S_ISDIR(st.st_mode)) {
+            errno = ENOTDIR;
+            return -1;
+        }
+        return 0;
+    }
+
+    case NSBOX_STEP_MKFILE: {
+        int fd = open(s->b, O_WRONLY | O_CREAT | O_CLOEXEC | O_NOFOLLOW, s->mode);
+        if (fd < 0)
+            return -1;
+        close(fd);
+        return 0;
+    }
+
+    case NSBOX_STEP_SYMLINK:
+        if (symlink(s->a, s->b) == 0)
+            return 0;
+        if (errno != EEXIST || unlink(s->b) < 0)
+            return -1;
+        return symlink(s->a, s->b);
+
+    case NSBOX_STEP_PIVOT:
+        /* pivot_root(".", ".") stacks the old root under the new one; the
+         * detach then leaves no path back to the host's filesystem. */
+        if (chdir(s->b) < 0 || syscall(SYS_pivot_root, ".", ".") < 0)
+            return -1;
+        if (umount2(".", MNT_DETACH) < 0)
+            return -1;
+        return chdir("/");
+
+    case NSBOX_STEP_HOSTNAME:
+        return sethostname(s->a, strlen(s->a));
+
+    case NSBOX_STEP_LOOPBACK_UP: {
+        int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+        if (fd < 0)
+            return -1;
+        struct ifreq ifr;
+        memset(&ifr, 0, sizeof ifr);
+        strcpy(ifr.ifr_name, "lo");
+        int r = ioctl(fd, SIOCGIFFLAGS, &ifr);
+        if (r == 0) {
+            ifr.ifr_flags |= IFF_UP | IFF_RUNNING;
+            r = ioctl(fd, SIOCSIFFLAGS, &ifr);
+        }
+        int err = errno;
+        close(fd);
+        errno = err;
+        return r;
+    }
+
+    case NSBOX_STEP_REMOUNT:
+        return mount(NULL, s->b, NULL, MS_REMOUNT | s->flags, NULL);
+    }
+    errno = EINVAL;
+    return -1;
+}
+
+/*
+ * Puts keep_fds at 3, 4, ... (a -1 entry leaves that number closed), then
+ * the error pipe, the program and the sync pipe just above them (all three
+ * close-on-exec), points stdin/out/err at /dev/null unless told otherwise,
+ * and closes every other descriptor inherited from the host. Updates the
+ * three pointers to the new numbers.
+ */
+static int arrange_fds(const struct nsbox_spec *spec, int *error_fd, int *exec_fd, int *sync_fd)
+{
+    /* First copy everything we keep above any number we are about to assign. */
+    int high[4];
+    for (int i = 0; i < spec->nkeep; i++) {
+        high[i] = -1;
+        if (spec->keep_fds[i] >= 0 && (high[i] = fcntl(spec->keep_fds[i], F_DUPFD_CLOEXEC, 100)) < 0)
+            return -1;
+    }
+    int err_hi = fcntl(*error_fd, F_DUPFD_CLOEXEC, 100);
+    int sync_hi = fcntl(*sync_fd, F_DUPFD_CLOEXEC, 100);
+    int exe_hi = *exec_fd >= 0 ? fcntl(*exec_fd, F_DUPFD_CLOEXEC, 100) : -1;
+    if (err_hi < 0 || sync_hi < 0 || (*exec_fd >= 0 && exe_hi < 0))
+        return -1;
+    for (int i = 0; i < spec->nkeep; i++) {
+        if (high[i] >= 0 && dup2(high[i], 3 + i) < 0) /* the copy loses O_CLOEXEC */
+            return -1;
+        if (high[i] < 0)
+            close(3 + i);
+    }
+    int base = 3 + spec->nkeep;
+    if (dup3(err_hi, base, O_CLOEXEC) < 0 || dup3(sync_hi, base + 2, O_CLOEXEC) < 0)
+        return -1;
+    *error_fd = base;
+    *sync_fd = base + 2;
+    if (exe_hi >= 0) {
+        if (dup3(exe_hi, base + 1, O_CLOEXEC) < 0)
+            return -1;
+        *exec_fd = base + 1;
+    }
+    if (!spec->keep_stdio) {
+        int null = open("/dev/null", O_RDWR | O_CLOEXEC);
+        if (null < 0)
+            return -1;
+        for (int i = 0; i < 3; i++) {
+            if (dup2(null, i) < 0)
+                return -1;
+        }
+    }
+    return (int)syscall(SYS_close_range, base + 3, ~0U, 0);
+}
+
+static void __attribute__((noreturn)) child(const struct nsbox_spec *spec)
+{
+    /* Keep the host's signal handlers from ever running in this copy of its
+     * memory: block everything, and reset caught signals to their default. */
+    sigset_t all;
+    sigfillset(&all);
+    sigprocmask(SIG_SETMASK, &all, NULL);
+    for (int s = 1; s < NSIG; s++) {
+        struct sigaction sa;
+        if (sigaction(s, NULL, &sa) == 0 && sa.sa_handler != SIG_IGN && sa.sa_handler != SIG_DFL) {
+            sa.sa_handler = SIG_DFL;
+            sa.sa_flags = 0;
+            sigaction(s, &sa, NULL);
+        }
+    }
+
+    /* Drop every host descriptor we were not given before anything else:
+     * a stray copy of the sync pipe's write end would keep us waiting
+     * forever if the host died. */
+    int error_fd = spec->error_fd, exec_fd = spec->exec_fd, sync_fd = spec->sync_fd;
+    if (arrange_fds(spec, &error_fd, &exec_fd, &sync_fd) < 0) {
+        report(error_fd, NSBOX_SETUP_FDS, errno);
+        _exit(1);
+    }
+    char go;
+    if (read(sync_fd, &go, 1) != 1) {
+        report(error_fd, NSBOX_SETUP_SYNC, errno ? errno : EPIPE);
+        _exit(1);
+    }
+    close(sync_fd);
+    if (spec->new_session)
+        setsid();
+    /* The maps are written: take uid/gid 0 explicitly, so every id (saved,
+     * filesystem) is the namespace's root. */
+    if (setresgid(0, 0, 0) < 0 || setresuid(0, 0, 0) < 0) {
+        report(error_fd, NSBOX_SETUP_IDS, errno);
+        _exit(1);
+    }
+
+    int slots[NSBOX_SLOTS];
+    for (int i = 0; i < NSBOX_SLOTS; i++)
+        slots[i] = -1;
+    for (int i = 0; i < spec->nsteps; i++) {
+        if (run_step(&spec->steps[i], slots) < 0) {
+            report(error_fd, i, errno);
+            _exit(1);
+        }
+    }
+    for (int i = 0; i < NSBOX_SLOTS; i++) {
+        if (slots[i] >= 0)
+            close(slots[i]);
+    }
+
+    sigemptyset(&all);
+    sigprocmask(SIG_SETMASK, &all, NULL);
+    if (exec_fd >= 0)
+        syscall(SYS_execveat, exec_fd, "", spec->argv, spec->envp, AT_EMPTY_PATH);
+    else
+        execvpe(spec->argv[0], spec->argv, spec->envp);
+    report(error_fd, NSBOX_SETUP_EXEC, errno);
+    _exit(127);
+}
+
+int nsbox_spawn(const struct nsbox_spec *spec, int *pidfd)
+{
+    *pidfd = -1;
+    struct clone_args args;
+    memset(&args, 0, sizeof args);
+    args.flags = spec->clone_flags | CLONE_PIDFD;
+    args.pidfd = (uint64_t)(uintptr_t)pidfd;
+    args.exit_signal = SIGCHLD;
+    long pid = syscall(SYS_clone3, &args, sizeof args);
+    if (pid < 0 && errno == ENOSYS) {
+        /* Kernels before 5.3: plain clone, then a pidfd if there is one. */
+        pid = syscall(SYS_clone, spec->clone_flags | SIGCHLD, 0, 0, 0, 0);
+        if (pid > 0)
+            *pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
+    }
+    if (pid < 0)
+        return -errno;
+    if (pid == 0)
+        child(spec);
+    return (int)pid;
+}

@@ -1,0 +1,72 @@
+/*
+ * create.h - the interface of create.c, as cffi sees it.
+ *
+ * Python (nsbox/rootfs.py) composes a sandbox as a list of steps; the C
+ * side only carries them out, in order, in a freshly cloned child. Keeping
+ * the policy in Python keeps this file small and the order of operations
+ * readable in one place.
+ */
+
+/* Step kinds. Paths are host paths before NSBOX_STEP_PIVOT and sandbox paths
+ * after it. */
+enum nsbox_step_kind {
+    NSBOX_STEP_MOUNT = 1,       /* mount(a, b, c, flags, d) */
+    NSBOX_STEP_TREE_CLONE = 2,  /* slots[slot] = detached copy of the mount tree at a,
+                                   with attr_set / attr_clr applied (read-only etc.) */
+    NSBOX_STEP_TREE_ATTACH = 3, /* attach slots[slot] at b */
+    NSBOX_STEP_MKDIR = 4,       /* mkdir(b, mode); an existing directory (not a symlink) is fine */
+    NSBOX_STEP_MKFILE = 5,      /* create the empty file b (a mount point for a file) */
+    NSBOX_STEP_SYMLINK = 6,     /* symlink a at b; an existing link is replaced */
+    NSBOX_STEP_PIVOT = 7,       /* make b the root; the old root is detached */
+    NSBOX_STEP_HOSTNAME = 8,    /* sethostname(a) */
+    NSBOX_STEP_LOOPBACK_UP = 9, /* bring up "lo" in the new network namespace */
+    NSBOX_STEP_REMOUNT = 10,    /* mount(NULL, b, NULL, MS_REMOUNT | flags, NULL) */
+};
+
+struct nsbox_step {
+    int kind;
+    int slot;
+    unsigned int mode;
+    unsigned long flags;
+    unsigned long long attr_set;
+    unsigned long long attr_clr;
+    const char *a;
+    const char *b;
+    const char *c;
+    const char *d;
+};
+
+#define NSBOX_SLOTS 32
+
+struct nsbox_spec {
+    unsigned long clone_flags;      /* CLONE_NEW* for the child */
+    const struct nsbox_step *steps; /* run in order after the "go" byte */
+    int nsteps;
+    int sync_fd;  /* child reads one byte here once its id maps are written */
+    int error_fd; /* child writes struct nsbox_setup_error here on failure */
+    int keep_fds[4]; /* become fds 3, 4, ... of the program; -1 entries give closed fds */
+    int nkeep;
+    int exec_fd;             /* program to execveat (the init), or -1 to use argv[0] */
+    char *const *argv;
+    char *const *envp;
+    int keep_stdio;          /* 0: stdin/out/err become /dev/null (after the steps) */
+    int new_session;         /* call setsid() */
+};
+
+/* What the child reports when a step fails: the step's index (or one of the
+ * negative stages below) and the errno. */
+struct nsbox_setup_error {
+    int step;
+    int err;
+};
+
+enum nsbox_setup_stage {
+    NSBOX_SETUP_SYNC = -1, /* waiting for the id maps failed */
+    NSBOX_SETUP_FDS = -2,  /* arranging descriptors failed */
+    NSBOX_SETUP_EXEC = -3, /* execve of the program failed */
+    NSBOX_SETUP_IDS = -4,  /* becoming root in the new namespace failed */
+};
+
+/* Clones the child described by `spec`. Returns its pid (and its pidfd in
+ * *pidfd, or -1 if the kernel has none) or -errno. The child never returns. */
+int nsbox_spawn(const struct nsbox_spec *spec, int *pidfd);

@@ -1,0 +1,86 @@
+"""Where nsbox keeps its state: XDG directories, checked before use.
+
+- runtime: $XDG_RUNTIME_DIR/nsbox (registry of live sandboxes, sockets)
+- data:    $XDG_DATA_HOME/nsbox (the sandboxes' writable layers)
+- cache:   $XDG_CACHE_HOME/nsbox
+
+$XDG_RUNTIME_DIR is often unset or wrong (root, SSH without systemd, su);
+then a private directory of our own under the temporary directory is used.
+A directory that someone else owns, or that others can write to, is refused:
+it would let them plant sockets or layers in a sandbox.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import tempfile
+from pathlib import Path
+
+from .errors import NsboxError
+
+
+def _checked_private_dir(path: Path) -> Path:
+    """Creates `path` (mode 0700) if needed and verifies it is ours alone."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.lstat(path)
+    except OSError as e:
+        raise NsboxError(f"cannot create the state directory {path}: {e.strerror}") from None
+    uid = os.geteuid()
+    if not stat.S_ISDIR(st.st_mode):
+        raise NsboxError(f"refusing to use {path}: it is not a directory (a symlink?)")
+    if st.st_uid != uid:
+        raise NsboxError(
+            f"refusing to use {path}: it belongs to uid {st.st_uid}, not to you (uid {uid})",
+            hint="remove it, or point NSBOX_STATE_DIR / XDG_RUNTIME_DIR elsewhere",
+        )
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)
+    return path
+
+
+def _usable_runtime_base(value: str | None) -> Path | None:
+    if not value or not os.path.isabs(value):
+        return None
+    try:
+        st = os.stat(value)
+    except OSError:
+        return None
+    # A stale value (after su, say) names someone else's directory.
+    if st.st_uid != os.geteuid() or not stat.S_ISDIR(st.st_mode) or st.st_mode & 0o077:
+        return None
+    return Path(value)
+
+
+def runtime_dir() -> Path:
+    """Registry and sockets of live sandboxes."""
+    override = os.environ.get("NSBOX_STATE_DIR")
+    if override:
+        return _checked_private_dir(Path(override) / "run")
+    base = _usable_runtime_base(os.environ.get("XDG_RUNTIME_DIR"))
+    if base is not None:
+        return _checked_private_dir(base / "nsbox")
+    return _checked_private_dir(Path(tempfile.gettempdir()) / f"nsbox-{os.geteuid()}")
+
+
+def _home_based(env: str, default: str) -> Path:
+    value = os.environ.get(env)
+    if value and os.path.isabs(value):
+        return Path(value)
+    return Path.home() / default
+
+
+def data_dir() -> Path:
+    """Writable layers of sandboxes."""
+    override = os.environ.get("NSBOX_STATE_DIR")
+    if override:
+        return _checked_private_dir(Path(override) / "data")
+    return _checked_private_dir(_home_based("XDG_DATA_HOME", ".local/share") / "nsbox")
+
+
+def cache_dir() -> Path:
+    override = os.environ.get("NSBOX_STATE_DIR")
+    if override:
+        return _checked_private_dir(Path(override) / "cache")
+    return _checked_private_dir(_home_based("XDG_CACHE_HOME", ".cache") / "nsbox")

@@ -1,0 +1,64 @@
+"""Exceptions nsbox raises.
+
+They do not depend on Inspect; the Inspect provider translates them into
+Inspect's own exception types.
+"""
+
+from __future__ import annotations
+
+
+class NsboxError(Exception):
+    """Base class for nsbox errors that are meant to be shown to a person.
+
+    The message says what failed and why; `hint`, when set, says what to do.
+    """
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        self.message = message
+        self.hint = hint
+        super().__init__(message + (f"\n  hint: {hint}" if hint else ""))
+
+
+class HostPrerequisiteError(NsboxError):
+    """This host cannot run sandboxes (user namespaces blocked, kernel too old...)."""
+
+
+class SandboxSetupError(NsboxError):
+    """Creating the sandbox failed."""
+
+
+class SandboxUnavailable(NsboxError):
+    """The sandbox is not running (closed, or its init died)."""
+
+
+class UserUnsupported(NsboxError):
+    """The sandbox's id mapping cannot run this user."""
+
+
+class OutputLimitExceeded(NsboxError):
+    """A command's output stream or a file was larger than the limit.
+
+    For exec, `stdout` and `stderr` hold the last `limit` bytes of each stream.
+    """
+
+    def __init__(self, message: str, limit: int, stdout: str | None = None, stderr: str | None = None) -> None:
+        super().__init__(message)
+        self.limit = limit
+        self.stdout = stdout
+        self.stderr = stderr
+
+
+class CommandTimeout(TimeoutError):
+    """A command ran past its timeout and was killed with its process tree.
+
+    `stdout` and `stderr` hold what it wrote before that.
+    """
+
+    def __init__(self, message: str, stdout: str, stderr: str) -> None:
+        super().__init__(message)
+        self.stdout = stdout
+        self.stderr = stderr
+
+    @property
+    def truncated_output(self) -> str:
+        return self.stdout + self.stderr

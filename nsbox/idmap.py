@@ -1,0 +1,151 @@
+"""Which uid/gid maps this user's sandboxes get, and why.
+
+Sandbox uid 0 is always the invoking user. Beyond that, three modes:
+
+- "root":   nsbox runs as real root and writes the maps itself: sandbox ids
+            0..65535 are the host's ids 0..65535.
+- "subuid": newuidmap/newgidmap exist and /etc/subuid and /etc/subgid give
+            this user a range: sandbox ids 1..N map onto it (the podman
+            convention), so other users exist inside the sandbox.
+- "single": only the user's own uid and gid are mapped; running as any other
+            user is impossible, and `reason` says why and how to fix it.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import subprocess
+from dataclasses import dataclass
+from typing import Literal
+
+from .errors import SandboxSetupError
+
+Mode = Literal["root", "subuid", "single"]
+
+# How many ids the root mode maps (0..65535, nobody and nogroup included).
+ROOT_RANGE = 65536
+SUBID_HELPERS = ("newuidmap", "newgidmap")
+SEARCH_PATH = "/usr/bin:/bin:/usr/sbin:/sbin"
+
+
+@dataclass(frozen=True)
+class IdMap:
+    mode: Mode
+    uid_map: tuple[tuple[int, int, int], ...]  # (inside, outside, count)
+    gid_map: tuple[tuple[int, int, int], ...]
+    reason: str  # why this mode, in words
+
+    @property
+    def size(self) -> int:
+        """Sandbox uids 0..size-1 are mapped."""
+        return min(sum(c for _, _, c in self.uid_map), sum(c for _, _, c in self.gid_map))
+
+    def write(self, pid: int) -> None:
+        """Writes the maps of the user namespace of process `pid`."""
+        if self.mode == "subuid":
+            _run_helpers(pid, self)
+            return
+        proc = f"/proc/{pid}"
+        try:
+            if self.mode == "single":
+                # An unprivileged gid_map requires setgroups to be denied.
+                _write(f"{proc}/setgroups", "deny")
+            _write(f"{proc}/uid_map", _format(self.uid_map))
+            _write(f"{proc}/gid_map", _format(self.gid_map))
+        except OSError as e:
+            raise SandboxSetupError(
+                f"writing the id maps of the sandbox failed: {e.strerror} ({e.filename})"
+            ) from None
+
+
+def _format(lines: tuple[tuple[int, int, int], ...]) -> str:
+    return "".join(f"{i} {o} {c}\n" for i, o, c in lines)
+
+
+def _write(path: str, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
+def _run_helpers(pid: int, m: IdMap) -> None:
+    procs = []
+    for tool, lines in zip(SUBID_HELPERS, (m.uid_map, m.gid_map)):
+        args = [_find(tool) or tool, str(pid)] + [str(x) for line in lines for x in line]
+        procs.append((tool, subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)))
+    errors = []
+    for tool, p in procs:
+        _, err = p.communicate()
+        if p.returncode != 0:
+            errors.append(f"{tool}: {err.decode(errors='replace').strip() or f'exit {p.returncode}'}")
+    if errors:
+        raise SandboxSetupError(
+            "writing the id maps of the sandbox failed: " + "; ".join(errors),
+            hint="check your /etc/subuid and /etc/subgid entries, or set id_mapping to 'single'",
+        )
+
+
+def _find(tool: str) -> str | None:
+    return shutil.which(tool) or shutil.which(tool, path=SEARCH_PATH)
+
+
+def _subid_range(path: str, name: str, uid: int) -> tuple[int, int] | None:
+    """The first range /etc/subuid (or subgid) gives this user, if any."""
+    try:
+        with open(path) as f:
+            for line in f:
+                parts = line.strip().split(":")
+                if len(parts) != 3 or parts[0] not in (name, str(uid)):
+                    continue
+                try:
+                    start, count = int(parts[1]), int(parts[2])
+                except ValueError:
+                    continue
+                if count > 0:
+                    return start, count
+    except OSError:
+        return None
+    return None
+
+
+SINGLE_FIX = (
+    "to run as other users, give {name} a subordinate id range and install newuidmap: "
+    "as root, `usermod --add-subuids 100000-165535 --add-subgids 100000-165535 {name}` "
+    "and `apt-get install uidmap` (or your distribution's shadow-utils)"
+)
+
+
+def detect(requested: Literal["auto", "single"] = "auto") -> IdMap:
+    """The best mapping available to the current user."""
+    uid, gid = os.geteuid(), os.getegid()
+    try:
+        name = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        name = str(uid)
+    single = (((0, uid, 1),), ((0, gid, 1),))
+
+    if requested == "single":
+        return IdMap("single", *single, reason="a single id was requested (id_mapping: single)")
+    if uid == 0:
+        full = ((0, 0, ROOT_RANGE),)
+        return IdMap("root", full, full, reason="running as root")
+
+    fix = SINGLE_FIX.format(name=name)
+    subuid = _subid_range("/etc/subuid", name, uid)
+    subgid = _subid_range("/etc/subgid", name, uid)
+    if subuid is None or subgid is None:
+        which = "/etc/subuid" if subuid is None else "/etc/subgid"
+        return IdMap("single", *single, reason=f"{which} has no range for {name}; {fix}")
+    missing = [t for t in SUBID_HELPERS if _find(t) is None]
+    if missing:
+        return IdMap("single", *single, reason=f"{' and '.join(missing)} not found; {fix}")
+    return IdMap(
+        "subuid",
+        ((0, uid, 1), (1, subuid[0], subuid[1])),
+        ((0, gid, 1), (1, subgid[0], subgid[1])),
+        reason=f"{name} has subordinate ids {subuid[0]}..{subuid[0] + subuid[1] - 1}",
+    )

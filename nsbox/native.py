@@ -1,0 +1,169 @@
+"""The C helper, seen from Python: setup steps and nsbox_spawn().
+
+Everything that runs between clone and exec is C (csrc/create.c); this module
+only packs the steps Python composed into the structures create.h defines.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from ._native import ffi, lib
+
+INIT_BINARY = Path(__file__).resolve().parent / "nsbox-init"
+
+# Namespace flags from <linux/sched.h>.
+CLONE_NEWNS = 0x00020000
+CLONE_NEWCGROUP = 0x02000000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+
+# mount(2) flags.
+MS_RDONLY = 1
+MS_NOSUID = 2
+MS_NODEV = 4
+MS_NOEXEC = 8
+MS_BIND = 4096
+MS_REC = 16384
+MS_PRIVATE = 1 << 18
+
+# open_tree(2) and mount_setattr(2).
+AT_RECURSIVE = 0x8000
+MOUNT_ATTR_RDONLY = 0x1
+MOUNT_ATTR_NOSUID = 0x2
+MOUNT_ATTR_NODEV = 0x4
+MOUNT_ATTR_NOEXEC = 0x8
+
+
+@dataclass(frozen=True)
+class Step:
+    """One setup step; `what` says in words what it does, for error messages."""
+
+    kind: int
+    what: str
+    a: str | None = None
+    b: str | None = None
+    c: str | None = None
+    d: str | None = None
+    flags: int = 0
+    mode: int = 0
+    slot: int = -1
+    attr_set: int = 0
+    attr_clr: int = 0
+
+
+def mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None, what: str) -> Step:
+    return Step(lib.NSBOX_STEP_MOUNT, what, a=source, b=target, c=fstype, d=data, flags=flags)
+
+
+def tree_clone(source: str, slot: int, what: str, *, recursive: bool = False, readonly: bool = False) -> Step:
+    return Step(
+        lib.NSBOX_STEP_TREE_CLONE, what, a=source, slot=slot,
+        flags=AT_RECURSIVE if recursive else 0,
+        attr_set=MOUNT_ATTR_RDONLY if readonly else 0,
+    )
+
+
+def tree_attach(slot: int, target: str, what: str) -> Step:
+    return Step(lib.NSBOX_STEP_TREE_ATTACH, what, b=target, slot=slot)
+
+
+def mkdir(path: str, mode: int = 0o755) -> Step:
+    return Step(lib.NSBOX_STEP_MKDIR, f"create directory {path}", b=path, mode=mode)
+
+
+def mkfile(path: str) -> Step:
+    return Step(lib.NSBOX_STEP_MKFILE, f"create mount point {path}", b=path, mode=0o644)
+
+
+def symlink(target: str, path: str) -> Step:
+    return Step(lib.NSBOX_STEP_SYMLINK, f"create symlink {path} -> {target}", a=target, b=path)
+
+
+def pivot(new_root: str) -> Step:
+    return Step(lib.NSBOX_STEP_PIVOT, f"pivot_root into {new_root}", b=new_root)
+
+
+def hostname(name: str) -> Step:
+    return Step(lib.NSBOX_STEP_HOSTNAME, f"set the hostname to {name}", a=name)
+
+
+def loopback_up() -> Step:
+    return Step(lib.NSBOX_STEP_LOOPBACK_UP, "bring up the loopback interface")
+
+
+class _Keep:
+    """Holds the cffi allocations a spec points to until the call returns."""
+
+    def __init__(self) -> None:
+        self.objs: list[object] = []
+
+    def str(self, s: str | bytes | None) -> object:
+        if s is None:
+            return ffi.NULL
+        b = os.fsencode(s) if isinstance(s, str) else s
+        p = ffi.new("char[]", b)
+        self.objs.append(p)
+        return p
+
+    def strv(self, items: Sequence[str | bytes]) -> object:
+        arr = ffi.new("char *[]", len(items) + 1)
+        for i, s in enumerate(items):
+            arr[i] = self.str(s)
+        arr[len(items)] = ffi.NULL
+        self.objs.append(arr)
+        return arr
+
+
+def spawn(
+    *,
+    clone_flags: int,
+    steps: Sequence[Step],
+    sync_fd: int,
+    error_fd: int,
+    keep_fds: Sequence[int],
+    exec_fd: int,
+    argv: Sequence[str],
+    envp: Sequence[str],
+    keep_stdio: bool,
+    new_session: bool,
+) -> tuple[int, int]:
+    """Clones the setup child; returns (pid, pidfd). Raises OSError on failure."""
+    keep = _Keep()
+    c_steps = ffi.new("struct nsbox_step[]", max(len(steps), 1))
+    for i, s in enumerate(steps):
+        c = c_steps[i]
+        c.kind = s.kind
+        c.slot = s.slot
+        c.mode = s.mode
+        c.flags = s.flags
+        c.attr_set = s.attr_set
+        c.attr_clr = s.attr_clr
+        c.a, c.b, c.c, c.d = keep.str(s.a), keep.str(s.b), keep.str(s.c), keep.str(s.d)
+    spec = ffi.new("struct nsbox_spec *")
+    spec.clone_flags = clone_flags
+    spec.steps = c_steps
+    spec.nsteps = len(steps)
+    spec.sync_fd = sync_fd
+    spec.error_fd = error_fd
+    if len(keep_fds) > 4:
+        raise ValueError("at most 4 descriptors can be passed on")
+    for i, fd in enumerate(keep_fds):
+        spec.keep_fds[i] = fd
+    spec.nkeep = len(keep_fds)
+    spec.exec_fd = exec_fd
+    spec.argv = keep.strv(argv)
+    spec.envp = keep.strv(envp)
+    spec.keep_stdio = int(keep_stdio)
+    spec.new_session = int(new_session)
+    pidfd = ffi.new("int *")
+    pid = lib.nsbox_spawn(spec, pidfd)
+    if pid < 0:
+        raise OSError(-pid, os.strerror(-pid))
+    return pid, pidfd[0]

@@ -1,0 +1,92 @@
+"""The on-disk list of live sandboxes, under the runtime directory.
+
+Each sandbox has a directory <runtime>/<id>/ holding info.json and the
+socket later clients connect to. Processes are identified by pid *and*
+start time, so a recycled pid is never mistaken for a sandbox's owner or
+init.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .dirs import runtime_dir
+
+INFO = "info.json"
+SOCKET = "ctl.sock"
+
+
+def process_start_time(pid: int) -> int | None:
+    """The start time of `pid` in clock ticks since boot, or None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    # Field 22; the command name (field 2) may contain spaces and ')'.
+    fields = data[data.rindex(b")") + 2 :].split()
+    return int(fields[19])
+
+
+def process_alive(pid: int, start_time: int | None) -> bool:
+    return start_time is not None and process_start_time(pid) == start_time
+
+
+@dataclass
+class SandboxInfo:
+    id: str
+    owner_pid: int
+    owner_start: int | None
+    init_pid: int
+    init_start: int | None
+    rootfs: str
+    layer: str
+    hostname: str
+    user: str
+    workdir: str
+    idmap: str
+    created: float = field(default_factory=time.time)
+    detached: bool = False
+
+    @property
+    def owner_alive(self) -> bool:
+        return process_alive(self.owner_pid, self.owner_start)
+
+    @property
+    def init_alive(self) -> bool:
+        return process_alive(self.init_pid, self.init_start)
+
+
+def sandbox_dir(sandbox_id: str) -> Path:
+    return runtime_dir() / sandbox_id
+
+
+def write(info: SandboxInfo) -> None:
+    """Records `info` atomically (write to a temporary file, then rename)."""
+    d = sandbox_dir(info.id)
+    tmp = d / (INFO + ".tmp")
+    tmp.write_text(json.dumps(asdict(info), indent=1))
+    os.replace(tmp, d / INFO)
+
+
+def read(sandbox_id: str) -> SandboxInfo | None:
+    try:
+        data = json.loads((sandbox_dir(sandbox_id) / INFO).read_text())
+        return SandboxInfo(**data)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def entries() -> list[SandboxInfo]:
+    """Every recorded sandbox, oldest first."""
+    found = []
+    for d in runtime_dir().iterdir():
+        if d.is_dir() and not d.is_symlink():
+            info = read(d.name)
+            if info is not None:
+                found.append(info)
+    return sorted(found, key=lambda i: i.created)

@@ -1,0 +1,283 @@
+"""Root filesystems, and the ordered setup steps that build a sandbox on one.
+
+Two kinds of root:
+
+- HostRootfs, the built-in default: composed from this host. The host's /usr
+  (and the merged-usr links) read-only; a per-sandbox writable /etc that
+  shows the host's /etc under fresh passwd/group/shadow files; private
+  writable /root, /home, /var/tmp, /run and /tmp. Nothing of the host's
+  $HOME, /tmp or /root is visible.
+- DirectoryRootfs: a directory holding a root filesystem (an unpacked
+  image). It is the read-only lower layer of an overlayfs whose upper layer
+  is private to the sandbox, so sandboxes never change it or each other.
+
+Either way the writable layer lives in the sandbox's layer directory on the
+host. plan() returns every step, in the order the C helper runs them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import native as n
+from .errors import SandboxSetupError
+from .idmap import IdMap
+
+# Host device nodes the sandbox gets, bind-mounted into a fresh /dev.
+DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+# Top-level names that are links into /usr on a merged-usr host.
+USR_LINK_NAMES = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
+
+
+def _escape_overlay_path(path: Path) -> str:
+    """overlayfs options are split on ',' and lower layers on ':'."""
+    s = os.fspath(path)
+    for ch in ("\\", ",", ":"):
+        s = s.replace(ch, "\\" + ch)
+    return s
+
+
+def _overlay(lower: Path, upper: Path, work: Path, target: Path, what: str) -> n.Step:
+    # userxattr: overlayfs mounted inside a user namespace must keep its
+    # metadata in user.* xattrs; without it directory renames fail with EIO.
+    data = (
+        f"lowerdir={_escape_overlay_path(lower)},upperdir={_escape_overlay_path(upper)},"
+        f"workdir={_escape_overlay_path(work)},userxattr"
+    )
+    return n.mount("overlay", os.fspath(target), "overlay", 0, data, what)
+
+
+@dataclass(frozen=True)
+class HostRootfs:
+    """The built-in default root filesystem, composed from this host."""
+
+    def __str__(self) -> str:
+        return "host"
+
+    def describe(self) -> str:
+        return "the host-composed default (this host's /usr, read-only)"
+
+    def prepare(self, layer: Path, hostname: str) -> Path:
+        """Creates the writable skeleton; returns the directory to pivot into."""
+        root = layer / "root"
+        dirs = {
+            "etc": 0o755, "usr": 0o755, "root": 0o700, "home": 0o755, "tmp": 0o1777,
+            "var": 0o755, "var/tmp": 0o1777, "run": 0o755, "proc": 0o555, "dev": 0o755,
+            "mnt": 0o755,
+        }
+        root.mkdir(mode=0o755)
+        for rel, mode in dirs.items():
+            d = root / rel
+            d.mkdir()
+            os.chmod(d, mode)
+        for name in self._usr_links():
+            os.symlink(os.readlink(f"/{name}"), root / name)
+        for name in self._real_top_dirs():
+            (root / name).mkdir()
+        etc = layer / "etc-upper"
+        etc.mkdir()
+        (layer / "etc-work").mkdir()
+        for fname, text, mode in _fresh_etc(hostname):
+            p = etc / fname
+            p.write_text(text)
+            os.chmod(p, mode)
+        return root
+
+    @staticmethod
+    def _usr_links() -> list[str]:
+        return [name for name in USR_LINK_NAMES if os.path.islink(f"/{name}")]
+
+    @staticmethod
+    def _real_top_dirs() -> list[str]:
+        """/bin, /lib... on a host without merged /usr: bound read-only too."""
+        return [
+            name for name in USR_LINK_NAMES
+            if not os.path.islink(f"/{name}") and os.path.isdir(f"/{name}")
+        ]
+
+    def steps_before_pivot(self, layer: Path, root: Path, slots: "_Slots") -> list[n.Step]:
+        steps = [
+            # A plain directory is not a mount point; binding it onto itself
+            # makes it one, which pivot_root requires.
+            n.mount(os.fspath(root), os.fspath(root), None, n.MS_BIND | n.MS_REC, None,
+                    f"bind the sandbox root {root}"),
+            _overlay(Path("/etc"), layer / "etc-upper", layer / "etc-work", root / "etc",
+                     "mount the writable /etc (overlayfs over the host's /etc)"),
+        ]
+        for name in ("usr", *self._real_top_dirs()):
+            steps.append(n.tree_clone(f"/{name}", slots.take(f"/{name}"),
+                                      f"take a read-only copy of the host's /{name}",
+                                      recursive=True, readonly=True))
+        return steps
+
+    def steps_after_pivot(self, slots: "_Slots") -> list[n.Step]:
+        steps = [
+            n.tree_attach(slots[f"/{name}"], f"/{name}", f"attach the host's /{name}")
+            for name in ("usr", *self._real_top_dirs())
+        ]
+        steps.append(n.mount("tmpfs", "/run", "tmpfs", n.MS_NOSUID | n.MS_NODEV, "mode=755",
+                             "mount a tmpfs on /run"))
+        return steps
+
+
+@dataclass(frozen=True)
+class DirectoryRootfs:
+    """A directory holding a root filesystem, used as an overlay's lower layer."""
+
+    path: Path
+
+    def __str__(self) -> str:
+        return os.fspath(self.path)
+
+    def describe(self) -> str:
+        return f"the directory {self.path}"
+
+    def prepare(self, layer: Path, hostname: str) -> Path:
+        root = layer / "root"
+        for d in (root, layer / "upper", layer / "work"):
+            d.mkdir()
+        return root
+
+    def steps_before_pivot(self, layer: Path, root: Path, slots: "_Slots") -> list[n.Step]:
+        return [_overlay(self.path, layer / "upper", layer / "work", root,
+                         f"mount the root filesystem (overlayfs over {self.path})")]
+
+    def steps_after_pivot(self, slots: "_Slots") -> list[n.Step]:
+        return []
+
+
+Rootfs = HostRootfs | DirectoryRootfs
+
+
+def resolve(rootfs: str | os.PathLike[str] | None) -> Rootfs:
+    """Turns what a user wrote into a root filesystem, or says what is wrong."""
+    if rootfs is None or os.fspath(rootfs) == "host":
+        return HostRootfs()
+    path = Path(os.fspath(rootfs)).expanduser()
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise SandboxSetupError(f"rootfs {path}: {e.strerror}",
+                                hint="give a directory holding a root filesystem, or 'host'") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise SandboxSetupError(f"rootfs {path} is not a directory",
+                                hint="give a directory holding a root filesystem, or 'host'")
+    return DirectoryRootfs(path.resolve())
+
+
+class _Slots:
+    """Numbers the detached mount trees taken before the pivot."""
+
+    def __init__(self) -> None:
+        self._by_name: dict[str, int] = {}
+
+    def take(self, name: str) -> int:
+        self._by_name[name] = len(self._by_name)
+        return self._by_name[name]
+
+    def __getitem__(self, name: str) -> int:
+        return self._by_name[name]
+
+
+def plan(rootfs: Rootfs, layer: Path, root: Path, *, idmap: IdMap, hostname: str,
+         private_network: bool) -> list[n.Step]:
+    """Every setup step of a sandbox, in order."""
+    slots = _Slots()
+    steps = [
+        # Nothing we mount may propagate back to the host's mount namespace.
+        n.mount(None, "/", None, n.MS_REC | n.MS_PRIVATE, None, "make all mounts private"),
+    ]
+    # Device nodes cannot be created in a user namespace: take the host's.
+    for dev in DEVICES:
+        steps.append(n.tree_clone(f"/dev/{dev}", slots.take(f"/dev/{dev}"), f"take the host's /dev/{dev}"))
+    steps += rootfs.steps_before_pivot(layer, root, slots)
+    # The kernel mounts a new procfs only while a fully visible one exists
+    # in the namespace, so /proc is mounted before the host's goes away.
+    proc = os.fspath(root / "proc")
+    steps += [
+        n.mkdir(proc, 0o555),
+        n.mount("proc", proc, "proc", n.MS_NOSUID | n.MS_NODEV | n.MS_NOEXEC, None, "mount a fresh /proc"),
+        n.pivot(os.fspath(root)),
+    ]
+    # From here on every path is inside the sandbox: a symlink in the root
+    # filesystem can only lead somewhere else inside it.
+    steps += rootfs.steps_after_pivot(slots)
+    steps += _dev_tmp(slots, idmap)
+    steps.append(n.hostname(hostname))
+    if private_network:
+        steps.append(n.loopback_up())
+    return steps
+
+
+def _dev_tmp(slots: _Slots, idmap: IdMap) -> list[n.Step]:
+    nosuid_nodev = n.MS_NOSUID | n.MS_NODEV
+    steps = [
+        n.mkdir("/dev"),
+        n.mount("tmpfs", "/dev", "tmpfs", n.MS_NOSUID | n.MS_NOEXEC, "mode=755,size=1m",
+                "mount a tmpfs on /dev"),
+    ]
+    for dev in DEVICES:
+        steps += [n.mkfile(f"/dev/{dev}"), n.tree_attach(slots[f"/dev/{dev}"], f"/dev/{dev}", f"attach /dev/{dev}")]
+    # A private devpts instance; group tty (5) owns ptys when it is mapped.
+    pts = "newinstance,ptmxmode=0666,mode=620" + (",gid=5" if idmap.size > 5 else "")
+    steps += [
+        n.mkdir("/dev/pts"),
+        n.mount("devpts", "/dev/pts", "devpts", n.MS_NOSUID | n.MS_NOEXEC, pts, "mount a private devpts"),
+        n.symlink("pts/ptmx", "/dev/ptmx"),
+        n.mkdir("/dev/shm"),
+        n.mount("tmpfs", "/dev/shm", "tmpfs", nosuid_nodev, "mode=1777", "mount a tmpfs on /dev/shm"),
+        n.symlink("/proc/self/fd", "/dev/fd"),
+        n.symlink("/proc/self/fd/0", "/dev/stdin"),
+        n.symlink("/proc/self/fd/1", "/dev/stdout"),
+        n.symlink("/proc/self/fd/2", "/dev/stderr"),
+        n.mkdir("/tmp"),
+        n.mount("tmpfs", "/tmp", "tmpfs", nosuid_nodev, "mode=1777", "mount a tmpfs on /tmp"),
+    ]
+    return steps
+
+
+def _fresh_etc(hostname: str) -> list[tuple[str, str, int]]:
+    """The identity files of the host-composed root: only root and nobody."""
+    shell = "/bin/bash" if os.path.exists("/usr/bin/bash") else "/bin/sh"
+    return [
+        ("passwd", f"root:x:0:0:root:/root:{shell}\n"
+                   "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n", 0o644),
+        ("group", "root:x:0:\ntty:x:5:\nnogroup:x:65534:\n", 0o644),
+        ("shadow", "root:*:19000:0:99999:7:::\nnobody:*:19000:0:99999:7:::\n", 0o600),
+        ("gshadow", "root:*::\ntty:*::\nnogroup:*::\n", 0o600),
+        ("hostname", f"{hostname}\n", 0o644),
+        ("hosts", f"127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
+                  f"127.0.1.1\t{hostname}\n", 0o644),
+    ]
+
+
+def remove_tree(path: Path) -> None:
+    """Deletes a layer directory, including directories without write or
+    search permission (overlayfs leaves a mode-000 work dir; /proc is 0555).
+
+    Raises PermissionError when files owned by other sandbox users remain;
+    the caller then removes them from inside a user namespace.
+    """
+    try:
+        shutil.rmtree(path)
+        return
+    except FileNotFoundError:
+        return
+    except PermissionError:
+        pass
+    uid = os.geteuid()
+    for dirpath, _dirs, _files in os.walk(path, topdown=True, onerror=lambda e: None):
+        # os.walk lists a directory after it is yielded, so fixing the mode
+        # here lets it descend into directories we could not read.
+        if os.lstat(dirpath).st_uid == uid:
+            os.chmod(dirpath, 0o700)
+        for d in _dirs:
+            full = os.path.join(dirpath, d)
+            st = os.lstat(full)
+            if st.st_uid == uid and not stat.S_ISLNK(st.st_mode):
+                os.chmod(full, 0o700)
+    shutil.rmtree(path)

@@ -1,0 +1,545 @@
+"""Sandbox: create, use, detach and destroy one sandbox.
+
+A sandbox is a set of namespaces whose PID 1 is nsbox-init. This object owns
+the control connection to that init; the connection is also the init's
+lifeline, so the sandbox dies with the process that created it (unless it
+is detached on purpose).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import posixpath
+import secrets
+import select
+import signal
+import socket
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Mapping, Sequence
+
+import anyio
+
+from . import dirs, exec as exec_, files, hostcheck, idmap, native, protocol, registry, users
+from . import rootfs as rootfs_mod
+from .errors import (
+    CommandTimeout,
+    NsboxError,
+    OutputLimitExceeded,
+    SandboxSetupError,
+    SandboxUnavailable,
+    UserUnsupported,
+)
+from .limits import exec_output_limit, human_size
+
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+Network = Literal["none", "host"]
+OutputLimitMode = Literal["truncate", "raise"]
+# How long close() waits for the init to exit before killing it.
+CLOSE_WAIT = 2.0
+# How long the host waits for newuidmap and the setup child.
+SETUP_TIMEOUT = 30.0
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    """The result of Sandbox.exec: as Inspect's ExecResult."""
+
+    success: bool
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def _check_choice(name: str, value: str, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, not {value!r}")
+
+
+class Sandbox:
+    """A rootless sandbox.
+
+    Use it as an async context manager::
+
+        async with nsbox.Sandbox() as sb:
+            result = await sb.exec(["python3", "-c", "print(42)"])
+
+    or call ``await sb.start()`` and ``await sb.close()`` yourself.
+
+    Args:
+        rootfs: "host" or None for the built-in host-composed root, or a
+            directory holding a root filesystem.
+        user: the default user of exec, read_file and write_file.
+        workdir: the working directory; relative paths resolve against it.
+            Defaults to the user's home directory (created if missing).
+        env: environment variables for every command.
+        network: "none" (a private network namespace with loopback only)
+            or "host" (the host's network).
+        hostname: defaults to the sandbox id.
+        output_limit_mode: when an output stream exceeds the limit,
+            "truncate" keeps its last bytes, "raise" raises
+            OutputLimitExceeded (Inspect's older contract).
+        id_mapping: "auto" picks the best mapping this user can have
+            (see nsbox.idmap); "single" maps only the invoking uid.
+        timeout: default timeout in seconds for exec (None: no timeout).
+    """
+
+    def __init__(
+        self,
+        rootfs: str | os.PathLike[str] | None = None,
+        *,
+        user: str = "root",
+        workdir: str | None = None,
+        env: Mapping[str, str] | None = None,
+        network: Network = "none",
+        hostname: str | None = None,
+        output_limit_mode: OutputLimitMode = "truncate",
+        id_mapping: Literal["auto", "single"] = "auto",
+        timeout: float | None = None,
+    ) -> None:
+        _check_choice("network", network, ("none", "host"))
+        _check_choice("output_limit_mode", output_limit_mode, ("truncate", "raise"))
+        _check_choice("id_mapping", id_mapping, ("auto", "single"))
+        if workdir is not None and not posixpath.isabs(workdir):
+            raise ValueError(f"workdir must be an absolute path inside the sandbox, not {workdir!r}")
+        self.rootfs = rootfs_mod.resolve(rootfs)
+        self.user = user
+        self.env = dict(env or {})
+        self.network = network
+        self.output_limit_mode = output_limit_mode
+        self.timeout = timeout
+        self._requested_workdir = workdir
+        self._requested_hostname = hostname
+        self._id_mapping = id_mapping
+        self.id = ""
+        self.hostname = ""
+        self.workdir = workdir or ""
+        self.idmap: idmap.IdMap | None = None
+        self.pid = 0
+        self._pidfd = -1
+        self._ctl: socket.socket | None = None
+        self._devnull = -1
+        self._layer: Path | None = None
+        self._rundir: Path | None = None
+        self._identity: users.Identity = users.ROOT
+        self._state: Literal["new", "starting", "running", "closed"] = "new"
+        self._detached = False
+        self._user_cache: dict[str, tuple[bytes, bytes, users.Identity | None]] = {}
+
+    # ---- lifecycle ---------------------------------------------------
+
+    @classmethod
+    async def create(cls, rootfs: str | os.PathLike[str] | None = None, **options: object) -> "Sandbox":
+        """Creates and starts a sandbox (the explicit alternative to `async with`)."""
+        return await cls(rootfs, **options).start()  # type: ignore[arg-type]
+
+    async def __aenter__(self) -> "Sandbox":
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def running(self) -> bool:
+        return self._state == "running" and not _exited(self._pidfd)
+
+    async def start(self) -> "Sandbox":
+        if self._state != "new":
+            raise RuntimeError("a Sandbox can only be started once")
+        self._state = "starting"
+        try:
+            with anyio.fail_after(SETUP_TIMEOUT):
+                await self._create()
+            await self._settle_identity()
+        except BaseException as e:
+            with anyio.CancelScope(shield=True):
+                await self._teardown()
+            if isinstance(e, TimeoutError):
+                raise SandboxSetupError(f"creating the sandbox took more than {SETUP_TIMEOUT:.0f}s") from None
+            raise
+        self._state = "running"
+        return self
+
+    async def _create(self) -> None:
+        self.idmap = idmap.detect(self._id_mapping)
+        self.id = secrets.token_hex(6)
+        self.hostname = self._requested_hostname or self.id
+        sandboxes = dirs.data_dir() / "sandboxes"
+        sandboxes.mkdir(mode=0o700, exist_ok=True)
+        self._layer = sandboxes / self.id
+        self._layer.mkdir(mode=0o700)
+        self._rundir = dirs.runtime_dir() / self.id
+        self._rundir.mkdir(mode=0o700)
+        new_root = self.rootfs.prepare(self._layer, self.hostname)
+        private_net = self.network == "none"
+        steps = rootfs_mod.plan(self.rootfs, self._layer, new_root, idmap=self.idmap,
+                            hostname=self.hostname, private_network=private_net)
+
+        self._ctl, ctl_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sync_r, sync_w = os.pipe()
+        err_r, err_w = os.pipe()
+        try:
+            try:
+                listener.bind(os.fspath(self._rundir / registry.SOCKET))
+            except OSError as e:
+                raise SandboxSetupError(f"cannot create the sandbox's socket in {self._rundir}: {e.strerror}",
+                                        hint="a shorter NSBOX_STATE_DIR path may help") from None
+            listener.listen(64)
+            init_fd = os.open(native.INIT_BINARY, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                flags = (native.CLONE_NEWUSER | native.CLONE_NEWNS | native.CLONE_NEWPID | native.CLONE_NEWIPC
+                         | native.CLONE_NEWUTS | native.CLONE_NEWCGROUP | (native.CLONE_NEWNET if private_net else 0))
+                try:
+                    self.pid, self._pidfd = native.spawn(
+                        clone_flags=flags, steps=steps, sync_fd=sync_r, error_fd=err_w,
+                        keep_fds=[ctl_child.fileno(), listener.fileno()], exec_fd=init_fd,
+                        argv=["nsbox-init", self.id], envp=[], keep_stdio=False, new_session=True,
+                    )
+                except OSError as e:
+                    raise hostcheck.clone_failed(e.errno) from None
+            finally:
+                os.close(init_fd)
+        finally:
+            for fd in (sync_r, err_w):
+                os.close(fd)
+            ctl_child.close()
+            listener.close()
+        try:
+            try:
+                if self.idmap.mode == "subuid":
+                    await anyio.to_thread.run_sync(self.idmap.write, self.pid)
+                else:
+                    self.idmap.write(self.pid)
+                os.write(sync_w, b"g")
+            finally:
+                os.close(sync_w)
+            await anyio.wait_readable(err_r)
+            report = os.read(err_r, 64)
+        finally:
+            os.close(err_r)
+        if report:
+            step, err = struct.unpack("=ii", report[:8])
+            raise self._setup_error(steps, step, err)
+        if _exited(self._pidfd):
+            raise SandboxSetupError("the sandbox's init exited right after starting")
+        self._ctl.setblocking(False)
+        self._devnull = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
+        registry.write(registry.SandboxInfo(
+            id=self.id, owner_pid=os.getpid(), owner_start=registry.process_start_time(os.getpid()),
+            init_pid=self.pid, init_start=registry.process_start_time(self.pid), rootfs=str(self.rootfs),
+            layer=os.fspath(self._layer), hostname=self.hostname, user=self.user, workdir="",
+            idmap=self.idmap.mode,
+        ))
+
+    def _setup_error(self, steps: Sequence[native.Step], step: int, err: int) -> NsboxError:
+        if 0 <= step < len(steps):
+            return hostcheck.step_failed(steps[step], err, os.fspath(self._layer))
+        stage = {
+            native.lib.NSBOX_SETUP_SYNC: "waiting for the id maps",
+            native.lib.NSBOX_SETUP_FDS: "arranging descriptors",
+            native.lib.NSBOX_SETUP_EXEC: "starting nsbox-init",
+            native.lib.NSBOX_SETUP_IDS: "becoming root in the user namespace",
+        }.get(step, f"step {step}")
+        hint = hostcheck.userns_hint() if err in (errno.EPERM, errno.EACCES) else None
+        return SandboxSetupError(f"sandbox setup failed: {stage}: {os.strerror(err)}", hint)
+
+    async def _settle_identity(self) -> None:
+        """Resolves the default user and makes sure the working directory exists."""
+        identity = await self._lookup_user(self.user)
+        if identity is None:
+            if self.user not in ("root", "0"):
+                raise SandboxSetupError(f"user {self.user!r} does not exist in the sandbox's /etc/passwd")
+            identity = users.ROOT
+        self._check_mapped(identity, self.user)
+        self._identity = identity
+        self.workdir = self._requested_workdir or identity.home
+        try:
+            fd, is_dir = await files.open_path(self._send, self._creds(identity), self.workdir, os.O_RDONLY)
+            os.close(fd)
+            if not is_dir:
+                raise SandboxSetupError(f"the working directory {self.workdir} is not a directory")
+        except FileNotFoundError:
+            await self._make_workdir(identity)
+        info = registry.read(self.id)
+        if info is not None:
+            info.workdir = self.workdir
+            registry.write(info)
+
+    async def _make_workdir(self, identity: users.Identity) -> None:
+        # Created by root, like a Dockerfile's WORKDIR, then given to the user.
+        commands = [["mkdir", "-p", "--", self.workdir]]
+        if identity.uid != 0:
+            commands.append(["chown", f"{identity.uid}:{identity.gid}", "--", self.workdir])
+        for cmd in commands:
+            r = await self._run(cmd, users.ROOT, cwd="/")
+            if not r.success:
+                raise SandboxSetupError(f"creating the working directory {self.workdir} failed: "
+                                        f"{(r.stderr or r.stdout).strip()}")
+
+    async def close(self) -> None:
+        """Stops every process of the sandbox and deletes its writable layer."""
+        if self._state in ("new", "closed"):
+            self._state = "closed"
+            return
+        with anyio.CancelScope(shield=True):
+            await self._teardown()
+
+    async def _teardown(self) -> None:
+        self._state = "closed"
+        if self._ctl is not None:
+            if self._detached:
+                try:
+                    protocol.send(self._ctl, protocol.REQUEST.pack(protocol.OP_SHUTDOWN, *[0] * 9), [])
+                except OSError:
+                    pass
+            self._ctl.close()  # the lifeline: the init kills everything and exits
+            self._ctl = None
+        if self.pid:
+            await self._reap()
+        if self._devnull >= 0:
+            os.close(self._devnull)
+            self._devnull = -1
+        if self._layer is not None:
+            await anyio.to_thread.run_sync(_remove_layer, self._layer, self.idmap)
+            self._layer = None
+        if self._rundir is not None:
+            for name in (registry.INFO, registry.SOCKET):
+                try:
+                    os.unlink(self._rundir / name)
+                except FileNotFoundError:
+                    pass
+            try:
+                self._rundir.rmdir()
+            except OSError:
+                pass
+            self._rundir = None
+
+    async def _reap(self) -> None:
+        if self._pidfd >= 0:
+            with anyio.move_on_after(CLOSE_WAIT) as scope:
+                await anyio.wait_readable(self._pidfd)
+            if scope.cancelled_caught:
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+                await anyio.wait_readable(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = -1
+        try:
+            os.waitpid(self.pid, 0)
+        except ChildProcessError:
+            pass
+        self.pid = 0
+
+    async def detach(self) -> registry.SandboxInfo:
+        """Lets the sandbox outlive this process; `nsbox rm` ends it later."""
+        self._require_running()
+        assert self._ctl is not None
+        await self._send(protocol.REQUEST.pack(protocol.OP_DETACH, *[0] * 9), [])
+        await anyio.wait_readable(self._ctl)
+        self._ctl.recv(protocol.STATUS.size)
+        self._detached = True
+        info = registry.read(self.id)
+        assert info is not None
+        info.detached = True
+        registry.write(info)
+        # The layer now belongs to the detached sandbox, not to this object.
+        return info
+
+    def __repr__(self) -> str:
+        return f"<nsbox.Sandbox {self.id or '(not started)'} {self._state} rootfs={self.rootfs}>"
+
+    # ---- requests -----------------------------------------------------
+
+    def _require_running(self) -> None:
+        if self._state != "running" or self._ctl is None:
+            raise SandboxUnavailable(f"sandbox {self.id or '(not started)'} is not running "
+                                     f"({'closed' if self._state == 'closed' else 'not started'})")
+
+    async def _send(self, message: bytes, fds: Sequence[int]) -> None:
+        if self._ctl is None:
+            raise SandboxUnavailable(f"sandbox {self.id} is not running")
+        while True:
+            try:
+                protocol.send(self._ctl, message, fds)
+                return
+            except BlockingIOError:
+                await anyio.wait_writable(self._ctl)
+            except OSError as e:
+                if e.errno in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.EBADF):
+                    raise SandboxUnavailable(f"sandbox {self.id} is not running (its init has exited)") from None
+                raise
+
+    def _creds(self, identity: users.Identity) -> protocol.Creds:
+        return protocol.Creds(identity.uid, identity.gid, identity.groups)
+
+    def _check_mapped(self, identity: users.Identity, asked: str) -> None:
+        assert self.idmap is not None
+        if identity.uid == 0 and identity.gid == 0:
+            return
+        if self.idmap.mode == "single":
+            raise UserUnsupported(
+                f"cannot run as {asked!r} (uid {identity.uid}): this sandbox maps only your own uid, "
+                f"because {self.idmap.reason}")
+        top = max(identity.uid, identity.gid, *identity.groups)
+        if top >= self.idmap.size:
+            raise UserUnsupported(
+                f"cannot run as {asked!r}: id {top} is outside the ids mapped into this sandbox "
+                f"(0..{self.idmap.size - 1})")
+
+    async def _read_as_root(self, path: str) -> bytes:
+        try:
+            data = await files.read_file(self._send, self._creds(users.ROOT), path, text=False)
+        except FileNotFoundError:
+            return b""
+        assert isinstance(data, bytes)
+        return data
+
+    async def _lookup_user(self, user: str) -> users.Identity | None:
+        passwd = await self._read_as_root("/etc/passwd")
+        group = await self._read_as_root("/etc/group")
+        cached = self._user_cache.get(user)
+        if cached is not None and cached[0] == passwd and cached[1] == group:
+            return cached[2]
+        identity = users.lookup(user, passwd.decode(errors="replace"), group.decode(errors="replace"))
+        self._user_cache[user] = (passwd, group, identity)
+        return identity
+
+    async def exec(
+        self,
+        cmd: Sequence[str],
+        input: str | bytes | None = None,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        user: str | None = None,
+        timeout: float | None = None,
+    ) -> ExecResult:
+        """Runs `cmd` in the sandbox and returns its exit status and output.
+
+        Output is decoded as UTF-8, invalid bytes replaced. Each stream keeps
+        its last N bytes (N from nsbox.limits), or raises OutputLimitExceeded
+        in "raise" mode.
+
+        Raises:
+            CommandTimeout (a TimeoutError): the timeout expired; the
+                command's process tree was killed.
+            PermissionError: the command (or cwd) is not accessible.
+            UserUnsupported: this sandbox's id mapping cannot run `user`.
+            SandboxUnavailable: the sandbox is not running.
+        """
+        self._require_running()
+        if isinstance(cmd, (str, bytes)) or not cmd:
+            raise ValueError("cmd must be a non-empty list of strings")
+        identity = self._identity
+        if user is not None:
+            found = await self._lookup_user(str(user))
+            if found is None:
+                return ExecResult(False, 126, "", f"unable to find user {user}: no matching entries in passwd file\n")
+            self._check_mapped(found, str(user))
+            identity = found
+        timeout = self.timeout if timeout is None else timeout
+        return await self._run(list(cmd), identity, cwd=cwd, env=env, input=input, timeout=timeout)
+
+    async def _run(
+        self,
+        cmd: list[str],
+        identity: users.Identity,
+        *,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        input: str | bytes | None = None,
+        timeout: float | None = None,
+    ) -> ExecResult:
+        workdir = posixpath.join(self.workdir, cwd) if cwd else self.workdir
+        full_env = {"PATH": DEFAULT_PATH, "HOME": identity.home, **self.env, **(env or {})}
+        strings = [os.fsencode(workdir), *map(os.fsencode, cmd),
+                   *(os.fsencode(f"{k}={v}") for k, v in full_env.items())]
+        message, memfd = protocol.encode(protocol.OP_EXEC, self._creds(identity), strings,
+                                         argc=len(cmd), envc=len(full_env))
+        data = input.encode("utf-8") if isinstance(input, str) else input
+        limit = exec_output_limit()
+        outcome = await exec_.run(
+            self._send, message, memfd, input=data, timeout=timeout, limit=limit,
+            stop_on_overflow=self.output_limit_mode == "raise", devnull=self._devnull,
+        )
+        stdout = outcome.stdout.getvalue().decode("utf-8", errors="replace")
+        stderr = outcome.stderr.getvalue().decode("utf-8", errors="replace")
+        if outcome.channel_lost:
+            raise SandboxUnavailable(f"sandbox {self.id} stopped while running {cmd[0]!r}")
+        if outcome.timed_out:
+            raise CommandTimeout(f"command timed out after {timeout:g}s: {cmd[0]}", stdout, stderr)
+        if outcome.overflowed:
+            raise OutputLimitExceeded(
+                f"The sandbox output stream limit of {human_size(limit)} was exceeded.", limit, stdout, stderr)
+        if outcome.failure is not None:
+            return _failed_start(outcome.failure, cmd[0], workdir)
+        assert outcome.returncode is not None
+        return ExecResult(outcome.returncode == 0, outcome.returncode, stdout, stderr)
+
+    async def read_file(self, file: str, text: bool = True) -> str | bytes:
+        """Reads a file of the sandbox as the default user.
+
+        Raises FileNotFoundError, PermissionError, IsADirectoryError,
+        UnicodeDecodeError (text mode) and OutputLimitExceeded.
+        """
+        self._require_running()
+        return await files.read_file(self._send, self._creds(self._identity), self._path(file), text)
+
+    async def write_file(self, file: str, contents: str | bytes) -> None:
+        """Writes a file of the sandbox as the default user, creating parent
+        directories. Raises PermissionError and IsADirectoryError."""
+        self._require_running()
+        await files.write_file(self._send, self._creds(self._identity), self._path(file), contents)
+
+    def _path(self, file: str) -> str:
+        if not file:
+            raise ValueError("the file name is empty")
+        return posixpath.join(self.workdir, file)
+
+    async def status(self) -> dict[str, int]:
+        """The init's counters: execs served and commands running."""
+        self._require_running()
+        assert self._ctl is not None
+        await self._send(protocol.REQUEST.pack(protocol.OP_STATUS, *[0] * 9), [])
+        await anyio.wait_readable(self._ctl)
+        version, running, execs, detached, _ = protocol.STATUS.unpack(self._ctl.recv(protocol.STATUS.size))
+        return {"running": running, "execs": execs, "detached": detached}
+
+
+def _failed_start(failure: protocol.Reply, command: str, workdir: str) -> ExecResult:
+    """The result (or exception) for a command the init could not start."""
+    err = failure.err
+    reason = os.strerror(err)
+    if failure.stage == protocol.STAGE_EXEC:
+        if err == errno.EACCES:
+            raise PermissionError(err, f"{reason}: cannot execute", command)
+        if err in (errno.ENOENT, errno.ENOTDIR):
+            text = "command not found" if "/" not in command else reason
+            return ExecResult(False, 127, "", f"nsbox: {command}: {text}\n")
+        return ExecResult(False, 126, "", f"nsbox: {command}: {reason}\n")
+    if failure.stage == protocol.STAGE_CWD:
+        if err == errno.EACCES:
+            raise PermissionError(err, f"{reason}: cannot change to the working directory", workdir)
+        return ExecResult(False, 126, "", f"nsbox: cannot change to the working directory {workdir}: {reason}\n")
+    if failure.stage == protocol.STAGE_CREDS:
+        raise UserUnsupported(f"switching to the requested user failed: {reason}")
+    raise NsboxError(f"the sandbox could not start {command!r}: {reason}")
+
+
+def _exited(pidfd: int) -> bool:
+    if pidfd < 0:
+        return True
+    return bool(select.select([pidfd], [], [], 0)[0])
+
+
+def _remove_layer(layer: Path, mapping: idmap.IdMap | None) -> None:
+    """Deletes a writable layer, from inside a user namespace if other
+    sandbox users own files in it."""
+    try:
+        rootfs_mod.remove_tree(layer)
+    except PermissionError:
+        if mapping is None:
+            raise
+        from .unshare import run_in_userns
+        run_in_userns(mapping, ["rm", "-rf", "--", os.fspath(layer)])

@@ -1,0 +1,55 @@
+"""Build glue: the cffi extension (csrc/create.c) and the static init binary.
+
+Everything else about the package lives in pyproject.toml.
+"""
+
+import os
+import shlex
+import subprocess
+import sysconfig
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).parent.resolve()
+INIT_NAME = "nsbox-init"
+
+
+class BuildExtWithInit(build_ext):
+    """Builds the cffi module, then the sandbox init as a static executable.
+
+    The init runs as PID 1 inside root filesystems that may have no C library
+    at all, so it must be linked statically.
+    """
+
+    def run(self) -> None:
+        super().run()
+        out_dir = (ROOT / "nsbox") if self.inplace else Path(self.build_lib) / "nsbox"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        target = out_dir / INIT_NAME
+        cc = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
+        cmd = [
+            *cc, "-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror=implicit-function-declaration",
+            "-static", "-o", str(target), str(ROOT / "csrc" / "init.c"),
+        ]
+        self.announce("building " + INIT_NAME + ": " + " ".join(cmd), level=2)
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise SystemExit(
+                f"nsbox: building the static sandbox init failed:\n{result.stderr}\n"
+                "nsbox needs a C compiler and a static C library "
+                "(Debian/Ubuntu: libc6-dev; Fedora/RHEL: glibc-static)."
+            )
+
+    def get_outputs(self) -> list[str]:
+        outputs = super().get_outputs()
+        if not self.inplace:
+            outputs.append(str(Path(self.build_lib) / "nsbox" / INIT_NAME))
+        return outputs
+
+
+setup(
+    cffi_modules=["nsbox/_build_ffi.py:ffibuilder"],
+    cmdclass={"build_ext": BuildExtWithInit},
+)
