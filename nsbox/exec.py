@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import select
 import signal
 import socket
 from dataclasses import dataclass
@@ -83,12 +84,44 @@ class CappedBuffer:
     def truncated(self) -> bool:
         return self.total > self.limit
 
-    def getvalue(self) -> bytes:
-        if self._ring is None:
-            return b"".join(self._chunks)[-self.limit :] if self.limit else b""
-        if self._filled < self.limit:
-            return bytes(self._ring[: self._filled])
-        return bytes(self._ring[self._pos :] + self._ring[: self._pos])
+    def take(self) -> bytes:
+        """Returns the kept bytes, oldest first, and releases the buffer.
+
+        One copy: with the ring that is limit + limit at the peak, which is
+        the least a caller that receives `limit` bytes can cost.
+        """
+        if self._view is None:
+            data = b"".join(self._chunks)[-self.limit :] if self.limit else b""
+        elif self._filled < self.limit:
+            data = bytes(self._view[: self._filled])
+        else:
+            data = b"".join((self._view[self._pos :], self._view[: self._pos]))
+        self._chunks, self._ring, self._view = [], None, None
+        return data
+
+
+class Forwarder:
+    """Copies a stream to a host descriptor as it arrives (for the CLI)."""
+
+    truncated = False
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+
+    def read_from(self, fd: int) -> int:
+        data = os.read(fd, READ_CHUNK)
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[os.write(self.target, view) :]
+            except BlockingIOError:
+                select.select([], [self.target], [])
+            except BrokenPipeError:
+                break  # nobody reads our output any more; keep draining
+        return len(data)
+
+
+Sink = CappedBuffer | Forwarder
 
 
 @dataclass
@@ -96,8 +129,8 @@ class Outcome:
     """What happened to one command, before any interpretation."""
 
     returncode: int | None  # None: the command never reported an exit
-    stdout: CappedBuffer
-    stderr: CappedBuffer
+    stdout: Sink
+    stderr: Sink
     failure: protocol.Reply | None  # the init could not start the command
     timed_out: bool = False
     overflowed: bool = False  # a stream passed the limit in "raise" mode
@@ -114,13 +147,17 @@ async def run(
     *,
     input: bytes | None,
     timeout: float | None,
-    limit: int,
+    stdout: Sink,
+    stderr: Sink,
     stop_on_overflow: bool,
-    devnull: int,
+    stdin_fd: int,
 ) -> Outcome:
-    """Starts the command described by `message` and waits for it."""
-    out, err = CappedBuffer(limit), CappedBuffer(limit)
-    outcome = Outcome(None, out, err, None)
+    """Starts the command described by `message` and waits for it.
+
+    The command reads `input` through a pipe or, when input is None,
+    straight from `stdin_fd` (/dev/null, or a non-terminal host stdin).
+    """
+    outcome = Outcome(None, stdout, stderr, None)
     chan, chan_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     to_close: list[int] = []  # host ends, closed at the very end
     try:
@@ -129,7 +166,7 @@ async def run(
         err_r, err_w = os.pipe()
         to_close.append(err_r)
         if input is None:
-            in_r, in_w = devnull, -1
+            in_r, in_w = stdin_fd, -1
         else:
             in_r, in_w = os.pipe()
             to_close.append(in_w)
@@ -168,7 +205,7 @@ async def _drive(
     timeout: float | None,
     stop_on_overflow: bool,
 ) -> None:
-    streams = {out_r: outcome.stdout, err_r: outcome.stderr}
+    streams: dict[int, Sink] = {out_r: outcome.stdout, err_r: outcome.stderr}
     chan.setblocking(False)
     chan_fd = chan.fileno()
     replies = bytearray()
@@ -232,7 +269,7 @@ async def _drive(
         poller.close()
 
 
-def _drain(fd: int, buf: CappedBuffer) -> bool:
+def _drain(fd: int, buf: Sink) -> bool:
     """Reads what is available, up to DRAIN_BUDGET; True at EOF."""
     taken = 0
     while taken < DRAIN_BUDGET:

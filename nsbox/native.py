@@ -75,7 +75,8 @@ def tree_attach(slot: int, target: str, what: str) -> Step:
 
 
 def mkdir(path: str, mode: int = 0o755) -> Step:
-    return Step(lib.NSBOX_STEP_MKDIR, f"create directory {path}", b=path, mode=mode)
+    return Step(lib.NSBOX_STEP_MKDIR, f"create the directory {path} (it must not be a symlink or a file)",
+                b=path, mode=mode)
 
 
 def mkfile(path: str) -> Step:

@@ -18,10 +18,12 @@ host. plan() returns every step, in the order the C helper runs them.
 from __future__ import annotations
 
 import os
+import posixpath
 import shutil
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 from . import native as n
 from .errors import SandboxSetupError
@@ -153,6 +155,34 @@ class DirectoryRootfs:
 Rootfs = HostRootfs | DirectoryRootfs
 
 
+@dataclass(frozen=True)
+class Bind:
+    """A host file or directory made visible inside the sandbox at `target`."""
+
+    source: str
+    target: str
+    readonly: bool = False
+
+    def __post_init__(self) -> None:
+        if not posixpath.isabs(self.target) or posixpath.normpath(self.target) in ("/", "//"):
+            raise ValueError(f"bind target must be an absolute path below /, not {self.target!r}")
+        if posixpath.normpath(self.target) != self.target.rstrip("/"):
+            raise ValueError(f"bind target must be a normalized path, not {self.target!r}")
+        if not os.path.exists(self.source):
+            raise SandboxSetupError(f"bind source {self.source} does not exist")
+
+    @classmethod
+    def parse(cls, spec: str) -> "Bind":
+        """SOURCE:TARGET[:ro|:rw], as in `nsbox run -v`."""
+        parts = spec.split(":")
+        mode = "rw"
+        if len(parts) == 3 and parts[2] in ("ro", "rw"):
+            mode = parts.pop()
+        if len(parts) != 2 or not parts[0] or not parts[1]:
+            raise ValueError(f"expected SOURCE:TARGET[:ro], got {spec!r}")
+        return cls(os.path.abspath(os.path.expanduser(parts[0])), parts[1], readonly=mode == "ro")
+
+
 def resolve(rootfs: str | os.PathLike[str] | None) -> Rootfs:
     """Turns what a user wrote into a root filesystem, or says what is wrong."""
     if rootfs is None or os.fspath(rootfs) == "host":
@@ -184,7 +214,7 @@ class _Slots:
 
 
 def plan(rootfs: Rootfs, layer: Path, root: Path, *, idmap: IdMap, hostname: str,
-         private_network: bool) -> list[n.Step]:
+         private_network: bool, binds: Sequence[Bind] = ()) -> list[n.Step]:
     """Every setup step of a sandbox, in order."""
     slots = _Slots()
     steps = [
@@ -194,6 +224,9 @@ def plan(rootfs: Rootfs, layer: Path, root: Path, *, idmap: IdMap, hostname: str
     # Device nodes cannot be created in a user namespace: take the host's.
     for dev in DEVICES:
         steps.append(n.tree_clone(f"/dev/{dev}", slots.take(f"/dev/{dev}"), f"take the host's /dev/{dev}"))
+    for i, bind in enumerate(binds):
+        steps.append(n.tree_clone(bind.source, slots.take(f"bind{i}"), f"take a copy of {bind.source}",
+                                  recursive=True, readonly=bind.readonly))
     steps += rootfs.steps_before_pivot(layer, root, slots)
     # The kernel mounts a new procfs only while a fully visible one exists
     # in the namespace, so /proc is mounted before the host's goes away.
@@ -207,6 +240,8 @@ def plan(rootfs: Rootfs, layer: Path, root: Path, *, idmap: IdMap, hostname: str
     # filesystem can only lead somewhere else inside it.
     steps += rootfs.steps_after_pivot(slots)
     steps += _dev_tmp(slots, idmap)
+    for i, bind in enumerate(binds):
+        steps += _bind_steps(bind, slots[f"bind{i}"])
     steps.append(n.hostname(hostname))
     if private_network:
         steps.append(n.loopback_up())
@@ -237,6 +272,16 @@ def _dev_tmp(slots: _Slots, idmap: IdMap) -> list[n.Step]:
         n.mkdir("/tmp"),
         n.mount("tmpfs", "/tmp", "tmpfs", nosuid_nodev, "mode=1777", "mount a tmpfs on /tmp"),
     ]
+    return steps
+
+
+def _bind_steps(bind: Bind, slot: int) -> list[n.Step]:
+    """Creates the mount point (and missing parents) and attaches the bind."""
+    parts = bind.target.strip("/").split("/")
+    steps = [n.mkdir("/" + "/".join(parts[:i])) for i in range(1, len(parts))]
+    target = "/" + "/".join(parts)
+    steps.append(n.mkdir(target) if os.path.isdir(bind.source) else n.mkfile(target))
+    steps.append(n.tree_attach(slot, target, f"attach {bind.source} at {target}"))
     return steps
 
 
@@ -281,3 +326,16 @@ def remove_tree(path: Path) -> None:
             if st.st_uid == uid and not stat.S_ISLNK(st.st_mode):
                 os.chmod(full, 0o700)
     shutil.rmtree(path)
+
+
+def remove_layer(layer: Path, mapping: IdMap | None) -> None:
+    """Deletes a layer directory, from inside a user namespace with the
+    sandbox's mapping when other sandbox users own files in it."""
+    try:
+        remove_tree(layer)
+    except PermissionError:
+        if mapping is None or mapping.mode != "subuid":
+            raise
+        from .unshare import run_in_userns
+
+        run_in_userns(mapping, ["rm", "-rf", "--", os.fspath(layer)])

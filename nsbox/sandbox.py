@@ -84,6 +84,7 @@ class Sandbox:
         id_mapping: "auto" picks the best mapping this user can have
             (see nsbox.idmap); "single" maps only the invoking uid.
         timeout: default timeout in seconds for exec (None: no timeout).
+        mounts: host files or directories to bind into the sandbox.
     """
 
     def __init__(
@@ -98,6 +99,7 @@ class Sandbox:
         output_limit_mode: OutputLimitMode = "truncate",
         id_mapping: Literal["auto", "single"] = "auto",
         timeout: float | None = None,
+        mounts: Sequence[rootfs_mod.Bind] = (),
     ) -> None:
         _check_choice("network", network, ("none", "host"))
         _check_choice("output_limit_mode", output_limit_mode, ("truncate", "raise"))
@@ -110,6 +112,7 @@ class Sandbox:
         self.network = network
         self.output_limit_mode = output_limit_mode
         self.timeout = timeout
+        self.mounts = tuple(mounts)
         self._requested_workdir = workdir
         self._requested_hostname = hostname
         self._id_mapping = id_mapping
@@ -175,7 +178,7 @@ class Sandbox:
         new_root = self.rootfs.prepare(self._layer, self.hostname)
         private_net = self.network == "none"
         steps = rootfs_mod.plan(self.rootfs, self._layer, new_root, idmap=self.idmap,
-                            hostname=self.hostname, private_network=private_net)
+                            hostname=self.hostname, private_network=private_net, binds=self.mounts)
 
         self._ctl, ctl_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -303,7 +306,7 @@ class Sandbox:
             os.close(self._devnull)
             self._devnull = -1
         if self._layer is not None:
-            await anyio.to_thread.run_sync(_remove_layer, self._layer, self.idmap)
+            await anyio.to_thread.run_sync(rootfs_mod.remove_layer, self._layer, self.idmap)
             self._layer = None
         if self._rundir is not None:
             for name in (registry.INFO, registry.SOCKET):
@@ -406,6 +409,16 @@ class Sandbox:
         self._user_cache[user] = (passwd, group, identity)
         return identity
 
+    async def _identity_for(self, user: str | None) -> users.Identity | None:
+        """The identity to run as (None: no such user); raises UserUnsupported
+        when the id mapping cannot represent it."""
+        if user is None:
+            return self._identity
+        found = await self._lookup_user(str(user))
+        if found is not None:
+            self._check_mapped(found, str(user))
+        return found
+
     async def exec(
         self,
         cmd: Sequence[str],
@@ -431,13 +444,9 @@ class Sandbox:
         self._require_running()
         if isinstance(cmd, (str, bytes)) or not cmd:
             raise ValueError("cmd must be a non-empty list of strings")
-        identity = self._identity
-        if user is not None:
-            found = await self._lookup_user(str(user))
-            if found is None:
-                return ExecResult(False, 126, "", f"unable to find user {user}: no matching entries in passwd file\n")
-            self._check_mapped(found, str(user))
-            identity = found
+        identity = await self._identity_for(user)
+        if identity is None:
+            return ExecResult(False, 126, "", f"unable to find user {user}: no matching entries in passwd file\n")
         timeout = self.timeout if timeout is None else timeout
         return await self._run(list(cmd), identity, cwd=cwd, env=env, input=input, timeout=timeout)
 
@@ -451,20 +460,16 @@ class Sandbox:
         input: str | bytes | None = None,
         timeout: float | None = None,
     ) -> ExecResult:
-        workdir = posixpath.join(self.workdir, cwd) if cwd else self.workdir
-        full_env = {"PATH": DEFAULT_PATH, "HOME": identity.home, **self.env, **(env or {})}
-        strings = [os.fsencode(workdir), *map(os.fsencode, cmd),
-                   *(os.fsencode(f"{k}={v}") for k, v in full_env.items())]
-        message, memfd = protocol.encode(protocol.OP_EXEC, self._creds(identity), strings,
-                                         argc=len(cmd), envc=len(full_env))
+        message, memfd, workdir = self._exec_request(cmd, identity, cwd, env)
         data = input.encode("utf-8") if isinstance(input, str) else input
         limit = exec_output_limit()
+        out, err = exec_.CappedBuffer(limit), exec_.CappedBuffer(limit)
         outcome = await exec_.run(
-            self._send, message, memfd, input=data, timeout=timeout, limit=limit,
-            stop_on_overflow=self.output_limit_mode == "raise", devnull=self._devnull,
+            self._send, message, memfd, input=data, timeout=timeout, stdout=out, stderr=err,
+            stop_on_overflow=self.output_limit_mode == "raise", stdin_fd=self._devnull,
         )
-        stdout = outcome.stdout.getvalue().decode("utf-8", errors="replace")
-        stderr = outcome.stderr.getvalue().decode("utf-8", errors="replace")
+        stdout = out.take().decode("utf-8", errors="replace")
+        stderr = err.take().decode("utf-8", errors="replace")
         if outcome.channel_lost:
             raise SandboxUnavailable(f"sandbox {self.id} stopped while running {cmd[0]!r}")
         if outcome.timed_out:
@@ -476,6 +481,57 @@ class Sandbox:
             return _failed_start(outcome.failure, cmd[0], workdir)
         assert outcome.returncode is not None
         return ExecResult(outcome.returncode == 0, outcome.returncode, stdout, stderr)
+
+    async def run_forwarded(
+        self,
+        cmd: Sequence[str],
+        *,
+        stdin: int | None = None,
+        stdout: int = 1,
+        stderr: int = 2,
+        cwd: str | None = None,
+        env: Mapping[str, str] | None = None,
+        user: str | None = None,
+        timeout: float | None = None,
+    ) -> int:
+        """Runs `cmd` with its output copied to host descriptors as it comes
+        (what `nsbox run` does); returns the exit status.
+
+        `stdin` is passed to the command as it is unless it is a terminal:
+        a sandboxed process holding the host's terminal could type into it
+        (TIOCSTI), so a terminal stdin is replaced by /dev/null.
+        """
+        self._require_running()
+        identity = await self._identity_for(user)
+        if identity is None:
+            raise UserUnsupported(f"unable to find user {user}: no matching entries in passwd file")
+        timeout = self.timeout if timeout is None else timeout
+        stdin_fd = self._devnull if stdin is None or os.isatty(stdin) else stdin
+        message, memfd, workdir = self._exec_request(list(cmd), identity, cwd, env)
+        outcome = await exec_.run(
+            self._send, message, memfd, input=None, timeout=timeout, stdout=exec_.Forwarder(stdout),
+            stderr=exec_.Forwarder(stderr), stop_on_overflow=False, stdin_fd=stdin_fd,
+        )
+        if outcome.channel_lost:
+            raise SandboxUnavailable(f"sandbox {self.id} stopped while running {cmd[0]!r}")
+        if outcome.timed_out:
+            raise CommandTimeout(f"command timed out after {timeout:g}s: {cmd[0]}", "", "")
+        if outcome.failure is not None:
+            result = _failed_start(outcome.failure, cmd[0], workdir)
+            os.write(stderr, result.stderr.encode())
+            return result.returncode
+        assert outcome.returncode is not None
+        return outcome.returncode
+
+    def _exec_request(self, cmd: list[str], identity: users.Identity, cwd: str | None,
+                      env: Mapping[str, str] | None) -> tuple[bytes, int | None, str]:
+        workdir = posixpath.join(self.workdir, cwd) if cwd else self.workdir
+        full_env = {"PATH": DEFAULT_PATH, "HOME": identity.home, **self.env, **(env or {})}
+        strings = [os.fsencode(workdir), *map(os.fsencode, cmd),
+                   *(os.fsencode(f"{k}={v}") for k, v in full_env.items())]
+        message, memfd = protocol.encode(protocol.OP_EXEC, self._creds(identity), strings,
+                                         argc=len(cmd), envc=len(full_env))
+        return message, memfd, workdir
 
     async def read_file(self, file: str, text: bool = True) -> str | bytes:
         """Reads a file of the sandbox as the default user.
@@ -531,15 +587,3 @@ def _exited(pidfd: int) -> bool:
     if pidfd < 0:
         return True
     return bool(select.select([pidfd], [], [], 0)[0])
-
-
-def _remove_layer(layer: Path, mapping: idmap.IdMap | None) -> None:
-    """Deletes a writable layer, from inside a user namespace if other
-    sandbox users own files in it."""
-    try:
-        rootfs_mod.remove_tree(layer)
-    except PermissionError:
-        if mapping is None:
-            raise
-        from .unshare import run_in_userns
-        run_in_userns(mapping, ["rm", "-rf", "--", os.fspath(layer)])

@@ -1,0 +1,25 @@
+# Developer entry points. `make test` is the command CI and the README use.
+PYTHON ?= python3
+
+.PHONY: all install test rootfs bench clean
+
+all: install
+
+# Editable install with the Inspect provider and the test tools.
+install:
+	$(PYTHON) -m pip install -e '.[inspect,test]'
+
+# Fixture root filesystems for the tests (cached in rootfs/build/).
+rootfs:
+	rootfs/busybox.sh
+	rootfs/debian.sh
+
+# The whole suite, in every identity mode this machine offers (see tests/run.sh).
+test:
+	PYTHON=$(PYTHON) tests/run.sh
+
+bench:
+	$(PYTHON) bench/bench.py
+
+clean:
+	rm -rf build dist *.egg-info nsbox/_native*.so nsbox/_native.c nsbox/nsbox-init rootfs/build

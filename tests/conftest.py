@@ -1,0 +1,95 @@
+"""Shared fixtures.
+
+Every test runs in the identity mode of the user running pytest (root,
+subuid or single; see nsbox/idmap.py). tests/run.sh runs the suite once per
+mode with a real user of each kind, and sets NSBOX_TEST_EXPECT_MODE so that
+a machine missing a prerequisite fails loudly instead of silently testing
+another mode.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from pathlib import Path
+from typing import AsyncIterator
+
+import anyio
+import pytest
+
+import nsbox
+from nsbox import dirs, idmap
+from nsbox.images import import_tarball
+from nsbox.rootfs import remove_layer
+
+FIXTURES = Path(os.environ.get("NSBOX_TEST_FIXTURES") or Path(__file__).resolve().parent.parent / "rootfs" / "build")
+MODE = idmap.detect()
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    return [f"nsbox identity mode: {MODE.mode} (uid {os.getuid()}) - {MODE.reason}",
+            f"nsbox fixture tarballs: {FIXTURES}"]
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    expected = os.environ.get("NSBOX_TEST_EXPECT_MODE")
+    if expected and expected != MODE.mode:
+        pytest.exit(f"expected identity mode {expected!r} but this user gets {MODE.mode!r}: {MODE.reason}",
+                    returncode=3)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # Every coroutine test (ours and Inspect's conformance checks) runs on anyio.
+    for item in items:
+        if inspect.iscoroutinefunction(getattr(item, "function", None)):
+            item.add_marker(pytest.mark.anyio)
+
+
+@pytest.fixture(scope="session")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def mode() -> str:
+    """The identity mode this run exercises: "root", "subuid" or "single"."""
+    return MODE.mode
+
+
+def _imported_rootfs(name: str) -> Path:
+    """The fixture tarball `name` unpacked for this user (cached)."""
+    tar = FIXTURES / f"{name}.tar"
+    if not tar.is_file():
+        pytest.fail(f"fixture {tar} is missing: run `make rootfs`")
+    st = tar.stat()
+    cache = dirs.cache_dir() / "test-rootfs"
+    cache.mkdir(exist_ok=True)
+    dest = cache / f"{name}-{st.st_size}-{st.st_mtime_ns}-{MODE.mode}"
+    if not dest.exists():
+        for old in cache.glob(f"{name}-*"):
+            remove_layer(old, MODE)
+        anyio.run(import_tarball, tar, dest)
+    return dest
+
+
+@pytest.fixture(scope="session")
+def debian_rootfs() -> Path:
+    return _imported_rootfs("debian")
+
+
+@pytest.fixture(scope="session")
+def busybox_rootfs() -> Path:
+    return _imported_rootfs("busybox")
+
+
+@pytest.fixture
+async def sandbox() -> AsyncIterator[nsbox.Sandbox]:
+    """A sandbox on the built-in host-composed root."""
+    async with nsbox.Sandbox() as sb:
+        yield sb
+
+
+@pytest.fixture
+async def debian(debian_rootfs: Path) -> AsyncIterator[nsbox.Sandbox]:
+    async with nsbox.Sandbox(debian_rootfs) as sb:
+        yield sb

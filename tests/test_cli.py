@@ -1,0 +1,50 @@
+"""The command line, run as a person would run it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+NSBOX = [sys.executable, "-m", "nsbox"]
+
+
+def nsbox(*args: str, input: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*NSBOX, *args], input=input, capture_output=True, text=True, timeout=timeout)
+
+
+def test_run_prints_and_exits_with_the_command() -> None:
+    r = nsbox("run", "--", "python3", "-c", "print(42)")
+    assert (r.returncode, r.stdout, r.stderr) == (0, "42\n", "")
+    r = nsbox("run", "--", "sh", "-c", "cat; echo err >&2; exit 3", input="piped in\n")
+    assert (r.returncode, r.stdout, r.stderr) == (3, "piped in\n", "err\n")
+
+
+def test_run_options(tmp_path: Path) -> None:
+    (tmp_path / "data").write_text("bound\n")
+    tmp_path.chmod(0o755)
+    r = nsbox("run", "-e", "GREETING=hi there", "-v", f"{tmp_path}:/mnt/host:ro", "-w", "/mnt/host",
+              "--", "sh", "-c", 'echo "$GREETING"; pwd; cat data; touch x 2>/dev/null || echo read-only')
+    assert r.stdout == "hi there\n/mnt/host\nbound\nread-only\n", r.stderr
+
+
+def test_run_failures_have_messages_and_statuses(tmp_path: Path) -> None:
+    cases = [
+        (["run", "--", "no-such-command"], 127, "not found"),
+        (["run", "--", "/etc/passwd"], 126, "Permission denied"),
+        (["run", "-t", "1", "--", "sleep", "30"], 124, "timed out"),
+        (["run", "--rootfs", str(tmp_path / "missing"), "--", "true"], 125, "No such file"),
+        (["run", "-e", "NOEQUALS", "--", "true"], 2, "KEY=VALUE"),
+        (["run", "-v", "/nonexistent-source:/x", "--", "true"], 125, "does not exist"),
+        (["run"], 2, "Missing argument"),
+    ]
+    for args, code, message in cases:
+        r = nsbox(*args)
+        assert r.returncode == code and message in r.stderr, (args, r.returncode, r.stderr)
+        assert "Traceback" not in r.stderr
+
+
+def test_help_and_version() -> None:
+    r = nsbox("--help")
+    assert r.returncode == 0 and "run" in r.stdout and "import" in r.stdout
+    assert nsbox("--version").stdout.startswith("nsbox, version")

@@ -1,0 +1,251 @@
+"""exec: output, errors, input, users, timeouts, limits, concurrency."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import anyio
+import pytest
+
+import nsbox
+from nsbox import CommandTimeout, OutputLimitExceeded, SandboxUnavailable, UserUnsupported
+
+
+async def processes(sb: nsbox.Sandbox) -> list[str]:
+    """Command lines of every process in the sandbox except the init and this probe."""
+    r = await sb.exec(["sh", "-c", 'for p in /proc/[0-9]*; do [ "${p#/proc/}" = $$ ] || '
+                                   'tr "\\0" " " < $p/cmdline; echo; done'])
+    return [line.strip() for line in r.stdout.splitlines() if line.strip() and "nsbox-init" not in line]
+
+
+async def test_output_streams_and_status(sandbox: nsbox.Sandbox) -> None:
+    r = await sandbox.exec(["sh", "-c", "echo out; echo err >&2; exit 3"])
+    assert (r.success, r.returncode, r.stdout, r.stderr) == (False, 3, "out\n", "err\n")
+
+
+async def test_signal_death_is_128_plus_n(sandbox: nsbox.Sandbox) -> None:
+    assert (await sandbox.exec(["sh", "-c", "kill -KILL $$"])).returncode == 137
+    assert (await sandbox.exec(["sh", "-c", "kill -TERM $$"], timeout=30)).returncode == 143
+
+
+async def test_missing_command_is_127_with_message(sandbox: nsbox.Sandbox) -> None:
+    r = await sandbox.exec(["no-such-command-xyz"])
+    assert r.returncode == 127 and not r.success
+    assert "no-such-command-xyz" in r.stderr and "not found" in r.stderr
+
+
+async def test_non_executable_raises_permission_error(sandbox: nsbox.Sandbox) -> None:
+    with pytest.raises(PermissionError):
+        await sandbox.exec(["/etc/passwd"])
+
+
+async def test_script_without_shebang_runs_with_sh(sandbox: nsbox.Sandbox) -> None:
+    await sandbox.write_file("/tmp/script", "echo from-script\n")
+    await sandbox.exec(["chmod", "+x", "/tmp/script"])
+    assert (await sandbox.exec(["/tmp/script"])).stdout == "from-script\n"
+
+
+async def test_missing_cwd_names_it(sandbox: nsbox.Sandbox) -> None:
+    r = await sandbox.exec(["true"], cwd="/no/such/dir")
+    assert not r.success and "/no/such/dir" in r.stderr
+
+
+async def test_cwd_relative_to_workdir(sandbox: nsbox.Sandbox) -> None:
+    await sandbox.exec(["mkdir", "sub"])
+    assert (await sandbox.exec(["pwd"], cwd="sub")).stdout == f"{sandbox.workdir}/sub\n"
+    assert (await sandbox.exec(["pwd"])).stdout == f"{sandbox.workdir}\n"
+
+
+async def test_env_and_path_resolution(sandbox: nsbox.Sandbox) -> None:
+    r = await sandbox.exec(["sh", "-c", 'echo "$A|$B"'], env={"A": "1 2", "B": "$HOME `x`"})
+    assert r.stdout == "1 2|$HOME `x`\n"
+    # cmd[0] is found through the command's own PATH.
+    await sandbox.write_file("/opt/bin/hello-nsbox", "#!/bin/sh\necho found\n")
+    await sandbox.exec(["chmod", "+x", "/opt/bin/hello-nsbox"])
+    assert (await sandbox.exec(["hello-nsbox"])).returncode == 127
+    assert (await sandbox.exec(["hello-nsbox"], env={"PATH": "/opt/bin:/usr/bin"})).stdout == "found\n"
+
+
+async def test_input_text_bytes_and_empty(sandbox: nsbox.Sandbox) -> None:
+    assert (await sandbox.exec(["cat"], input="héllo\n")).stdout == "héllo\n"
+    r = await sandbox.exec(["sh", "-c", "cat > /tmp/bin"], input=b"\x00\xff\xc3(")
+    assert r.success and await sandbox.read_file("/tmp/bin", text=False) == b"\x00\xff\xc3("
+    assert (await sandbox.exec(["cat"], input="")).stdout == ""
+    # No input at all: stdin is /dev/null, so cat ends at once.
+    assert (await sandbox.exec(["cat"], timeout=10)).stdout == ""
+
+
+async def test_large_input_and_argv(sandbox: nsbox.Sandbox) -> None:
+    r = await sandbox.exec(["wc", "-c"], input=b"a" * (50 * 1024 * 1024))
+    assert r.stdout.split()[0] == str(50 * 1024 * 1024)
+    chunk = "x" * (64 * 1024)
+    r = await sandbox.exec(["printf", "%s", *([chunk] * 16)])
+    assert r.stdout == chunk * 16
+
+
+async def test_input_not_read_is_not_an_error(sandbox: nsbox.Sandbox) -> None:
+    r = await sandbox.exec(["true"], input=b"z" * (8 * 1024 * 1024))
+    assert r.success
+
+
+async def test_invalid_utf8_is_replaced(sandbox: nsbox.Sandbox) -> None:
+    r = await sandbox.exec(["printf", "a\\377b"])
+    assert r.stdout == "a\ufffdb"
+
+
+async def test_front_truncation_keeps_last_bytes(sandbox: nsbox.Sandbox, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("INSPECT_SANDBOX_MAX_EXEC_OUTPUT_SIZE", "1000")
+    script = "i=0; while [ $i -lt 3000 ]; do echo line$i; i=$((i+1)); done"
+    full = "".join(f"line{i}\n" for i in range(3000))
+    r = await sandbox.exec(["sh", "-c", script])
+    assert r.stdout == full[-1000:]
+    # One large write that passes the limit in a single read.
+    r = await sandbox.exec(["sh", "-c", "head -c 300000 /dev/zero | tr '\\0' a; echo END"])
+    assert r.stdout == "a" * 996 + "END\n"
+    # Exactly at the limit nothing is lost.
+    r = await sandbox.exec(["head", "-c", "1000", "/etc/passwd"])
+    assert len(r.stdout) == min(1000, len(await sandbox.read_file("/etc/passwd")))
+    # stderr is capped independently.
+    r = await sandbox.exec(["sh", "-c", f"({script}) >&2; echo small"])
+    assert r.stderr == full[-1000:] and r.stdout == "small\n"
+
+
+async def test_raise_mode_raises_with_tail() -> None:
+    os.environ["INSPECT_SANDBOX_MAX_EXEC_OUTPUT_SIZE"] = "4096"
+    try:
+        async with nsbox.Sandbox(output_limit_mode="raise") as sb:
+            with pytest.raises(OutputLimitExceeded) as e:
+                await sb.exec(["sh", "-c", "yes 0123456789 | head -c 100000; sleep 300"], timeout=60)
+            assert e.value.limit == 4096 and e.value.stdout and len(e.value.stdout) <= 4096
+            assert "limit of 4 KiB was exceeded" in str(e.value)
+            assert not [p for p in await processes(sb) if "sleep" in p]
+            assert (await sb.exec(["echo", "fine"])).stdout == "fine\n"
+    finally:
+        del os.environ["INSPECT_SANDBOX_MAX_EXEC_OUTPUT_SIZE"]
+
+
+FLOOD = textwrap.dedent("""
+    import anyio, json, nsbox
+    def rss():
+        for line in open("/proc/self/status"):
+            if line.startswith(("VmRSS", "VmHWM")):
+                yield line.split()[0][:-1], int(line.split()[1]) * 1024
+    async def main():
+        async with nsbox.Sandbox() as sb:
+            await sb.exec(["true"])
+            before = dict(rss())["VmRSS"]
+            r = await sb.exec(["sh", "-c", "head -c 1073741824 /dev/zero | tr '\\\\0' x; echo END"])
+            after = dict(rss())
+        print(json.dumps({"before": before, "hwm": after["VmHWM"], "tail": r.stdout[-8:], "len": len(r.stdout)}))
+    anyio.run(main)
+""")
+
+
+def test_gigabyte_flood_keeps_memory_bounded() -> None:
+    # A fresh interpreter, so the peak RSS belongs to this exec alone.
+    out = subprocess.run([sys.executable, "-c", FLOOD], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    m = json.loads(out.stdout)
+    limit = 10 * 1024 * 1024
+    assert m["len"] == limit and m["tail"] == "xxxxEND\n"
+    growth = m["hwm"] - m["before"]
+    # While the command runs the host holds the ring (limit) and one read
+    # chunk per stream; returning the tail as text costs one more copy of
+    # it. Without the cap this would be more than a gigabyte.
+    assert growth < 2 * limit + 4 * 1024 * 1024, f"host grew by {growth / 2**20:.1f} MiB"
+
+
+async def test_timeout_kills_the_whole_tree(sandbox: nsbox.Sandbox) -> None:
+    started = time.monotonic()
+    with pytest.raises(CommandTimeout) as e:
+        await sandbox.exec(["sh", "-c", "sleep 300 & setsid sleep 301 & echo started; sleep 302; :"], timeout=1)
+    assert isinstance(e.value, TimeoutError)
+    assert e.value.stdout == "started\n"
+    assert time.monotonic() - started < 30
+    assert not [p for p in await processes(sandbox) if "sleep" in p]
+
+
+async def test_fast_signal_death_is_not_a_timeout(sandbox: nsbox.Sandbox) -> None:
+    r = await sandbox.exec(["sh", "-c", "kill -TERM $$"], timeout=30)
+    assert r.returncode == 143
+
+
+async def test_cancelled_exec_kills_its_tree(sandbox: nsbox.Sandbox) -> None:
+    with anyio.move_on_after(1):
+        await sandbox.exec(["sh", "-c", "sleep 300 & sleep 301"])
+    for _ in range(50):
+        if not [p for p in await processes(sandbox) if "sleep" in p]:
+            break
+        await anyio.sleep(0.1)
+    assert not [p for p in await processes(sandbox) if "sleep" in p]
+
+
+async def test_background_process_survives_into_next_exec(sandbox: nsbox.Sandbox) -> None:
+    await sandbox.exec(["sh", "-c", "sleep 300 >/dev/null 2>&1 &"])
+    assert [p for p in await processes(sandbox) if p.startswith("sleep 300")]
+
+
+async def test_background_process_holding_stdout_does_not_hang(sandbox: nsbox.Sandbox) -> None:
+    started = time.monotonic()
+    r = await sandbox.exec(["sh", "-c", "echo before; sleep 300 &"], timeout=60)
+    assert r.stdout == "before\n" and r.success
+    assert time.monotonic() - started < 30  # returns after a short grace, not after the sleep
+
+
+async def test_two_hundred_concurrent_execs(sandbox: nsbox.Sandbox) -> None:
+    results: dict[int, nsbox.ExecResult] = {}
+
+    async def one(i: int) -> None:
+        results[i] = await sandbox.exec(["sh", "-c", 'echo "$0"; sleep 0.2', str(i)])
+
+    async with anyio.create_task_group() as tg:
+        for i in range(200):
+            tg.start_soon(one, i)
+    assert all(results[i].stdout == f"{i}\n" and results[i].success for i in range(200))
+
+
+async def test_exec_as_other_users(sandbox: nsbox.Sandbox, mode: str) -> None:
+    if mode == "single":
+        for user in ("nobody", "65534"):
+            with pytest.raises(UserUnsupported) as e:
+                await sandbox.exec(["id"], user=user)
+            assert "usermod --add-subuids" in str(e.value)  # names the fix
+        return
+    assert (await sandbox.exec(["id", "-un"], user="nobody")).stdout == "nobody\n"
+    assert (await sandbox.exec(["id", "-u"], user="65534")).stdout == "65534\n"
+    # A uid with no passwd entry runs like docker exec --user does.
+    assert (await sandbox.exec(["id", "-u"], user="4242")).stdout == "4242\n"
+
+
+async def test_exec_as_root_and_unknown_user(sandbox: nsbox.Sandbox) -> None:
+    assert (await sandbox.exec(["id", "-u"], user="root")).stdout == "0\n"
+    r = await sandbox.exec(["id"], user="no-such-user")
+    assert not r.success and "no-such-user" in r.stderr
+
+
+async def test_exec_after_close_is_unavailable() -> None:
+    sb = await nsbox.Sandbox.create()
+    await sb.close()
+    with pytest.raises(SandboxUnavailable):
+        await sb.exec(["true"])
+
+
+async def test_dead_init_is_unavailable_not_a_result(sandbox: nsbox.Sandbox) -> None:
+    os.kill(sandbox.pid, 9)
+    await anyio.sleep(0.2)
+    with pytest.raises(SandboxUnavailable):
+        await sandbox.exec(["echo", "hi"])
+
+
+async def test_bad_arguments_are_value_errors(sandbox: nsbox.Sandbox) -> None:
+    with pytest.raises(ValueError):
+        await sandbox.exec([])
+    with pytest.raises(ValueError):
+        await sandbox.exec("echo hi")  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        await sandbox.exec(["echo", "nul\0byte"])

@@ -1,0 +1,164 @@
+"""Creating and destroying sandboxes: nothing may be left behind, whatever
+the sandboxed processes try and however the owner ends."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import anyio
+import psutil
+import pytest
+
+import nsbox
+from nsbox import dirs, registry
+
+
+def pidns(pid: int) -> str:
+    return os.readlink(f"/proc/{pid}/ns/pid")
+
+
+def members(ns: str) -> list[int]:
+    """Host pids of the processes in pid namespace `ns` (that we may inspect)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                if os.readlink(f"/proc/{name}/ns/pid") == ns:
+                    found.append(int(name))
+            except OSError:
+                pass
+    return found
+
+
+def wait_until_empty(ns: str, seconds: float = 5.0) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while (left := members(ns)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+# Processes that try to outlive the sandbox: a daemon (double fork, setsid),
+# one that ignores SIGTERM and SIGHUP, and a plain background job.
+ESCAPERS = ("(setsid sh -c 'trap \"\" TERM HUP; sleep 1000' </dev/null >/dev/null 2>&1 &) ;"
+            " nohup sleep 1001 </dev/null >/dev/null 2>&1 &")
+
+
+async def test_context_manager_and_explicit_lifecycle() -> None:
+    async with nsbox.Sandbox() as sb:
+        assert sb.running and (await sb.exec(["true"])).success
+    assert not sb.running
+    sb = await nsbox.Sandbox.create()
+    try:
+        assert (await sb.exec(["echo", "x"])).stdout == "x\n"
+    finally:
+        await sb.close()
+    await sb.close()  # closing twice is fine
+    with pytest.raises(RuntimeError):
+        await sb.start()
+
+
+async def test_create_destroy_loop_leaves_nothing(mode: str) -> None:
+    layers = dirs.data_dir() / "sandboxes"
+    layers.mkdir(exist_ok=True)
+    before_layers = set(os.listdir(layers))
+    before_run = set(os.listdir(dirs.runtime_dir()))
+    before_mounts = Path("/proc/self/mountinfo").read_text()
+    me = psutil.Process()
+    before_children = {c.pid for c in me.children(recursive=True)}
+    for i in range(15):
+        sb = await nsbox.Sandbox.create()
+        await sb.exec(["sh", "-c", ESCAPERS])
+        if mode != "single" and i % 3 == 0:
+            # Files of another sandbox user in the writable layer.
+            await sb.exec(["sh", "-c", "mkdir -p /var/tmp/d/e && touch /var/tmp/d/e/f && "
+                                       "chown -R nobody /var/tmp/d && chmod -R 700 /var/tmp/d"])
+        ns = pidns(sb.pid)
+        await sb.close()
+        assert wait_until_empty(ns, 2) == [], f"processes left in round {i}"
+    assert set(os.listdir(layers)) == before_layers
+    assert set(os.listdir(dirs.runtime_dir())) == before_run
+    assert Path("/proc/self/mountinfo").read_text() == before_mounts
+    assert {c.pid for c in me.children(recursive=True)} == before_children  # nothing unreaped
+
+
+async def test_daemons_die_with_the_sandbox(sandbox: nsbox.Sandbox) -> None:
+    await sandbox.exec(["sh", "-c", ESCAPERS])
+    ns = pidns(sandbox.pid)
+    assert len(members(ns)) >= 3
+    await sandbox.close()
+    assert wait_until_empty(ns) == []
+
+
+OWNER = textwrap.dedent("""
+    import anyio, json, os, nsbox
+    async def main():
+        sb = await nsbox.Sandbox.create()
+        await sb.exec(["sh", "-c", {escapers!r}])
+        print(json.dumps({{"ns": os.readlink(f"/proc/{{sb.pid}}/ns/pid"), "id": sb.id}}), flush=True)
+        await anyio.sleep(1000)
+    anyio.run(main)
+""")
+
+
+def test_sigkill_of_the_owner_leaves_no_process() -> None:
+    owner = subprocess.Popen([sys.executable, "-c", OWNER.format(escapers=ESCAPERS)],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout is not None
+        info = json.loads(owner.stdout.readline())
+        assert len(members(info["ns"])) >= 3
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+        assert wait_until_empty(info["ns"], 5) == []
+        # The registry now shows an entry whose owner is gone (for `nsbox gc`).
+        entry = registry.read(info["id"])
+        assert entry is not None and not entry.owner_alive and not entry.init_alive
+    finally:
+        owner.kill()
+        owner.wait()
+
+
+async def test_init_is_pid_one_and_tiny(sandbox: nsbox.Sandbox) -> None:
+    r = await sandbox.exec(["cat", "/proc/1/comm", "/proc/1/status"])
+    assert r.stdout.startswith("nsbox-init\n")
+    rss_kib = int(next(line.split()[1] for line in r.stdout.splitlines() if line.startswith("VmRSS")))
+    assert rss_kib < 1024, f"the init uses {rss_kib} KiB"
+
+
+async def test_setup_failure_leaves_nothing(tmp_path: Path) -> None:
+    # A root filesystem whose /dev is a symlink to a host directory: setup
+    # must refuse it (a mount there would follow the link) and clean up.
+    rootfs = tmp_path / "rootfs"
+    rootfs.mkdir()
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (rootfs / "dev").symlink_to(victim)
+    layers = dirs.data_dir() / "sandboxes"
+    before = set(os.listdir(layers)) if layers.exists() else set()
+    with pytest.raises(nsbox.SandboxSetupError, match="/dev"):
+        await nsbox.Sandbox(rootfs).start()
+    assert list(victim.iterdir()) == []
+    assert (set(os.listdir(layers)) if layers.exists() else set()) == before
+    assert psutil.Process().children() == []
+
+
+async def test_many_sandboxes_at_once() -> None:
+    boxes = []
+    try:
+        async with anyio.create_task_group() as tg:
+            async def make() -> None:
+                boxes.append(await nsbox.Sandbox.create())
+            for _ in range(10):
+                tg.start_soon(make)
+        outputs = [(await b.exec(["hostname"])).stdout.strip() for b in boxes]
+        assert outputs == [b.hostname for b in boxes] and len(set(outputs)) == 10
+    finally:
+        for b in boxes:
+            await b.close()

@@ -1,0 +1,118 @@
+"""Root filesystems: the host-composed default, directories, bind mounts."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+import nsbox
+from nsbox.rootfs import Bind
+
+
+async def test_host_root_shares_usr_read_only(sandbox: nsbox.Sandbox) -> None:
+    r = await sandbox.exec(["touch", "/usr/nsbox-test"])
+    assert not r.success and "Read-only" in r.stderr
+    assert (await sandbox.exec(["python3", "-c", "print(42)"])).stdout == "42\n"
+    assert (await sandbox.exec(["readlink", "/bin"])).stdout.strip() == os.readlink("/bin")
+
+
+async def test_host_root_has_fresh_identity_files(sandbox: nsbox.Sandbox) -> None:
+    passwd = await sandbox.read_file("/etc/passwd")
+    assert [line.split(":")[0] for line in passwd.splitlines()] == ["root", "nobody"]
+    assert "nogroup" in await sandbox.read_file("/etc/group")
+    # The rest of /etc is the host's (the dynamic linker cache, say).
+    assert await sandbox.read_file("/etc/ld.so.conf") == Path("/etc/ld.so.conf").read_text()
+
+
+async def test_host_root_writable_dirs_are_private(sandbox: nsbox.Sandbox) -> None:
+    for d in ("/etc", "/root", "/home", "/tmp", "/var/tmp", "/run"):
+        await sandbox.write_file(f"{d}/nsbox-private", d)
+    assert not Path("/etc/nsbox-private").exists()
+    async with nsbox.Sandbox() as other:
+        for d in ("/etc", "/root", "/home", "/tmp", "/var/tmp", "/run"):
+            assert (await other.exec(["test", "-e", f"{d}/nsbox-private"])).returncode == 1
+
+
+async def test_overlay_directory_semantics(debian: nsbox.Sandbox) -> None:
+    # Without userxattr these fail with EIO on overlayfs in a user namespace.
+    script = ("set -e; mkdir -p /opt/a/b; echo x > /opt/a/b/f; mv /opt/a /opt/c; "
+              "rm -rf /etc/apt && mkdir /etc/apt && ls -A /etc/apt; cat /opt/c/b/f; "
+              "rm -rf /usr/share/doc; mkdir /usr/share/doc; ls -A /usr/share/doc | wc -l")
+    r = await debian.exec(["sh", "-c", script])
+    assert r.success, r.stderr
+    assert r.stdout == "x\n0\n"
+
+
+async def test_directory_rootfs_is_never_modified(debian_rootfs: Path) -> None:
+    before = sorted(os.listdir(debian_rootfs / "etc"))
+    async with nsbox.Sandbox(debian_rootfs) as a, nsbox.Sandbox(debian_rootfs) as b:
+        assert (await a.read_file("/etc/debian_version")).startswith("12")
+        await a.exec(["sh", "-c", "echo changed > /etc/motd; rm /etc/debian_version; touch /etc/new"])
+        assert (await b.exec(["cat", "/etc/debian_version"])).success
+        assert (await b.exec(["test", "-e", "/etc/new"])).returncode == 1
+    assert sorted(os.listdir(debian_rootfs / "etc")) == before
+
+
+async def test_busybox_rootfs(busybox_rootfs: Path) -> None:
+    async with nsbox.Sandbox(busybox_rootfs) as sb:
+        r = await sb.exec(["sh", "-c", "echo $0; ps | head -2; ls /dev/null /proc/self"])
+        assert r.success and r.stdout.startswith("sh\n"), r.stderr
+        assert (await sb.exec(["id", "-u"])).stdout == "0\n"
+
+
+async def test_proc_dev_tmp_and_hostname(sandbox: nsbox.Sandbox) -> None:
+    r = await sandbox.exec(["sh", "-c", "hostname; ls /dev | tr '\\n' ' '; echo; stat -c %a /tmp /dev/shm; "
+                                        "echo hi > /dev/null && head -c 4 /dev/zero | wc -c"])
+    lines = r.stdout.splitlines()
+    assert lines[0] == sandbox.hostname
+    assert set("full null ptmx pts random shm tty urandom zero".split()) <= set(lines[1].split())
+    assert lines[2:] == ["1777", "1777", "4"]
+    # A fresh devpts: a pty can be opened (Inspect's bash_session needs one).
+    r = await sandbox.exec(["python3", "-c", "import os; m, s = os.openpty(); print(os.ttyname(s))"])
+    assert r.stdout.startswith("/dev/pts/"), r.stderr
+
+
+async def test_private_network_has_only_loopback(sandbox: nsbox.Sandbox) -> None:
+    r = await sandbox.exec(["cat", "/proc/net/dev"])
+    assert [line.split(":")[0].strip() for line in r.stdout.splitlines()[2:]] == ["lo"]
+    r = await sandbox.exec(["python3", "-c", "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); "
+                                             "s.listen(); c = socket.create_connection(s.getsockname()); print('ok')"])
+    assert r.stdout == "ok\n", r.stderr
+
+
+async def test_host_network_mode() -> None:
+    host_ifaces = {line.split(":")[0].strip() for line in Path("/proc/net/dev").read_text().splitlines()[2:]}
+    async with nsbox.Sandbox(network="host") as sb:
+        r = await sb.exec(["cat", "/proc/net/dev"])
+        assert {line.split(":")[0].strip() for line in r.stdout.splitlines()[2:]} == host_ifaces
+
+
+async def test_bind_mounts(tmp_path: Path) -> None:
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "ro" / "f").write_text("from host\n")
+    (tmp_path / "rw").mkdir()
+    os.chmod(tmp_path, 0o755)
+    binds = [Bind(str(tmp_path / "ro"), "/mnt/in", readonly=True), Bind(str(tmp_path / "rw"), "/data/out")]
+    async with nsbox.Sandbox(mounts=binds) as sb:
+        assert await sb.read_file("/mnt/in/f") == "from host\n"
+        assert not (await sb.exec(["touch", "/mnt/in/g"])).success
+        await sb.write_file("/data/out/result", "written inside\n")
+        # `..` from a bind leads to the sandbox's root, not the host's.
+        assert (await sb.exec(["ls", "/mnt/in/../../"])).stdout.split() == (await sb.exec(["ls", "/"])).stdout.split()
+    assert (tmp_path / "rw" / "result").read_text() == "written inside\n"
+    with pytest.raises(ValueError):
+        Bind(str(tmp_path), "relative/target")
+    with pytest.raises(ValueError):
+        Bind(str(tmp_path), "/a/../b")
+    with pytest.raises(nsbox.SandboxSetupError):
+        Bind(str(tmp_path / "missing"), "/x")
+
+
+async def test_bad_rootfs_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(nsbox.SandboxSetupError, match="No such file"):
+        nsbox.Sandbox(tmp_path / "missing")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(nsbox.SandboxSetupError, match="not a directory"):
+        nsbox.Sandbox(tmp_path / "file")
