@@ -200,7 +200,8 @@ async def bench_create(n: int, warmup: int, notes: list[str]) -> list[Row]:
         parts[k] = parts[k][warmup:]
     med = {k: statistics.median(v) for k, v in s.items()}
     notes.append(f"create+destroy: nsbox create {statistics.median(parts['create']) * 1000:.2f} ms + "
-                 f"close {statistics.median(parts['close']) * 1000:.2f} ms (medians); "
+                 f"close {statistics.median(parts['close']) * 1000:.2f} ms (medians), this process's RSS "
+                 f"{proc_status(os.getpid()).get('VmRSS', 0) // 1024} MiB; "
                  + "; ".join(f"{k} {ms_spread(v)}" for k, v in s.items()))
     op = "create+destroy"
     rows = [Row(op, n, med["nsbox"], "unshare -Urmpf --mount-proc true", med["unshare -Urmpf true"], "ms", "report")]

@@ -32,6 +32,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "create.h"
@@ -217,6 +218,95 @@ static int arrange_fds(const struct nsbox_spec *spec, int *error_fd, int *exec_f
     return (int)syscall(SYS_close_range, base + 3, ~0U, 0);
 }
 
+/* Appends the decimal digits of v at p; returns the end. (No snprintf: this
+ * runs in a copy of a multi-threaded process, where only system calls and
+ * plain code are safe.) */
+static char *put_uint(char *p, unsigned long v)
+{
+    char digits[24];
+    int n = 0;
+    do {
+        digits[n++] = (char)('0' + v % 10);
+        v /= 10;
+    } while (v);
+    while (n)
+        *p++ = digits[--n];
+    return p;
+}
+
+static char *put_str(char *p, const char *s)
+{
+    while (*s)
+        *p++ = *s++;
+    return p;
+}
+
+/* /proc/PID/NAME, into buf (at least 64 bytes). */
+static const char *proc_path(char *buf, pid_t pid, const char *name)
+{
+    char *p = put_str(buf, "/proc/");
+    p = put_uint(p, (unsigned long)pid);
+    *p++ = '/';
+    *put_str(p, name) = 0;
+    return buf;
+}
+
+static int write_proc(pid_t pid, const char *name, const char *text)
+{
+    char path[64];
+    int fd = open(proc_path(path, pid, name), O_WRONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    ssize_t n = write(fd, text, strlen(text));
+    int err = errno;
+    close(fd);
+    errno = err;
+    return n == (ssize_t)strlen(text) ? 0 : -1;
+}
+
+/*
+ * Why: the user namespace that set up the mounts owns them, so its root
+ * could remount a read-only bind read-write or unmount what covers a
+ * path. Mounts copied into a mount namespace owned by a *less* privileged
+ * user namespace are locked by the kernel: their flags cannot be changed
+ * and they cannot be detached from what they cover. So a child holds a
+ * nested user + mount namespace pair open while we map its ids and take
+ * descriptors of both; the init later puts every sandbox process in it.
+ * It also keeps the init out of reach: nothing in the nested namespace
+ * has capabilities over the init's (ptrace, stealing its descriptors).
+ */
+static int make_locked_namespaces(const char *uid_map, const char *gid_map, int *userns, int *mntns)
+{
+    int hold[2];
+    if (pipe2(hold, O_CLOEXEC) < 0)
+        return -1;
+    /* A raw clone, not fork(): no atfork handlers of the host's C library. */
+    long pid = syscall(SYS_clone, CLONE_NEWUSER | CLONE_NEWNS | SIGCHLD, 0, 0, 0, 0);
+    if (pid < 0)
+        return -1;
+    if (pid == 0) {
+        char c;
+        close(hold[1]);
+        ssize_t r = read(hold[0], &c, 1); /* returns when the parent closes its end */
+        (void)r;
+        _exit(0);
+    }
+    close(hold[0]);
+    char path[64];
+    int rc = -1;
+    if (write_proc((pid_t)pid, "uid_map", uid_map) == 0 && write_proc((pid_t)pid, "gid_map", gid_map) == 0) {
+        *userns = open(proc_path(path, (pid_t)pid, "ns/user"), O_RDONLY | O_CLOEXEC);
+        *mntns = open(proc_path(path, (pid_t)pid, "ns/mnt"), O_RDONLY | O_CLOEXEC);
+        rc = (*userns >= 0 && *mntns >= 0) ? 0 : -1;
+    }
+    int err = errno;
+    close(hold[1]);
+    while (waitpid((pid_t)pid, NULL, 0) < 0 && errno == EINTR)
+        ;
+    errno = err;
+    return rc;
+}
+
 static void __attribute__((noreturn)) child(const struct nsbox_spec *spec)
 {
     /* Keep the host's signal handlers from ever running in this copy of its
@@ -268,6 +358,19 @@ static void __attribute__((noreturn)) child(const struct nsbox_spec *spec)
     for (int i = 0; i < NSBOX_SLOTS; i++) {
         if (slots[i] >= 0)
             close(slots[i]);
+    }
+    if (spec->lock_uid_map) {
+        int userns, mntns, at = 3 + spec->lock_slot;
+        /* open() may have handed out the very numbers we are to fill: move
+         * both out of the way before placing them. */
+        if (make_locked_namespaces(spec->lock_uid_map, spec->lock_gid_map, &userns, &mntns) < 0 ||
+            (userns = fcntl(userns, F_DUPFD_CLOEXEC, 100)) < 0 || (mntns = fcntl(mntns, F_DUPFD_CLOEXEC, 100)) < 0 ||
+            dup2(userns, at) < 0 || dup2(mntns, at + 1) < 0) {
+            report(error_fd, NSBOX_SETUP_LOCK, errno);
+            _exit(1);
+        }
+        close(userns);
+        close(mntns);
     }
 
     sigemptyset(&all);

@@ -51,6 +51,14 @@ struct nsbox_spec {
     char *const *envp;
     int keep_stdio;          /* 0: stdin/out/err become /dev/null (after the steps) */
     int new_session;         /* call setsid() */
+    /* When lock_uid_map is set: after the steps, create a user namespace
+     * nested in the new one, with these uid/gid maps (identity lines, one per
+     * extent of the outer map: an extent may not span two outer ones), and
+     * its own mount namespace, in which every mount is locked. Descriptors
+     * of the two land in keep positions lock_slot and lock_slot + 1. */
+    const char *lock_uid_map;
+    const char *lock_gid_map;
+    int lock_slot;
 };
 
 /* What the child reports when a step fails: the step's index (or one of the
@@ -65,6 +73,7 @@ enum nsbox_setup_stage {
     NSBOX_SETUP_FDS = -2,  /* arranging descriptors failed */
     NSBOX_SETUP_EXEC = -3, /* execve of the program failed */
     NSBOX_SETUP_IDS = -4,  /* becoming root in the new namespace failed */
+    NSBOX_SETUP_LOCK = -5, /* creating the locked namespaces failed */
 };
 
 /* Clones the child described by `spec`. Returns its pid (and its pidfd in

@@ -25,6 +25,7 @@
 #include <limits.h>
 #include <linux/openat2.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -61,6 +62,7 @@ static size_t njobs, jobs_cap;
 static struct conn *conns;
 static size_t nconns, conns_cap;
 static int sig_fd = -1, listen_fd = -1;
+static int userns_fd = -1, mntns_fd = -1; /* where sandbox processes run */
 static bool detached;
 static uint64_t exec_count;
 
@@ -512,6 +514,17 @@ static void serve_status(int fd)
     send(fd, &st, sizeof st, MSG_NOSIGNAL | MSG_DONTWAIT);
 }
 
+/* Moves a freshly forked child into the namespaces sandbox processes live
+ * in (see make_locked_namespaces in create.c); returns 0 or an errno. */
+static int enter_sandbox(void)
+{
+    if (userns_fd < 0)
+        return 0;
+    if (setns(userns_fd, CLONE_NEWUSER) < 0 || setns(mntns_fd, CLONE_NEWNS) < 0)
+        return errno;
+    return 0;
+}
+
 /* Forks the child that serves an EXEC or OPEN request. */
 static void spawn_request(struct request *rq, char *payload, int *fds, int nfds)
 {
@@ -532,6 +545,9 @@ static void spawn_request(struct request *rq, char *payload, int *fds, int nfds)
     }
     if (pid == 0) {
         reset_signals();
+        int err = enter_sandbox();
+        if (err)
+            fail_and_exit(chan, NSBOX_STAGE_SPAWN, err);
         if (in_fd) {
             payload = read_payload_fd(fds[nfds - 1], rq->h.payload_len);
             if (!payload)
@@ -690,6 +706,18 @@ int main(int argc, char **argv)
     sig_fd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
     if (sig_fd < 0)
         return 70;
+
+    /* Nothing in the sandbox may ptrace us or take our descriptors (the
+     * lifeline among them); the sandbox's processes hold no capabilities in
+     * our user namespace, so this suffices. Our exec'd children are
+     * dumpable again. */
+    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+    if (fcntl(NSBOX_FD_USERNS, F_GETFD) >= 0 && fcntl(NSBOX_FD_MNTNS, F_GETFD) >= 0) {
+        userns_fd = NSBOX_FD_USERNS;
+        mntns_fd = NSBOX_FD_MNTNS;
+        fcntl(userns_fd, F_SETFD, FD_CLOEXEC);
+        fcntl(mntns_fd, F_SETFD, FD_CLOEXEC);
+    }
 
     fcntl(NSBOX_FD_CONTROL, F_SETFD, FD_CLOEXEC);
     fcntl(NSBOX_FD_CONTROL, F_SETFL, O_NONBLOCK);

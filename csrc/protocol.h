@@ -24,6 +24,8 @@
 /* Descriptors the init finds open when it starts. */
 #define NSBOX_FD_CONTROL 3   /* the owner's connection; its loss is the lifeline */
 #define NSBOX_FD_LISTEN 4    /* listening socket for later clients, or -1 */
+#define NSBOX_FD_USERNS 5    /* the nested user namespace sandbox processes run in */
+#define NSBOX_FD_MNTNS 6     /* and its mount namespace, where every mount is locked */
 
 /* Largest control message: header plus inline payload. Larger payloads
  * travel in a memfd attached as the last descriptor (NSBOX_F_PAYLOAD_FD). */

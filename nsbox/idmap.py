@@ -42,6 +42,13 @@ class IdMap:
         """Sandbox uids 0..size-1 are mapped."""
         return min(sum(c for _, _, c in self.uid_map), sum(c for _, _, c in self.gid_map))
 
+    def nested_identity(self) -> tuple[str, str]:
+        """uid_map and gid_map text of a user namespace nested in one with
+        this mapping, mapping every id to itself: one line per extent, since
+        the kernel refuses an extent that spans two of the outer map's."""
+        return (_format(tuple((i, i, c) for i, _, c in self.uid_map)),
+                _format(tuple((i, i, c) for i, _, c in self.gid_map)))
+
     def write(self, pid: int) -> None:
         """Writes the maps of the user namespace of process `pid`."""
         if self.mode == "subuid":

@@ -134,6 +134,8 @@ def spawn(
     envp: Sequence[str],
     keep_stdio: bool,
     new_session: bool,
+    lock_maps: tuple[str, str] | None = None,
+    lock_slot: int = 0,
 ) -> tuple[int, int]:
     """Clones the setup child; returns (pid, pidfd). Raises OSError on failure."""
     keep = _Keep()
@@ -163,6 +165,10 @@ def spawn(
     spec.envp = keep.strv(envp)
     spec.keep_stdio = int(keep_stdio)
     spec.new_session = int(new_session)
+    if lock_maps is not None:
+        spec.lock_uid_map = keep.str(lock_maps[0])
+        spec.lock_gid_map = keep.str(lock_maps[1])
+    spec.lock_slot = lock_slot
     pidfd = ffi.new("int *")
     pid = lib.nsbox_spawn(spec, pidfd)
     if pid < 0:

@@ -21,14 +21,18 @@ SOCKET = "ctl.sock"
 
 
 def process_start_time(pid: int) -> int | None:
-    """The start time of `pid` in clock ticks since boot, or None if gone."""
+    """The start time of `pid` in clock ticks since boot, or None if it is
+    gone (or a zombie, which has finished running)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
     except OSError:
         return None
-    # Field 22; the command name (field 2) may contain spaces and ')'.
+    # The command name (field 2) may contain spaces and ')'; field 3 is the
+    # state and field 22 the start time.
     fields = data[data.rindex(b")") + 2 :].split()
+    if fields[0] in (b"Z", b"X"):
+        return None
     return int(fields[19])
 
 

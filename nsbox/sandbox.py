@@ -198,8 +198,11 @@ class Sandbox:
                 try:
                     self.pid, self._pidfd = native.spawn(
                         clone_flags=flags, steps=steps, sync_fd=sync_r, error_fd=err_w,
-                        keep_fds=[ctl_child.fileno(), listener.fileno()], exec_fd=init_fd,
+                        # fds 3..6 of the init: control, listener, and the
+                        # locked user and mount namespaces (NSBOX_FD_*).
+                        keep_fds=[ctl_child.fileno(), listener.fileno(), -1, -1], exec_fd=init_fd,
                         argv=["nsbox-init", self.id], envp=[], keep_stdio=False, new_session=True,
+                        lock_maps=self.idmap.nested_identity(), lock_slot=native.lib.NSBOX_FD_USERNS - 3,
                     )
                 except OSError as e:
                     raise hostcheck.clone_failed(e.errno) from None
@@ -245,6 +248,7 @@ class Sandbox:
             native.lib.NSBOX_SETUP_FDS: "arranging descriptors",
             native.lib.NSBOX_SETUP_EXEC: "starting nsbox-init",
             native.lib.NSBOX_SETUP_IDS: "becoming root in the user namespace",
+            native.lib.NSBOX_SETUP_LOCK: "creating the nested namespaces that lock the mounts",
         }.get(step, f"step {step}")
         hint = hostcheck.userns_hint() if err in (errno.EPERM, errno.EACCES) else None
         return SandboxSetupError(f"sandbox setup failed: {stage}: {os.strerror(err)}", hint)

@@ -21,8 +21,13 @@ async def test_sandbox_root_is_the_invoking_user(sandbox: nsbox.Sandbox) -> None
     await sandbox.write_file("/var/tmp/owned", "x")
     r = await sandbox.exec(["stat", "-c", "%u", "/var/tmp/owned"])
     assert r.stdout == "0\n"
-    uid_map = (await sandbox.read_file("/proc/self/uid_map")).split()
+    # The init's user namespace maps sandbox root onto us...
+    with open(f"/proc/{sandbox.pid}/uid_map") as f:
+        uid_map = f.read().split()
     assert uid_map[:3] == ["0", str(os.geteuid()), "1" if os.geteuid() else str(idmap.ROOT_RANGE)]
+    # ...and sandbox processes live in a nested one that maps ids to themselves.
+    nested = (await sandbox.read_file("/proc/self/uid_map")).split()
+    assert nested[:2] == ["0", "0"]
 
 
 async def test_users_and_root_probe(debian: nsbox.Sandbox, mode: str) -> None:
