@@ -33,6 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
+#include <sys/ioctl.h>
 #include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
@@ -48,7 +49,8 @@
 /* A command started by EXEC whose exit has not been reported yet. */
 struct job {
     pid_t pid;
-    int chan; /* -1 once the host has let go of the channel */
+    int chan;      /* -1 once the host has let go of the channel */
+    bool detached; /* losing the channel does not kill it */
 };
 
 /* A client connection: the owner's (fd 3) or one accepted later. */
@@ -418,6 +420,10 @@ static void child_exec(struct request *rq, int fds[4])
      * may start in a directory it cannot search (root's home, say); if root
      * cannot (root-squashed NFS), try again as the user. */
     int cwd_err = (*cwd && chdir(cwd) < 0) ? errno : 0;
+    /* We lead a new session (setsid in spawn_request), so this terminal
+     * becomes ours: job control works in an interactive shell. */
+    if ((rq->h.flags & NSBOX_F_SETCTTY) && ioctl(0, TIOCSCTTY, 0) < 0)
+        fail_and_exit(chan, NSBOX_STAGE_SPAWN, errno);
     int err = apply_creds(rq);
     if (err)
         fail_and_exit(chan, NSBOX_STAGE_CREDS, err);
@@ -566,7 +572,7 @@ static void spawn_request(struct request *rq, char *payload, int *fds, int nfds)
     if (rq->h.op == NSBOX_OP_EXEC) {
         exec_count++;
         jobs = grow(jobs, &jobs_cap, njobs + 1, sizeof *jobs);
-        jobs[njobs++] = (struct job){.pid = pid, .chan = chan};
+        jobs[njobs++] = (struct job){.pid = pid, .chan = chan, .detached = rq->h.flags & NSBOX_F_DETACHED};
         close_fds(fds + 1, nfds - 1);
     } else {
         close_fds(fds, nfds); /* the OPEN child answers on its own copy */
@@ -670,8 +676,10 @@ static void serve_channel(size_t i)
         kill_tree(jobs[i].pid, sig);
         return;
     }
-    /* EOF or garbage: the host no longer wants this command. */
-    kill_tree(jobs[i].pid, SIGKILL);
+    /* EOF or garbage: the host no longer wants this command (or, for a
+     * detached one, no longer wants to hear about it). */
+    if (!jobs[i].detached)
+        kill_tree(jobs[i].pid, SIGKILL);
     close(jobs[i].chan);
     jobs[i].chan = -1; /* still reaped, silently */
 }

@@ -44,6 +44,8 @@ enum nsbox_op {
 #define NSBOX_F_PAYLOAD_FD 0x1 /* payload is in a memfd, not inline */
 #define NSBOX_F_MKDIRS 0x2     /* OPEN: create missing parent directories */
 #define NSBOX_F_SETGROUPS 0x4  /* apply the supplementary group list */
+#define NSBOX_F_SETCTTY 0x8    /* EXEC: stdin is a terminal; make it the controlling one */
+#define NSBOX_F_DETACHED 0x10  /* EXEC: closing the channel does not kill the command */
 
 /*
  * Payload layout: ngroups uint32 gids, then NUL-terminated strings:

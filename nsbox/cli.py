@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable, NoReturn, Sequence, TypeVar
 
 import anyio
 import click
 
-from . import __version__
+from . import __version__, idmap, manage, registry
 from .errors import CommandTimeout, NsboxError
 from .rootfs import Bind
 from .sandbox import Sandbox
@@ -97,19 +98,39 @@ def main() -> None:
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @sandbox_options
 @click.option("-t", "--timeout", type=float, default=None, help="Kill the command after this many seconds.")
-@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def run(command: tuple[str, ...], timeout: float | None, **options: Any) -> None:
+@click.option("-d", "--detach", is_flag=True,
+              help="Keep the sandbox running after nsbox exits (COMMAND, if any, runs in the background).")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+def run(command: tuple[str, ...], timeout: float | None, detach: bool, **options: Any) -> None:
     """Run COMMAND in a fresh sandbox, then destroy it.
 
     \b
     Examples:
       nsbox run -- python3 -c 'print(42)'
       nsbox run --rootfs ./debian -v "$PWD:/work" -w /work -- make test
+      nsbox run --detach -- python3 -m http.server
 
     Output streams as the command writes it; the exit status is the
-    command's (124 on timeout, 125 if nsbox itself failed).
+    command's (124 on timeout, 125 if nsbox itself failed). With --detach
+    the sandbox's id is printed and the sandbox lives on until `nsbox rm`.
     """
+    if not command and not detach:
+        raise click.UsageError("Missing argument 'COMMAND...' (or use --detach).")
     sandbox = make_sandbox(**options)
+    sandbox.origin = "cli"
+    if detach:
+        async def start() -> str:
+            await sandbox.start()
+            if command:
+                await sandbox.spawn(list(command))
+            await sandbox.detach()
+            return sandbox.id
+
+        sandbox_id = run_async(start)
+        click.echo(sandbox_id)
+        click.echo(f"nsbox: sandbox {sandbox_id} keeps running: `nsbox shell {sandbox_id}` to log in, "
+                   f"`nsbox rm {sandbox_id}` to remove it", err=True)
+        return
 
     async def go() -> int:
         async with sandbox:
@@ -142,3 +163,127 @@ def import_(tarball: Path, directory: Path, id_mapping: str) -> None:
 
     dest = run_async(import_tarball, tarball, directory, id_mapping, progress)
     click.echo(os.fspath(dest))
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.argument("sandbox_id", metavar="ID")
+@click.option("-u", "--user", default=None, help="User to run as (default: the sandbox's).")
+@click.option("-w", "--workdir", default=None, help="Directory to run in.")
+@click.option("-e", "--env", "env", multiple=True, metavar="KEY=VALUE", help="Set an environment variable.")
+@click.option("-t", "--timeout", type=float, default=None, help="Kill the command after this many seconds.")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def exec(sandbox_id: str, command: tuple[str, ...], user: str | None, workdir: str | None, env: Sequence[str],
+         timeout: float | None) -> None:
+    """Run COMMAND in the running sandbox ID."""
+    if command[:1] == ("--",):  # click keeps "--" once a positional came first
+        command = command[1:]
+    if not command:
+        raise click.UsageError("Missing argument 'COMMAND...'.")
+    environment = _parse_env(env)
+
+    async def go() -> int:
+        sb = await Sandbox.attach(manage.find(sandbox_id).id)
+        try:
+            return await sb.run_forwarded(list(command), stdin=0, cwd=workdir, env=environment, user=user,
+                                          timeout=timeout)
+        finally:
+            await sb.close()
+
+    try:
+        sys.exit(run_async(go))
+    except CommandTimeout as e:
+        fail(str(e), EXIT_TIMEOUT)
+    except PermissionError as e:
+        fail(f"{command[0]}: {e.strerror}", EXIT_CANNOT_RUN)
+
+
+@main.command()
+@click.argument("sandbox_id", metavar="[ID]", required=False)
+@sandbox_options
+def shell(sandbox_id: str | None, **options: Any) -> None:
+    """Log in to the running sandbox ID, or to a fresh one.
+
+    The session runs on a terminal allocated inside the sandbox, with job
+    control and window-size changes. A fresh sandbox is destroyed when the
+    shell exits; the sandbox options apply only to a fresh one.
+    """
+    from .shell import interactive
+
+    async def go() -> int:
+        if sandbox_id is None:
+            sb = make_sandbox(**options)
+            sb.origin = "cli"
+            async with sb:
+                return await interactive(sb)
+        sb = await Sandbox.attach(manage.find(sandbox_id).id)
+        try:
+            user = options["user"] if options["user"] != "root" else None
+            return await interactive(sb, user=user)
+        finally:
+            await sb.close()
+
+    sys.exit(run_async(go))
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)}{unit}"
+    return f"{int(seconds)}s"
+
+
+@main.command()
+@click.option("-q", "--quiet", is_flag=True, help="Print only the ids.")
+def ps(quiet: bool) -> None:
+    """List your sandboxes."""
+    rows = manage.entries(with_status=not quiet)
+    if quiet:
+        for e in rows:
+            click.echo(e.info.id)
+        return
+    now = time.time()
+    click.echo(f"{'ID':<13} {'STATE':<9} {'OWNER':<8} {'AGE':>5} {'EXECS':>6}  {'ROOTFS':<24} LABEL")
+    for e in rows:
+        owner = str(e.info.owner_pid) if e.info.owner_alive else "-"
+        execs = "-" if e.execs is None else str(e.execs)
+        click.echo(f"{e.info.id:<13} {e.state:<9} {owner:<8} {_age(now - e.info.created):>5} {execs:>6}  "
+                   f"{e.info.rootfs:<24} {e.info.label}")
+
+
+@main.command()
+@click.argument("sandbox_ids", metavar="[ID]...", nargs=-1)
+@click.option("-a", "--all", "all_", is_flag=True, help="Remove every sandbox.")
+@click.option("-f", "--force", is_flag=True, help="Also remove sandboxes a running process still owns.")
+def rm(sandbox_ids: tuple[str, ...], all_: bool, force: bool) -> None:
+    """Remove sandboxes: kill their processes, delete their writable layers."""
+    if not sandbox_ids and not all_:
+        raise click.UsageError("give sandbox ids, or --all")
+    infos = registry.entries() if all_ else [manage.find(i) for i in sandbox_ids]
+    failed = False
+    for info in infos:
+        try:
+            manage.remove(info, force=force)
+            click.echo(info.id)
+        except NsboxError as e:
+            click.echo(f"nsbox: {e}", err=True)
+            failed = True
+    sys.exit(1 if failed else 0)
+
+
+@main.command()
+@click.option("-n", "--dry-run", is_flag=True, help="Only show what would be removed.")
+def gc(dry_run: bool) -> None:
+    """Remove leftovers: sandboxes whose owner died without detaching them,
+    and writable layers no sandbox uses."""
+    infos, layers = manage.garbage()
+    if not dry_run:
+        ids, layers = manage.gc(idmap.detect())
+    else:
+        ids = [i.id for i in infos]
+    verb = "would remove" if dry_run else "removed"
+    for i in ids:
+        click.echo(f"{verb} sandbox {i}")
+    for layer in layers:
+        click.echo(f"{verb} layer {layer}")
+    if not ids and not layers:
+        click.echo("nothing to remove")

@@ -42,6 +42,15 @@ class IdMap:
         """Sandbox uids 0..size-1 are mapped."""
         return min(sum(c for _, _, c in self.uid_map), sum(c for _, _, c in self.gid_map))
 
+    def to_dict(self) -> dict[str, object]:
+        return {"mode": self.mode, "uid_map": self.uid_map, "gid_map": self.gid_map, "reason": self.reason}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, object]) -> "IdMap":
+        def lines(v: object) -> tuple[tuple[int, int, int], ...]:
+            return tuple(tuple(int(x) for x in line) for line in v)  # type: ignore[misc, union-attr, attr-defined]
+        return cls(d["mode"], lines(d["uid_map"]), lines(d["gid_map"]), str(d["reason"]))  # type: ignore[arg-type]
+
     def nested_identity(self) -> tuple[str, str]:
         """uid_map and gid_map text of a user namespace nested in one with
         this mapping, mapping every id to itself: one line per extent, since

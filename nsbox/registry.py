@@ -13,6 +13,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from .dirs import runtime_dir
 
@@ -52,7 +53,9 @@ class SandboxInfo:
     hostname: str
     user: str
     workdir: str
-    idmap: str
+    idmap: dict[str, Any]  # IdMap fields: mode, uid_map, gid_map, reason
+    origin: str = "api"  # who created it: "api", "cli" or "inspect"
+    label: str = ""  # free text for people, e.g. the Inspect sample
     created: float = field(default_factory=time.time)
     detached: bool = False
 

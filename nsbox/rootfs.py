@@ -286,14 +286,25 @@ def _bind_steps(bind: Bind, slot: int) -> list[n.Step]:
 
 
 def _fresh_etc(hostname: str) -> list[tuple[str, str, int]]:
-    """The identity files of the host-composed root: only root and nobody."""
+    """The identity files of the host-composed root: only root and nobody.
+
+    Their backups ("passwd-"...), the shadow tools' lock and the subordinate
+    id files come along: those of the host belong to real root, which a
+    rootless sandbox cannot write or copy up, and useradd/groupadd touch
+    them all.
+    """
     shell = "/bin/bash" if os.path.exists("/usr/bin/bash") else "/bin/sh"
-    return [
+    identity = [
         ("passwd", f"root:x:0:0:root:/root:{shell}\n"
                    "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n", 0o644),
         ("group", "root:x:0:\ntty:x:5:\nnogroup:x:65534:\n", 0o644),
         ("shadow", "root:*:19000:0:99999:7:::\nnobody:*:19000:0:99999:7:::\n", 0o600),
         ("gshadow", "root:*::\ntty:*::\nnogroup:*::\n", 0o600),
+        ("subuid", "", 0o644),
+        ("subgid", "", 0o644),
+    ]
+    return identity + [(f"{name}-", text, mode) for name, text, mode in identity] + [
+        (".pwd.lock", "", 0o600),
         ("hostname", f"{hostname}\n", 0o644),
         ("hosts", f"127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
                   f"127.0.1.1\t{hostname}\n", 0o644),

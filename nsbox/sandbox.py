@@ -85,6 +85,7 @@ class Sandbox:
             (see nsbox.idmap); "single" maps only the invoking uid.
         timeout: default timeout in seconds for exec (None: no timeout).
         mounts: host files or directories to bind into the sandbox.
+        label: free text that `nsbox ps` shows for this sandbox.
     """
 
     def __init__(
@@ -100,6 +101,7 @@ class Sandbox:
         id_mapping: Literal["auto", "single"] = "auto",
         timeout: float | None = None,
         mounts: Sequence[rootfs_mod.Bind] = (),
+        label: str = "",
     ) -> None:
         _check_choice("network", network, ("none", "host"))
         _check_choice("output_limit_mode", output_limit_mode, ("truncate", "raise"))
@@ -113,6 +115,8 @@ class Sandbox:
         self.output_limit_mode = output_limit_mode
         self.timeout = timeout
         self.mounts = tuple(mounts)
+        self.label = label
+        self.origin = "api"  # "cli" or "inspect" when those create it
         self._requested_workdir = workdir
         self._requested_hostname = hostname
         self._id_mapping = id_mapping
@@ -129,6 +133,7 @@ class Sandbox:
         self._identity: users.Identity = users.ROOT
         self._state: Literal["new", "starting", "running", "closed"] = "new"
         self._detached = False
+        self._attached = False  # connected to a sandbox another process owns
         self._user_cache: dict[str, tuple[bytes, bytes, users.Identity | None]] = {}
 
     # ---- lifecycle ---------------------------------------------------
@@ -232,12 +237,12 @@ class Sandbox:
         if _exited(self._pidfd):
             raise SandboxSetupError("the sandbox's init exited right after starting")
         self._ctl.setblocking(False)
-        self._devnull = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
+        self._devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
         registry.write(registry.SandboxInfo(
             id=self.id, owner_pid=os.getpid(), owner_start=registry.process_start_time(os.getpid()),
             init_pid=self.pid, init_start=registry.process_start_time(self.pid), rootfs=str(self.rootfs),
             layer=os.fspath(self._layer), hostname=self.hostname, user=self.user, workdir="",
-            idmap=self.idmap.mode,
+            idmap=self.idmap.to_dict(), origin=self.origin, label=self.label,
         ))
 
     def _setup_error(self, steps: Sequence[native.Step], step: int, err: int) -> NsboxError:
@@ -271,7 +276,7 @@ class Sandbox:
         except FileNotFoundError:
             await self._make_workdir(identity)
         info = registry.read(self.id)
-        if info is not None:
+        if info is not None and not self._attached:
             info.workdir = self.workdir
             registry.write(info)
 
@@ -286,8 +291,43 @@ class Sandbox:
                 raise SandboxSetupError(f"creating the working directory {self.workdir} failed: "
                                         f"{(r.stderr or r.stdout).strip()}")
 
+    @classmethod
+    async def attach(cls, sandbox_id: str) -> "Sandbox":
+        """Connects to a running sandbox that another process created (or
+        that was detached). close() then only disconnects."""
+        info = registry.read(sandbox_id)
+        if info is None:
+            raise SandboxUnavailable(f"no sandbox {sandbox_id!r}", hint="`nsbox ps` lists the sandboxes")
+        if not info.init_alive:
+            raise SandboxUnavailable(f"sandbox {sandbox_id} is not running any more",
+                                     hint=f"`nsbox rm {sandbox_id}` removes what is left of it")
+        sb = cls(None if info.rootfs == "host" else info.rootfs, user=info.user, workdir=info.workdir or None)
+        sb.id, sb.hostname, sb.label, sb.origin = info.id, info.hostname, info.label, info.origin
+        sb.idmap = idmap.IdMap.from_dict(info.idmap)
+        sb.pid = info.init_pid
+        sb._attached = True
+        sb._detached = info.detached
+        sb._state = "starting"
+        try:
+            sb._pidfd = os.pidfd_open(info.init_pid)
+            if not info.init_alive:  # the pid was recycled between the checks
+                raise SandboxUnavailable(f"sandbox {sandbox_id} is not running any more")
+            sb._ctl = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            sb._ctl.connect(os.fspath(registry.sandbox_dir(info.id) / registry.SOCKET))
+            sb._ctl.setblocking(False)
+            sb._devnull = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
+            await sb._settle_identity()
+        except BaseException as e:
+            await sb._teardown()
+            if isinstance(e, OSError):
+                raise SandboxUnavailable(f"cannot connect to sandbox {sandbox_id}: {e.strerror}") from None
+            raise
+        sb._state = "running"
+        return sb
+
     async def close(self) -> None:
-        """Stops every process of the sandbox and deletes its writable layer."""
+        """Stops every process of the sandbox and deletes its writable layer
+        (for an attached sandbox: disconnects)."""
         if self._state in ("new", "closed"):
             self._state = "closed"
             return
@@ -296,6 +336,15 @@ class Sandbox:
 
     async def _teardown(self) -> None:
         self._state = "closed"
+        if self._attached:
+            for fd in (self._pidfd, self._devnull):
+                if fd >= 0:
+                    os.close(fd)
+            self._pidfd = self._devnull = -1
+            if self._ctl is not None:
+                self._ctl.close()
+                self._ctl = None
+            return
         if self._ctl is not None:
             if self._detached:
                 try:
@@ -527,14 +576,44 @@ class Sandbox:
         assert outcome.returncode is not None
         return outcome.returncode
 
+    async def spawn(self, cmd: Sequence[str], *, cwd: str | None = None, env: Mapping[str, str] | None = None,
+                    user: str | None = None) -> None:
+        """Starts `cmd` in the background, its stdio on /dev/null; it runs on
+        its own, like a command started with `&`. A command that cannot be
+        started raises as exec would; a later exit is not reported."""
+        self._require_running()
+        identity = await self._identity_for(user)
+        if identity is None:
+            raise UserUnsupported(f"unable to find user {user}: no matching entries in passwd file")
+        message, memfd, workdir = self._exec_request(list(cmd), identity, cwd, env, flags=protocol.F_DETACHED)
+        chan, chan_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        with chan:
+            try:
+                fds = [chan_child.fileno(), self._devnull, self._devnull, self._devnull]
+                await self._send(message, fds + ([memfd] if memfd is not None else []))
+            finally:
+                chan_child.close()
+                if memfd is not None:
+                    os.close(memfd)
+            # A failure to start comes back at once; a started command stays quiet.
+            chan.setblocking(False)
+            with anyio.move_on_after(0.3):
+                await anyio.wait_readable(chan)
+                data = chan.recv(protocol.REPLY.size)
+                if len(data) == protocol.REPLY.size:
+                    reply = protocol.Reply(*protocol.REPLY.unpack(data))
+                    if reply.kind == protocol.REPLY_FAIL:
+                        result = _failed_start(reply, cmd[0], workdir)
+                        raise NsboxError(result.stderr.strip())
+
     def _exec_request(self, cmd: list[str], identity: users.Identity, cwd: str | None,
-                      env: Mapping[str, str] | None) -> tuple[bytes, int | None, str]:
+                      env: Mapping[str, str] | None, flags: int = 0) -> tuple[bytes, int | None, str]:
         workdir = posixpath.join(self.workdir, cwd) if cwd else self.workdir
         full_env = {"PATH": DEFAULT_PATH, "HOME": identity.home, **self.env, **(env or {})}
         strings = [os.fsencode(workdir), *map(os.fsencode, cmd),
                    *(os.fsencode(f"{k}={v}") for k, v in full_env.items())]
         message, memfd = protocol.encode(protocol.OP_EXEC, self._creds(identity), strings,
-                                         argc=len(cmd), envc=len(full_env))
+                                         argc=len(cmd), envc=len(full_env), flags=flags)
         return message, memfd, workdir
 
     async def read_file(self, file: str, text: bool = True) -> str | bytes:

@@ -12,6 +12,7 @@ class Identity:
     gid: int
     groups: tuple[int, ...]  # supplementary groups, primary gid first
     home: str
+    shell: str = "/bin/sh"
 
 
 ROOT = Identity("root", 0, 0, (0,), "/root")
@@ -44,7 +45,7 @@ def lookup(user: str, passwd: str, group: str) -> Identity | None:
             return Identity(user, int(user), 0, (0,), "/")
         return None
     try:
-        name, uid, gid, home = entry[0], int(entry[2]), int(entry[3]), entry[5] or "/"
+        name, uid, gid, home, shell = entry[0], int(entry[2]), int(entry[3]), entry[5] or "/", entry[6] or "/bin/sh"
     except ValueError:
         return None
     groups = [gid]
@@ -57,4 +58,4 @@ def lookup(user: str, passwd: str, group: str) -> Identity | None:
                 continue
             if g not in groups:
                 groups.append(g)
-    return Identity(name, uid, gid, tuple(groups), home)
+    return Identity(name, uid, gid, tuple(groups), home, shell)

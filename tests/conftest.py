@@ -9,7 +9,6 @@ another mode.
 
 from __future__ import annotations
 
-import inspect
 import os
 from pathlib import Path
 from typing import AsyncIterator
@@ -36,13 +35,6 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     if expected and expected != MODE.mode:
         pytest.exit(f"expected identity mode {expected!r} but this user gets {MODE.mode!r}: {MODE.reason}",
                     returncode=3)
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # Every coroutine test (ours and Inspect's conformance checks) runs on anyio.
-    for item in items:
-        if inspect.iscoroutinefunction(getattr(item, "function", None)):
-            item.add_marker(pytest.mark.anyio)
 
 
 @pytest.fixture(scope="session")
