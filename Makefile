@@ -22,4 +22,4 @@ bench:
 	$(PYTHON) bench/bench.py
 
 clean:
-	rm -rf build dist *.egg-info nsbox/_native*.so nsbox/_native.c nsbox/nsbox-init rootfs/build
+	rm -rf build dist *.egg-info nsbox/_native*.so nsbox/_native.c nsbox/nsbox-init nsbox/nsbox-create rootfs/build

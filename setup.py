@@ -13,43 +13,48 @@ from setuptools import setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).parent.resolve()
-INIT_NAME = "nsbox-init"
+# The static programs nsbox runs: the sandbox's PID 1, and the helper that
+# creates a sandbox's namespaces.
+PROGRAMS = {
+    "nsbox-init": ["init.c"],
+    "nsbox-create": ["create.c", "spec.c"],
+}
 
 
-class BuildExtWithInit(build_ext):
-    """Builds the cffi module, then the sandbox init as a static executable.
+class BuildExtWithPrograms(build_ext):
+    """Builds the cffi module, then the two static programs.
 
     The init runs as PID 1 inside root filesystems that may have no C library
-    at all, so it must be linked statically.
+    at all, so both are linked statically (the helper for a fast exec).
     """
 
     def run(self) -> None:
         super().run()
         out_dir = (ROOT / "nsbox") if self.inplace else Path(self.build_lib) / "nsbox"
         out_dir.mkdir(parents=True, exist_ok=True)
-        target = out_dir / INIT_NAME
         cc = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
-        cmd = [
-            *cc, "-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror=implicit-function-declaration",
-            "-static", "-o", str(target), str(ROOT / "csrc" / "init.c"),
-        ]
-        self.announce("building " + INIT_NAME + ": " + " ".join(cmd), level=2)
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise SystemExit(
-                f"nsbox: building the static sandbox init failed:\n{result.stderr}\n"
-                "nsbox needs a C compiler and a static C library "
-                "(Debian/Ubuntu: libc6-dev; Fedora/RHEL: glibc-static)."
-            )
+        for name, sources in PROGRAMS.items():
+            cmd = [
+                *cc, "-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror=implicit-function-declaration",
+                "-static", "-o", str(out_dir / name), *(str(ROOT / "csrc" / s) for s in sources),
+            ]
+            self.announce(f"building {name}: " + " ".join(cmd), level=2)
+            result = subprocess.run(cmd, capture_output=True, text=True)
+            if result.returncode != 0:
+                raise SystemExit(
+                    f"nsbox: building {name} failed:\n{result.stderr}\n"
+                    "nsbox needs a C compiler and a static C library "
+                    "(Debian/Ubuntu: libc6-dev; Fedora/RHEL: glibc-static)."
+                )
 
     def get_outputs(self) -> list[str]:
         outputs = super().get_outputs()
         if not self.inplace:
-            outputs.append(str(Path(self.build_lib) / "nsbox" / INIT_NAME))
+            outputs += [str(Path(self.build_lib) / "nsbox" / name) for name in PROGRAMS]
         return outputs
 
 
 setup(
     cffi_modules=["nsbox/_build_ffi.py:ffibuilder"],
-    cmdclass={"build_ext": BuildExtWithInit},
+    cmdclass={"build_ext": BuildExtWithPrograms},
 )

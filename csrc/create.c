@@ -1,11 +1,11 @@
 /*
- * create.c - clone a child into new namespaces and set up its root.
+ * create.c - nsbox-create: clone a child into new namespaces, set up its root.
  *
- * nsbox_spawn() is called from the Python process. It clones a child with
- * fork semantics (no shared memory) straight into the new user, mount, PID,
- * IPC, UTS and network namespaces, so the child is PID 1 of its namespace.
- * The host process may be multi-threaded, so from the clone until execve the
- * child only makes system calls: no malloc, no stdio, no locks.
+ * A small static program that the Python process starts once and asks to
+ * create each sandbox (the zygote, see create.h). It clones a child
+ * straight into the new user, mount, PID, IPC, UTS, cgroup and network
+ * namespaces, so the child is PID 1 of its namespace and, with
+ * CLONE_PARENT, a child of the Python process.
  *
  * The child:
  *   1. moves the descriptors the program keeps to 3, 4, ... and closes every
@@ -31,6 +31,7 @@
 #include <sys/mount.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <stdlib.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -383,24 +384,110 @@ static void __attribute__((noreturn)) child(const struct nsbox_spec *spec)
     _exit(127);
 }
 
-int nsbox_spawn(const struct nsbox_spec *spec, int *pidfd)
+static void reply(int sock, int pid, int err, int pidfd)
 {
-    *pidfd = -1;
+    struct nsbox_zygote_reply r = {.pid = pid, .err = err};
+    struct iovec iov = {.iov_base = &r, .iov_len = sizeof r};
+    union {
+        char buf[CMSG_SPACE(sizeof(int))];
+        struct cmsghdr align;
+    } u;
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1};
+    if (pidfd >= 0) {
+        msg.msg_control = u.buf;
+        msg.msg_controllen = sizeof u.buf;
+        struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(sizeof(int));
+        memcpy(CMSG_DATA(c), &pidfd, sizeof(int));
+    }
+    sendmsg(sock, &msg, MSG_NOSIGNAL);
+}
+
+#define MAX_FDS 12
+
+/* Serves one creation request; fds[0] is the reply socket, fds[1] the spec. */
+static void serve(int *fds, int nfds)
+{
+    struct stat st;
+    char *buf = NULL;
+    struct nsbox_spec spec;
+    int err = EINVAL;
+    if (nfds < 2 || fstat(fds[1], &st) < 0 || st.st_size <= 0 || !(buf = malloc((size_t)st.st_size)))
+        goto out;
+    if (pread(fds[1], buf, (size_t)st.st_size, 0) != st.st_size || nsbox_spec_unpack(buf, (unsigned long)st.st_size, &spec))
+        goto out;
+    if (nfds != 2 + nsbox_spec_fds(&spec))
+        goto out;
+    /* The descriptors, in the order create.h gives. */
+    int next = 2;
+    spec.sync_fd = fds[next++];
+    spec.error_fd = fds[next++];
+    if (spec.exec_fd >= 0)
+        spec.exec_fd = fds[next++];
+    for (int i = 0; i < spec.nkeep; i++) {
+        if (spec.keep_fds[i] >= 0)
+            spec.keep_fds[i] = fds[next++];
+    }
+
+    int pidfd = -1;
     struct clone_args args;
     memset(&args, 0, sizeof args);
-    args.flags = spec->clone_flags | CLONE_PIDFD;
-    args.pidfd = (uint64_t)(uintptr_t)pidfd;
-    args.exit_signal = SIGCHLD;
+    /* With CLONE_PARENT the child's exit signal is ours (SIGCHLD); clone3
+     * requires exit_signal to be 0 then. */
+    args.flags = spec.clone_flags | CLONE_PARENT | CLONE_PIDFD;
+    args.pidfd = (uint64_t)(uintptr_t)&pidfd;
     long pid = syscall(SYS_clone3, &args, sizeof args);
-    if (pid < 0 && errno == ENOSYS) {
-        /* Kernels before 5.3: plain clone, then a pidfd if there is one. */
-        pid = syscall(SYS_clone, spec->clone_flags | SIGCHLD, 0, 0, 0, 0);
-        if (pid > 0)
-            *pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
-    }
-    if (pid < 0)
-        return -errno;
     if (pid == 0)
-        child(spec);
-    return (int)pid;
+        child(&spec); /* it closes every descriptor it does not need first */
+    reply(fds[0], pid > 0 ? (int)pid : -1, pid < 0 ? errno : 0, pidfd);
+    if (pidfd >= 0)
+        close(pidfd);
+    err = 0;
+    free((void *)spec.steps);
+    free((void *)spec.argv);
+    free((void *)spec.envp);
+out:
+    if (err)
+        reply(fds[0], -1, err, -1);
+    free(buf);
+    for (int i = 0; i < nfds; i++)
+        close(fds[i]);
+}
+
+/*
+ * nsbox-create: the zygote (see create.h). Reads creation requests from
+ * its socket until the Python process that started it goes away.
+ */
+int main(void)
+{
+    for (;;) {
+        char byte;
+        struct iovec iov = {.iov_base = &byte, .iov_len = 1};
+        union {
+            char buf[CMSG_SPACE(sizeof(int) * MAX_FDS)];
+            struct cmsghdr align;
+        } u;
+        struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = u.buf, .msg_controllen = sizeof u.buf};
+        ssize_t n = recvmsg(NSBOX_ZYGOTE_SOCKET, &msg, MSG_CMSG_CLOEXEC);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0)
+            return 0;
+        int fds[MAX_FDS], nfds = 0;
+        for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
+            if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
+                continue;
+            int k = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+            for (int i = 0; i < k && nfds < MAX_FDS; i++)
+                memcpy(&fds[nfds++], CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+        }
+        if (msg.msg_flags & MSG_CTRUNC) {
+            for (int i = 0; i < nfds; i++)
+                close(fds[i]);
+            continue;
+        }
+        serve(fds, nfds);
+    }
 }

@@ -76,6 +76,32 @@ enum nsbox_setup_stage {
     NSBOX_SETUP_LOCK = -5, /* creating the locked namespaces failed */
 };
 
-/* Clones the child described by `spec`. Returns its pid (and its pidfd in
- * *pidfd, or -1 if the kernel has none) or -errno. The child never returns. */
-int nsbox_spawn(const struct nsbox_spec *spec, int *pidfd);
+/*
+ * The Python process creates sandboxes through nsbox-create (csrc/create.c),
+ * a small static "zygote" it starts once with nsbox_start_zygote(): cloning
+ * the Python process itself would copy its page tables, which costs
+ * milliseconds per sandbox for a large process. For each sandbox the zygote
+ * receives one message on its socket (fd NSBOX_ZYGOTE_SOCKET) carrying, as
+ * SCM_RIGHTS and in this order: a socket for the reply, a memfd with the
+ * spec (nsbox_spec_pack), the sync and error pipes, the program to exec
+ * (if the spec has one) and the keep_fds that are present. It clones the
+ * sandbox's first process with CLONE_PARENT, so that process is a child of
+ * the Python process, and replies with struct nsbox_zygote_reply and the
+ * child's pidfd. EOF on its socket (the Python process exited) ends it.
+ */
+#define NSBOX_ZYGOTE_SOCKET 3
+
+struct nsbox_zygote_reply {
+    int pid; /* > 0, or -1 with err set */
+    int err;
+};
+
+/* Starts the zygote `path` with `sock` as its socket; returns its pid or -errno. */
+int nsbox_start_zygote(const char *path, int sock);
+
+/* spec.c: the spec, serialized with its strings; unpack() points into buf
+ * and leaves every descriptor at -1. nsbox_spec_fds() says how many
+ * descriptors follow the spec in the zygote's message. */
+int nsbox_spec_pack(const struct nsbox_spec *spec, int fd);
+int nsbox_spec_unpack(char *buf, unsigned long len, struct nsbox_spec *spec);
+int nsbox_spec_fds(const struct nsbox_spec *spec);

@@ -1,4 +1,4 @@
-"""cffi build script for nsbox._native: the namespace/setup code in csrc/create.c.
+"""cffi build script for nsbox._native: nsbox_spawn() (csrc/spawn.c, csrc/spec.c).
 
 The C headers are the single source of truth for the structures and constants
 shared with Python; the cdef below is read from them, dropping the
@@ -34,7 +34,7 @@ ffibuilder.set_source(
     "nsbox._native",
     '#include "protocol.h"\n#include "create.h"\n',
     # setuptools insists on paths relative to setup.py.
-    sources=[os.path.relpath(CSRC / "create.c")],
+    sources=[os.path.relpath(CSRC / "spawn.c"), os.path.relpath(CSRC / "spec.c")],
     include_dirs=[os.path.relpath(CSRC)],
     extra_compile_args=["-std=gnu11", "-Wall", "-Wextra", "-O2"],
 )

@@ -1,11 +1,13 @@
 """Where nsbox keeps its state: XDG directories, checked before use.
 
-- runtime: $XDG_RUNTIME_DIR/nsbox (registry of live sandboxes, sockets)
+- runtime: $XDG_RUNTIME_DIR/nsbox (registry of live sandboxes, sockets),
+           else a private /dev/shm/nsbox-$UID (tmpfs), else $TMPDIR/nsbox-$UID
 - data:    $XDG_DATA_HOME/nsbox (the sandboxes' writable layers)
 - cache:   $XDG_CACHE_HOME/nsbox
 
 $XDG_RUNTIME_DIR is often unset or wrong (root, SSH without systemd, su);
-then a private directory of our own under the temporary directory is used.
+then a private directory of our own on /dev/shm or under the temporary
+directory is used.
 A directory that someone else owns, or that others can write to, is refused:
 it would let them plant sockets or layers in a sandbox.
 """
@@ -20,8 +22,22 @@ from pathlib import Path
 from .errors import NsboxError
 
 
+_checked: dict[Path, Path] = {}
+
+
 def _checked_private_dir(path: Path) -> Path:
-    """Creates `path` (mode 0700) if needed and verifies it is ours alone."""
+    """Creates `path` (mode 0700) if needed and verifies it is ours alone.
+
+    The check runs once per process and directory; later calls only make
+    sure it still exists.
+    """
+    if path in _checked and os.path.isdir(path):
+        return path
+    _checked[path] = _check_private_dir(path)
+    return path
+
+
+def _check_private_dir(path: Path) -> Path:
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
         st = os.lstat(path)
@@ -54,14 +70,18 @@ def _usable_runtime_base(value: str | None) -> Path | None:
 
 
 def runtime_dir() -> Path:
-    """Registry and sockets of live sandboxes."""
+    """Registry and sockets of live sandboxes: small files, best on tmpfs."""
     override = os.environ.get("NSBOX_STATE_DIR")
     if override:
         return _checked_private_dir(Path(override) / "run")
     base = _usable_runtime_base(os.environ.get("XDG_RUNTIME_DIR"))
     if base is not None:
         return _checked_private_dir(base / "nsbox")
-    return _checked_private_dir(Path(tempfile.gettempdir()) / f"nsbox-{os.geteuid()}")
+    # /dev/shm is a tmpfs almost everywhere, and world-writable like /tmp.
+    name = f"nsbox-{os.geteuid()}"
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK | os.X_OK):
+        return _checked_private_dir(Path("/dev/shm") / name)
+    return _checked_private_dir(Path(tempfile.gettempdir()) / name)
 
 
 def _home_based(env: str, default: str) -> Path:

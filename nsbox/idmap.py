@@ -135,8 +135,26 @@ SINGLE_FIX = (
 )
 
 
+_detected: dict[tuple[object, ...], IdMap] = {}
+
+
 def detect(requested: Literal["auto", "single"] = "auto") -> IdMap:
-    """The best mapping available to the current user."""
+    """The best mapping available to the current user (remembered until
+    /etc/subuid or /etc/subgid change)."""
+    def stamp(path: str) -> tuple[int, int] | None:
+        try:
+            st = os.stat(path)
+            return st.st_mtime_ns, st.st_size
+        except OSError:
+            return None
+
+    key = (os.geteuid(), os.getegid(), requested, stamp("/etc/subuid"), stamp("/etc/subgid"))
+    if key not in _detected:
+        _detected[key] = _detect(requested)
+    return _detected[key]
+
+
+def _detect(requested: Literal["auto", "single"]) -> IdMap:
     uid, gid = os.geteuid(), os.getegid()
     try:
         name = pwd.getpwuid(uid).pw_name

@@ -1,12 +1,18 @@
 """The C helper, seen from Python: setup steps and nsbox_spawn().
 
-Everything that runs between clone and exec is C (csrc/create.c); this module
-only packs the steps Python composed into the structures create.h defines.
+Everything that runs between clone and exec is C (csrc/create.c, in the
+nsbox-create helper that nsbox_spawn starts); this module only packs the
+steps Python composed into the structures create.h defines.
 """
 
 from __future__ import annotations
 
+import array
+import errno
 import os
+import socket
+import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -14,6 +20,7 @@ from typing import Sequence
 from ._native import ffi, lib
 
 INIT_BINARY = Path(__file__).resolve().parent / "nsbox-init"
+CREATE_HELPER = os.fsencode(Path(__file__).resolve().parent / "nsbox-create")
 
 # Namespace flags from <linux/sched.h>.
 CLONE_NEWNS = 0x00020000
@@ -100,7 +107,7 @@ def loopback_up() -> Step:
 
 
 class _Keep:
-    """Holds the cffi allocations a spec points to until the call returns."""
+    """Holds the cffi allocations a spec points to until it is packed."""
 
     def __init__(self) -> None:
         self.objs: list[object] = []
@@ -122,7 +129,99 @@ class _Keep:
         return arr
 
 
-def spawn(
+def _pack(steps: Sequence[Step], clone_flags: int, argv: Sequence[str], envp: Sequence[str], keep_fds: Sequence[int],
+          has_exec: bool, keep_stdio: bool, new_session: bool, lock_maps: tuple[str, str] | None,
+          lock_slot: int) -> int:
+    """The spec, serialized by nsbox_spec_pack into a new memfd."""
+    keep = _Keep()
+    c_steps = ffi.new("struct nsbox_step[]", max(len(steps), 1))
+    for i, s in enumerate(steps):
+        c = c_steps[i]
+        c.kind, c.slot, c.mode, c.flags = s.kind, s.slot, s.mode, s.flags
+        c.attr_set, c.attr_clr = s.attr_set, s.attr_clr
+        c.a, c.b, c.c, c.d = keep.str(s.a), keep.str(s.b), keep.str(s.c), keep.str(s.d)
+    spec = ffi.new("struct nsbox_spec *")
+    spec.clone_flags = clone_flags
+    spec.steps = c_steps
+    spec.nsteps = len(steps)
+    if len(keep_fds) > 4:
+        raise ValueError("at most 4 descriptors can be passed on")
+    for i, fd in enumerate(keep_fds):
+        spec.keep_fds[i] = fd
+    spec.nkeep = len(keep_fds)
+    spec.exec_fd = 0 if has_exec else -1
+    spec.argv = keep.strv(argv)
+    spec.envp = keep.strv(envp)
+    spec.keep_stdio = int(keep_stdio)
+    spec.new_session = int(new_session)
+    if lock_maps is not None:
+        spec.lock_uid_map = keep.str(lock_maps[0])
+        spec.lock_gid_map = keep.str(lock_maps[1])
+    spec.lock_slot = lock_slot
+    memfd = os.memfd_create("nsbox-spec", os.MFD_CLOEXEC)
+    rc = lib.nsbox_spec_pack(spec, memfd)
+    if rc < 0:
+        os.close(memfd)
+        raise OSError(-rc, os.strerror(-rc))
+    return memfd
+
+
+class _Zygote:
+    """The nsbox-create process that clones sandboxes for this process."""
+
+    def __init__(self) -> None:
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            pid = lib.nsbox_start_zygote(CREATE_HELPER, theirs.fileno())
+        finally:
+            theirs.close()
+        if pid < 0:
+            self.sock.close()
+            raise OSError(-pid, f"starting nsbox-create: {os.strerror(-pid)}")
+        self.pid = pid
+        self.owner = os.getpid()
+
+    def close(self) -> None:
+        self.sock.close()  # EOF: it exits
+        try:
+            os.waitpid(self.pid, 0)
+        except ChildProcessError:
+            pass
+
+
+_zygote: _Zygote | None = None
+_zygote_lock = threading.Lock()
+
+
+def _forget_zygote_after_fork() -> None:
+    # A forked child must not use its parent's zygote: CLONE_PARENT would
+    # make the parent, not the child, the sandbox's parent.
+    global _zygote
+    if _zygote is not None:
+        _zygote.sock.close()
+    _zygote = None
+
+
+os.register_at_fork(after_in_child=_forget_zygote_after_fork)
+
+
+def zygote_pid() -> int | None:
+    """The pid of this process's nsbox-create zygote, if it runs."""
+    return _zygote.pid if _zygote is not None and _zygote.owner == os.getpid() else None
+
+
+def _zygote_socket(restart: bool = False) -> socket.socket:
+    global _zygote
+    with _zygote_lock:
+        if restart and _zygote is not None:
+            _zygote.close()
+            _zygote = None
+        if _zygote is None:
+            _zygote = _Zygote()
+        return _zygote.sock
+
+
+def request_spawn(
     *,
     clone_flags: int,
     steps: Sequence[Step],
@@ -136,41 +235,48 @@ def spawn(
     new_session: bool,
     lock_maps: tuple[str, str] | None = None,
     lock_slot: int = 0,
-) -> tuple[int, int]:
-    """Clones the setup child; returns (pid, pidfd). Raises OSError on failure."""
-    keep = _Keep()
-    c_steps = ffi.new("struct nsbox_step[]", max(len(steps), 1))
-    for i, s in enumerate(steps):
-        c = c_steps[i]
-        c.kind = s.kind
-        c.slot = s.slot
-        c.mode = s.mode
-        c.flags = s.flags
-        c.attr_set = s.attr_set
-        c.attr_clr = s.attr_clr
-        c.a, c.b, c.c, c.d = keep.str(s.a), keep.str(s.b), keep.str(s.c), keep.str(s.d)
-    spec = ffi.new("struct nsbox_spec *")
-    spec.clone_flags = clone_flags
-    spec.steps = c_steps
-    spec.nsteps = len(steps)
-    spec.sync_fd = sync_fd
-    spec.error_fd = error_fd
-    if len(keep_fds) > 4:
-        raise ValueError("at most 4 descriptors can be passed on")
-    for i, fd in enumerate(keep_fds):
-        spec.keep_fds[i] = fd
-    spec.nkeep = len(keep_fds)
-    spec.exec_fd = exec_fd
-    spec.argv = keep.strv(argv)
-    spec.envp = keep.strv(envp)
-    spec.keep_stdio = int(keep_stdio)
-    spec.new_session = int(new_session)
-    if lock_maps is not None:
-        spec.lock_uid_map = keep.str(lock_maps[0])
-        spec.lock_gid_map = keep.str(lock_maps[1])
-    spec.lock_slot = lock_slot
-    pidfd = ffi.new("int *")
-    pid = lib.nsbox_spawn(spec, pidfd)
-    if pid < 0:
-        raise OSError(-pid, os.strerror(-pid))
-    return pid, pidfd[0]
+) -> socket.socket:
+    """Asks the zygote to clone the process described; returns the socket
+    its reply arrives on (read it with read_spawn_reply)."""
+    memfd = _pack(steps, clone_flags, argv, envp, keep_fds, exec_fd >= 0, keep_stdio, new_session,
+                  lock_maps, lock_slot)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        fds = [theirs.fileno(), memfd, sync_fd, error_fd] + ([exec_fd] if exec_fd >= 0 else [])
+        fds += [fd for fd in keep_fds if fd >= 0]
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+        for attempt in (0, 1):
+            try:
+                _zygote_socket(restart=attempt > 0).sendmsg([b"s"], anc)
+                break
+            except (BrokenPipeError, ConnectionResetError):
+                if attempt:
+                    raise  # a fresh zygote died at once
+    except BaseException:
+        ours.close()
+        raise
+    finally:
+        theirs.close()
+        os.close(memfd)
+    return ours
+
+
+def read_spawn_reply(sock: socket.socket) -> tuple[int, int]:
+    """(pid, pidfd) of the cloned process; raises OSError if cloning failed."""
+    data, fds, _, _ = socket.recv_fds(sock, ffi.sizeof("struct nsbox_zygote_reply"), 1)
+    if len(data) != ffi.sizeof("struct nsbox_zygote_reply"):
+        for fd in fds:
+            os.close(fd)
+        raise OSError(errno.EIO, "nsbox-create stopped before answering")
+    pid, err = struct.unpack("=ii", data)
+    if pid <= 0:
+        for fd in fds:
+            os.close(fd)
+        raise OSError(err, os.strerror(err))
+    return pid, (fds[0] if fds else -1)
+
+
+def spawn(**kwargs: object) -> tuple[int, int]:
+    """request_spawn + read_spawn_reply, blocking (for synchronous callers)."""
+    with request_spawn(**kwargs) as sock:  # type: ignore[arg-type]
+        return read_spawn_reply(sock)

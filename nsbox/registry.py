@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -74,10 +74,15 @@ def sandbox_dir(sandbox_id: str) -> Path:
 
 def write(info: SandboxInfo) -> None:
     """Records `info` atomically (write to a temporary file, then rename)."""
-    d = sandbox_dir(info.id)
-    tmp = d / (INFO + ".tmp")
-    tmp.write_text(json.dumps(asdict(info), indent=1))
-    os.replace(tmp, d / INFO)
+    d = os.fspath(sandbox_dir(info.id))
+    data = json.dumps({f.name: getattr(info, f.name) for f in fields(info)}, indent=1).encode()
+    tmp = os.path.join(d, INFO + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+    os.replace(tmp, os.path.join(d, INFO))
 
 
 def read(sandbox_id: str) -> SandboxInfo | None:

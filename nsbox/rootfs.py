@@ -17,15 +17,20 @@ host. plan() returns every step, in the order the C helper runs them.
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import os
 import posixpath
 import shutil
 import stat
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from . import native as n
+from .dirs import cache_dir, data_dir
 from .errors import SandboxSetupError
 from .idmap import IdMap
 
@@ -43,19 +48,58 @@ def _escape_overlay_path(path: Path) -> str:
     return s
 
 
-def _overlay(lower: Path, upper: Path, work: Path, target: Path, what: str) -> n.Step:
+def _overlay(lowers: list[Path], upper: Path, work: Path, target: Path, what: str) -> n.Step:
     # userxattr: overlayfs mounted inside a user namespace must keep its
     # metadata in user.* xattrs; without it directory renames fail with EIO.
     data = (
-        f"lowerdir={_escape_overlay_path(lower)},upperdir={_escape_overlay_path(upper)},"
+        f"lowerdir={':'.join(_escape_overlay_path(p) for p in lowers)},upperdir={_escape_overlay_path(upper)},"
         f"workdir={_escape_overlay_path(work)},userxattr"
     )
     return n.mount("overlay", os.fspath(target), "overlay", 0, data, what)
 
 
+_built: dict[str, Path] = {}
+
+
+def _cached_dir(kind: str, content: object, build: "Callable[[Path], None]") -> Path:
+    """A directory built once per content (and kept under the cache dir),
+    used as a shared read-only overlay layer. Built aside and renamed into
+    place, so concurrent sandboxes never see a half-built one."""
+    key = f"{kind}-" + hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
+    if key in _built and os.path.isdir(_built[key]):
+        return _built[key]
+    final = cache_dir() / "layers" / key
+    if final.is_dir():
+        _built[key] = final
+        return final
+    final.parent.mkdir(exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{kind}-", dir=final.parent))
+    try:
+        build(tmp)
+        os.chmod(tmp, 0o755)
+        os.rename(tmp, final)
+    except OSError:
+        remove_tree(tmp)
+        if not final.is_dir():
+            raise
+    _built[key] = final
+    return final
+
+
 @dataclass(frozen=True)
 class HostRootfs:
-    """The built-in default root filesystem, composed from this host."""
+    """The built-in default root filesystem, composed from this host.
+
+    Its root is an overlayfs whose lower layer is a cached skeleton (the
+    top-level directories, with their modes) and /etc another one: the
+    fresh identity files over the host's /etc. A new sandbox needs only
+    empty upper layers, which keeps creating and deleting it cheap.
+    """
+
+    SKELETON = {
+        "etc": 0o755, "usr": 0o755, "root": 0o700, "home": 0o755, "tmp": 0o1777, "var": 0o755,
+        "var/tmp": 0o1777, "run": 0o755, "proc": 0o555, "dev": 0o755, "mnt": 0o755,
+    }
 
     def __str__(self) -> str:
         return "host"
@@ -63,37 +107,25 @@ class HostRootfs:
     def describe(self) -> str:
         return "the host-composed default (this host's /usr, read-only)"
 
-    def prepare(self, layer: Path, hostname: str) -> Path:
-        """Creates the writable skeleton; returns the directory to pivot into."""
-        root = layer / "root"
-        dirs = {
-            "etc": 0o755, "usr": 0o755, "root": 0o700, "home": 0o755, "tmp": 0o1777,
-            "var": 0o755, "var/tmp": 0o1777, "run": 0o755, "proc": 0o555, "dev": 0o755,
-            "mnt": 0o755,
-        }
-        root.mkdir(mode=0o755)
-        for rel, mode in dirs.items():
-            d = root / rel
-            d.mkdir()
-            os.chmod(d, mode)
-        for name in self._usr_links():
-            os.symlink(os.readlink(f"/{name}"), root / name)
-        for name in self._real_top_dirs():
-            (root / name).mkdir()
-        etc = layer / "etc-upper"
-        etc.mkdir()
-        (layer / "etc-work").mkdir()
-        for fname, text, mode in _fresh_etc(hostname):
-            p = etc / fname
-            p.write_text(text)
-            os.chmod(p, mode)
-        return root
+    def prepare(self, layer: Path, hostname: str) -> None:
+        for name in ("upper", "work", "etc-upper", "etc-work"):
+            (layer / name).mkdir()
+        for fname, text in (("hostname", f"{hostname}\n"), ("hosts", _hosts(hostname))):
+            (layer / "etc-upper" / fname).write_text(text)
+
+    def identity_files(self) -> dict[str, str]:
+        """The sandbox's /etc/passwd and /etc/group as created: known here."""
+        return {name: text for name, text, _ in _fresh_etc()}
+
+    def known_dirs(self) -> set[str]:
+        return {"/" + d for d in self.SKELETON}
 
     @staticmethod
-    def _usr_links() -> list[str]:
-        return [name for name in USR_LINK_NAMES if os.path.islink(f"/{name}")]
+    def _usr_links() -> dict[str, str]:
+        return {name: os.readlink(f"/{name}") for name in USR_LINK_NAMES if os.path.islink(f"/{name}")}
 
     @staticmethod
+    @functools.cache
     def _real_top_dirs() -> list[str]:
         """/bin, /lib... on a host without merged /usr: bound read-only too."""
         return [
@@ -101,13 +133,38 @@ class HostRootfs:
             if not os.path.islink(f"/{name}") and os.path.isdir(f"/{name}")
         ]
 
+    @functools.cache
+    def _skeleton(self) -> Path:
+        links, real = self._usr_links(), self._real_top_dirs()
+
+        def build(d: Path) -> None:
+            for rel, mode in self.SKELETON.items():
+                (d / rel).mkdir()
+                os.chmod(d / rel, mode)
+            for name, target in links.items():
+                os.symlink(target, d / name)
+            for name in real:
+                (d / name).mkdir()
+
+        return _cached_dir("skeleton", [self.SKELETON, links, real], build)
+
+    @staticmethod
+    @functools.cache
+    def _etc() -> Path:
+        files = _fresh_etc()
+
+        def build(d: Path) -> None:
+            for fname, text, mode in files:
+                (d / fname).write_text(text)
+                os.chmod(d / fname, mode)
+
+        return _cached_dir("etc", files, build)
+
     def steps_before_pivot(self, layer: Path, root: Path, slots: "_Slots") -> list[n.Step]:
         steps = [
-            # A plain directory is not a mount point; binding it onto itself
-            # makes it one, which pivot_root requires.
-            n.mount(os.fspath(root), os.fspath(root), None, n.MS_BIND | n.MS_REC, None,
-                    f"bind the sandbox root {root}"),
-            _overlay(Path("/etc"), layer / "etc-upper", layer / "etc-work", root / "etc",
+            _overlay([self._skeleton()], layer / "upper", layer / "work", root,
+                     "mount the sandbox root (overlayfs over the host-root skeleton)"),
+            _overlay([self._etc(), Path("/etc")], layer / "etc-upper", layer / "etc-work", root / "etc",
                      "mount the writable /etc (overlayfs over the host's /etc)"),
         ]
         for name in ("usr", *self._real_top_dirs()):
@@ -138,14 +195,18 @@ class DirectoryRootfs:
     def describe(self) -> str:
         return f"the directory {self.path}"
 
-    def prepare(self, layer: Path, hostname: str) -> Path:
-        root = layer / "root"
-        for d in (root, layer / "upper", layer / "work"):
-            d.mkdir()
-        return root
+    def prepare(self, layer: Path, hostname: str) -> None:
+        for name in ("upper", "work"):
+            (layer / name).mkdir()
+
+    def identity_files(self) -> dict[str, str]:
+        return {}  # only the sandbox can read them safely (symlinks)
+
+    def known_dirs(self) -> set[str]:
+        return set()
 
     def steps_before_pivot(self, layer: Path, root: Path, slots: "_Slots") -> list[n.Step]:
-        return [_overlay(self.path, layer / "upper", layer / "work", root,
+        return [_overlay([self.path], layer / "upper", layer / "work", root,
                          f"mount the root filesystem (overlayfs over {self.path})")]
 
     def steps_after_pivot(self, slots: "_Slots") -> list[n.Step]:
@@ -285,7 +346,19 @@ def _bind_steps(bind: Bind, slot: int) -> list[n.Step]:
     return steps
 
 
-def _fresh_etc(hostname: str) -> list[tuple[str, str, int]]:
+def mount_point() -> Path:
+    """Where a sandbox's root is mounted before pivot_root. One directory
+    serves every sandbox: each mounts on it in its own mount namespace."""
+    path = data_dir() / "mnt"
+    path.mkdir(mode=0o700, exist_ok=True)
+    return path
+
+
+def _hosts(hostname: str) -> str:
+    return f"127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\t{hostname}\n"
+
+
+def _fresh_etc() -> list[tuple[str, str, int]]:
     """The identity files of the host-composed root: only root and nobody.
 
     Their backups ("passwd-"...), the shadow tools' lock and the subordinate
@@ -303,12 +376,7 @@ def _fresh_etc(hostname: str) -> list[tuple[str, str, int]]:
         ("subuid", "", 0o644),
         ("subgid", "", 0o644),
     ]
-    return identity + [(f"{name}-", text, mode) for name, text, mode in identity] + [
-        (".pwd.lock", "", 0o600),
-        ("hostname", f"{hostname}\n", 0o644),
-        ("hosts", f"127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
-                  f"127.0.1.1\t{hostname}\n", 0o644),
-    ]
+    return identity + [(f"{name}-", text, mode) for name, text, mode in identity] + [(".pwd.lock", "", 0o600)]
 
 
 def remove_tree(path: Path) -> None:
@@ -337,6 +405,36 @@ def remove_tree(path: Path) -> None:
             if st.st_uid == uid and not stat.S_ISLNK(st.st_mode):
                 os.chmod(full, 0o700)
     shutil.rmtree(path)
+
+
+# What prepare() and overlayfs leave in a layer the sandbox never wrote to,
+# deepest first; no other kind of layer exists.
+_UNTOUCHED = ("etc-upper/hosts", "etc-upper/hostname", "work/work", "etc-work/work",
+              "upper", "work", "etc-upper", "etc-work", "")
+
+
+def remove_untouched_layer(layer: Path) -> bool:
+    """Deletes `layer` if it holds only what a new sandbox has (a handful of
+    syscalls, no directory walk); False if the sandbox wrote to it."""
+    for rel in _UNTOUCHED:
+        path = os.path.join(layer, rel) if rel else os.fspath(layer)
+        try:
+            if rel.startswith("etc-upper/"):
+                os.unlink(path)
+            else:
+                os.rmdir(path)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            return False  # not empty: the sandbox wrote something
+    return True
+
+
+def layers_dir() -> Path:
+    path = data_dir() / "sandboxes"
+    if not path.is_dir():
+        path.mkdir(mode=0o700, exist_ok=True)
+    return path
 
 
 def remove_layer(layer: Path, mapping: IdMap | None) -> None:

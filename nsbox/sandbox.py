@@ -174,21 +174,52 @@ class Sandbox:
         self.idmap = idmap.detect(self._id_mapping)
         self.id = secrets.token_hex(6)
         self.hostname = self._requested_hostname or self.id
-        sandboxes = dirs.data_dir() / "sandboxes"
-        sandboxes.mkdir(mode=0o700, exist_ok=True)
-        self._layer = sandboxes / self.id
-        self._layer.mkdir(mode=0o700)
+        self._layer = rootfs_mod.layers_dir() / self.id
         self._rundir = dirs.runtime_dir() / self.id
         self._rundir.mkdir(mode=0o700)
-        new_root = self.rootfs.prepare(self._layer, self.hostname)
-        private_net = self.network == "none"
-        steps = rootfs_mod.plan(self.rootfs, self._layer, new_root, idmap=self.idmap,
-                            hostname=self.hostname, private_network=private_net, binds=self.mounts)
-
-        self._ctl, ctl_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        steps = rootfs_mod.plan(self.rootfs, self._layer, rootfs_mod.mount_point(), idmap=self.idmap,
+                                hostname=self.hostname, private_network=self.network == "none",
+                                binds=self.mounts)
         sync_r, sync_w = os.pipe()
         err_r, err_w = os.pipe()
+        try:
+            try:
+                await self._clone(steps, sync_r, err_w)
+            finally:
+                os.close(sync_r)
+                os.close(err_w)
+            # The child waits for its id maps before anything else.
+            if self.idmap.mode == "subuid":
+                await anyio.to_thread.run_sync(self.idmap.write, self.pid)
+            else:
+                self.idmap.write(self.pid)
+            os.write(sync_w, b"g")
+            os.close(sync_w)
+            sync_w = -1
+            # Known now or later: record the sandbox while its setup runs.
+            self.workdir = self._requested_workdir or self._known_default_home() or ""
+            self._register()
+            await anyio.wait_readable(err_r)
+            report = os.read(err_r, 64)
+        finally:
+            os.close(err_r)
+            if sync_w >= 0:
+                os.close(sync_w)
+        if report:
+            step, err = struct.unpack("=ii", report[:8])
+            raise self._setup_error(steps, step, err)
+        if _exited(self._pidfd):
+            raise SandboxSetupError("the sandbox's init exited right after starting")
+        self._ctl.setblocking(False)
+        self._devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
+
+    async def _clone(self, steps: Sequence[native.Step], sync_r: int, err_w: int) -> None:
+        """Has the zygote clone the sandbox's first process; sets pid, pidfd
+        and the control connection."""
+        assert self.idmap is not None and self._layer is not None and self._rundir is not None
+        self._ctl, ctl_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        init_fd = -1
         try:
             try:
                 listener.bind(os.fspath(self._rundir / registry.SOCKET))
@@ -197,53 +228,37 @@ class Sandbox:
                                         hint="a shorter NSBOX_STATE_DIR path may help") from None
             listener.listen(64)
             init_fd = os.open(native.INIT_BINARY, os.O_RDONLY | os.O_CLOEXEC)
+            flags = (native.CLONE_NEWUSER | native.CLONE_NEWNS | native.CLONE_NEWPID | native.CLONE_NEWIPC
+                     | native.CLONE_NEWUTS | native.CLONE_NEWCGROUP
+                     | (native.CLONE_NEWNET if self.network == "none" else 0))
             try:
-                flags = (native.CLONE_NEWUSER | native.CLONE_NEWNS | native.CLONE_NEWPID | native.CLONE_NEWIPC
-                         | native.CLONE_NEWUTS | native.CLONE_NEWCGROUP | (native.CLONE_NEWNET if private_net else 0))
-                try:
-                    self.pid, self._pidfd = native.spawn(
-                        clone_flags=flags, steps=steps, sync_fd=sync_r, error_fd=err_w,
-                        # fds 3..6 of the init: control, listener, and the
-                        # locked user and mount namespaces (NSBOX_FD_*).
-                        keep_fds=[ctl_child.fileno(), listener.fileno(), -1, -1], exec_fd=init_fd,
-                        argv=["nsbox-init", self.id], envp=[], keep_stdio=False, new_session=True,
-                        lock_maps=self.idmap.nested_identity(), lock_slot=native.lib.NSBOX_FD_USERNS - 3,
-                    )
-                except OSError as e:
-                    raise hostcheck.clone_failed(e.errno) from None
-            finally:
-                os.close(init_fd)
+                reply = native.request_spawn(
+                    clone_flags=flags, steps=steps, sync_fd=sync_r, error_fd=err_w,
+                    # fds 3..6 of the init: control, listener, and the
+                    # locked user and mount namespaces (NSBOX_FD_*).
+                    keep_fds=[ctl_child.fileno(), listener.fileno(), -1, -1], exec_fd=init_fd,
+                    argv=["nsbox-init", self.id], envp=[], keep_stdio=False, new_session=True,
+                    lock_maps=self.idmap.nested_identity(), lock_slot=native.lib.NSBOX_FD_USERNS - 3,
+                )
+                with reply:
+                    # The kernel creates the namespaces meanwhile; the child
+                    # needs the writable layer only once it has its maps.
+                    self._layer.mkdir(mode=0o700)
+                    self.rootfs.prepare(self._layer, self.hostname)
+                    await anyio.wait_readable(reply)
+                    self.pid, self._pidfd = native.read_spawn_reply(reply)
+            except OSError as e:
+                raise hostcheck.clone_failed(e.errno) from None
         finally:
-            for fd in (sync_r, err_w):
-                os.close(fd)
+            if init_fd >= 0:
+                os.close(init_fd)
             ctl_child.close()
             listener.close()
-        try:
-            try:
-                if self.idmap.mode == "subuid":
-                    await anyio.to_thread.run_sync(self.idmap.write, self.pid)
-                else:
-                    self.idmap.write(self.pid)
-                os.write(sync_w, b"g")
-            finally:
-                os.close(sync_w)
-            await anyio.wait_readable(err_r)
-            report = os.read(err_r, 64)
-        finally:
-            os.close(err_r)
-        if report:
-            step, err = struct.unpack("=ii", report[:8])
-            raise self._setup_error(steps, step, err)
-        if _exited(self._pidfd):
-            raise SandboxSetupError("the sandbox's init exited right after starting")
-        self._ctl.setblocking(False)
-        self._devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
-        registry.write(registry.SandboxInfo(
-            id=self.id, owner_pid=os.getpid(), owner_start=registry.process_start_time(os.getpid()),
-            init_pid=self.pid, init_start=registry.process_start_time(self.pid), rootfs=str(self.rootfs),
-            layer=os.fspath(self._layer), hostname=self.hostname, user=self.user, workdir="",
-            idmap=self.idmap.to_dict(), origin=self.origin, label=self.label,
-        ))
+
+    def _known_default_home(self) -> str | None:
+        known = self.rootfs.identity_files()
+        identity = users.lookup(self.user, known["passwd"], known["group"]) if known else None
+        return identity.home if identity else None
 
     def _setup_error(self, steps: Sequence[native.Step], step: int, err: int) -> NsboxError:
         if 0 <= step < len(steps):
@@ -258,16 +273,36 @@ class Sandbox:
         hint = hostcheck.userns_hint() if err in (errno.EPERM, errno.EACCES) else None
         return SandboxSetupError(f"sandbox setup failed: {stage}: {os.strerror(err)}", hint)
 
+    def _register(self) -> None:
+        assert self.idmap is not None and self._layer is not None
+        registry.write(registry.SandboxInfo(
+            id=self.id, owner_pid=os.getpid(), owner_start=registry.process_start_time(os.getpid()),
+            init_pid=self.pid, init_start=registry.process_start_time(self.pid), rootfs=str(self.rootfs),
+            layer=os.fspath(self._layer), hostname=self.hostname, user=self.user, workdir=self.workdir,
+            idmap=self.idmap.to_dict(), origin=self.origin, label=self.label,
+        ))
+
     async def _settle_identity(self) -> None:
         """Resolves the default user and makes sure the working directory exists."""
-        identity = await self._lookup_user(self.user)
+        known = self.rootfs.identity_files() if not self._attached else {}
+        if known:
+            # The sandbox was created a moment ago from files we wrote.
+            identity = users.lookup(self.user, known["passwd"], known["group"])
+        else:
+            identity = await self._lookup_user(self.user)
         if identity is None:
             if self.user not in ("root", "0"):
                 raise SandboxSetupError(f"user {self.user!r} does not exist in the sandbox's /etc/passwd")
             identity = users.ROOT
         self._check_mapped(identity, self.user)
         self._identity = identity
-        self.workdir = self._requested_workdir or identity.home
+        workdir = self._requested_workdir or identity.home
+        if workdir != self.workdir and not self._attached:
+            self.workdir = workdir
+            self._register()  # the home directory was not known at creation
+        self.workdir = workdir
+        if self.workdir in self.rootfs.known_dirs() and not self._attached:
+            return
         try:
             fd, is_dir = await files.open_path(self._send, self._creds(identity), self.workdir, os.O_RDONLY)
             os.close(fd)
@@ -275,10 +310,6 @@ class Sandbox:
                 raise SandboxSetupError(f"the working directory {self.workdir} is not a directory")
         except FileNotFoundError:
             await self._make_workdir(identity)
-        info = registry.read(self.id)
-        if info is not None and not self._attached:
-            info.workdir = self.workdir
-            registry.write(info)
 
     async def _make_workdir(self, identity: users.Identity) -> None:
         # Created by root, like a Dockerfile's WORKDIR, then given to the user.
@@ -359,7 +390,10 @@ class Sandbox:
             os.close(self._devnull)
             self._devnull = -1
         if self._layer is not None:
-            await anyio.to_thread.run_sync(rootfs_mod.remove_layer, self._layer, self.idmap)
+            # An untouched layer goes with a few syscalls; anything the
+            # sandbox wrote may take long, so it is deleted off the event loop.
+            if not rootfs_mod.remove_untouched_layer(self._layer):
+                await anyio.to_thread.run_sync(rootfs_mod.remove_layer, self._layer, self.idmap)
             self._layer = None
         if self._rundir is not None:
             for name in (registry.INFO, registry.SOCKET):
@@ -453,8 +487,15 @@ class Sandbox:
         return data
 
     async def _lookup_user(self, user: str) -> users.Identity | None:
-        passwd = await self._read_as_root("/etc/passwd")
-        group = await self._read_as_root("/etc/group")
+        found: dict[str, bytes] = {}
+
+        async def read(path: str) -> None:
+            found[path] = await self._read_as_root(path)
+
+        async with anyio.create_task_group() as tg:
+            for path in ("/etc/passwd", "/etc/group"):
+                tg.start_soon(read, path)
+        passwd, group = found["/etc/passwd"], found["/etc/group"]
         cached = self._user_cache.get(user)
         if cached is not None and cached[0] == passwd and cached[1] == group:
             return cached[2]
