@@ -10,7 +10,7 @@
  * The child:
  *   1. moves the descriptors the program keeps to 3, 4, ... and closes every
  *      other one, so nothing of the host leaks in;
- *   2. waits for one byte on sync_fd: the host writes it after the child's
+ *   2. waits for one byte on sync_fd: the zygote writes it once the child's
  *      uid/gid maps are in place (it may need newuidmap to write them);
  *   3. runs the steps Python composed (mounts, pivot_root, hostname, ...),
  *      reporting the index of a failed step and its errno on error_fd;
@@ -25,6 +25,7 @@
 #include <linux/sched.h>
 #include <net/if.h>
 #include <signal.h>
+#include <spawn.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/ioctl.h>
@@ -384,25 +385,88 @@ static void __attribute__((noreturn)) child(const struct nsbox_spec *spec)
     _exit(127);
 }
 
-static void reply(int sock, int pid, int err, int pidfd)
+static void reply(int sock, int pid, int err, int stage, int pidfd, const char *msg, int msglen)
 {
-    struct nsbox_zygote_reply r = {.pid = pid, .err = err};
-    struct iovec iov = {.iov_base = &r, .iov_len = sizeof r};
+    struct nsbox_zygote_reply r = {.pid = pid, .err = err, .stage = stage, .msglen = msglen};
+    struct iovec iov[2] = {{.iov_base = &r, .iov_len = sizeof r}, {.iov_base = (void *)msg, .iov_len = (size_t)msglen}};
     union {
         char buf[CMSG_SPACE(sizeof(int))];
         struct cmsghdr align;
     } u;
-    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1};
+    struct msghdr msg_hdr = {.msg_iov = iov, .msg_iovlen = msglen > 0 ? 2 : 1};
     if (pidfd >= 0) {
-        msg.msg_control = u.buf;
-        msg.msg_controllen = sizeof u.buf;
-        struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+        msg_hdr.msg_control = u.buf;
+        msg_hdr.msg_controllen = sizeof u.buf;
+        struct cmsghdr *c = CMSG_FIRSTHDR(&msg_hdr);
         c->cmsg_level = SOL_SOCKET;
         c->cmsg_type = SCM_RIGHTS;
         c->cmsg_len = CMSG_LEN(sizeof(int));
         memcpy(CMSG_DATA(c), &pidfd, sizeof(int));
     }
-    sendmsg(sock, &msg, MSG_NOSIGNAL);
+    sendmsg(sock, &msg_hdr, MSG_NOSIGNAL);
+}
+
+/*
+ * Runs newuidmap or newgidmap: `helper PID inside outside count ...`, the
+ * numbers taken from `map`. Returns 0, or an errno with the helper's
+ * complaint (its stderr) in msg.
+ */
+static int run_map_helper(const char *helper, pid_t pid, const char *map, char *msg, int *msglen)
+{
+    char buf[512], pidstr[24];
+    char *argv[64];
+    int argc = 0;
+    *put_uint(pidstr, (unsigned long)pid) = 0;
+    argv[argc++] = (char *)helper;
+    argv[argc++] = pidstr;
+    size_t len = strlen(map);
+    if (len >= sizeof buf)
+        return E2BIG;
+    memcpy(buf, map, len + 1);
+    for (char *tok = strtok(buf, " \n"); tok && argc < 63; tok = strtok(NULL, " \n"))
+        argv[argc++] = tok;
+    argv[argc] = NULL;
+
+    int out[2];
+    if (pipe2(out, O_CLOEXEC) < 0)
+        return errno;
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_adddup2(&fa, out[1], 2);
+    char *envp[] = {NULL};
+    pid_t hp;
+    int err = posix_spawn(&hp, helper, &fa, NULL, argv, envp);
+    posix_spawn_file_actions_destroy(&fa);
+    close(out[1]);
+    if (err) {
+        close(out[0]);
+        return err;
+    }
+    ssize_t n = read(out[0], msg + *msglen, (size_t)(NSBOX_ZYGOTE_MSG_MAX - *msglen));
+    close(out[0]);
+    int status;
+    while (waitpid(hp, &status, 0) < 0 && errno == EINTR)
+        ;
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 0)
+        return 0;
+    if (n > 0)
+        *msglen += (int)n;
+    return EPERM;
+}
+
+/* Writes the id maps of the user namespace of `pid`; 0 or an errno. */
+static int write_id_maps(const struct nsbox_spec *spec, pid_t pid, char *msg, int *msglen)
+{
+    if (spec->newuidmap) {
+        int err = run_map_helper(spec->newuidmap, pid, spec->uid_map, msg, msglen);
+        return err ? err : run_map_helper(spec->newgidmap, pid, spec->gid_map, msg, msglen);
+    }
+    /* An unprivileged gid_map requires setgroups to be denied first. */
+    if (spec->deny_setgroups && write_proc(pid, "setgroups", "deny") < 0)
+        return errno;
+    if (write_proc(pid, "uid_map", spec->uid_map) < 0 || write_proc(pid, "gid_map", spec->gid_map) < 0)
+        return errno;
+    return 0;
 }
 
 #define MAX_FDS 12
@@ -413,16 +477,18 @@ static void serve(int *fds, int nfds)
     struct stat st;
     char *buf = NULL;
     struct nsbox_spec spec;
-    int err = EINVAL;
-    if (nfds < 2 || fstat(fds[1], &st) < 0 || st.st_size <= 0 || !(buf = malloc((size_t)st.st_size)))
+    memset(&spec, 0, sizeof spec);
+    int sync[2] = {-1, -1};
+    if (nfds < 2 || fstat(fds[1], &st) < 0 || st.st_size <= 0 || !(buf = malloc((size_t)st.st_size)) ||
+        pread(fds[1], buf, (size_t)st.st_size, 0) != st.st_size ||
+        nsbox_spec_unpack(buf, (unsigned long)st.st_size, &spec) || nfds != 2 + nsbox_spec_fds(&spec) ||
+        pipe2(sync, O_CLOEXEC) < 0) {
+        reply(fds[0], -1, EINVAL, NSBOX_ZYGOTE_REQUEST, -1, NULL, 0);
         goto out;
-    if (pread(fds[1], buf, (size_t)st.st_size, 0) != st.st_size || nsbox_spec_unpack(buf, (unsigned long)st.st_size, &spec))
-        goto out;
-    if (nfds != 2 + nsbox_spec_fds(&spec))
-        goto out;
+    }
     /* The descriptors, in the order create.h gives. */
     int next = 2;
-    spec.sync_fd = fds[next++];
+    spec.sync_fd = sync[0];
     spec.error_fd = fds[next++];
     if (spec.exec_fd >= 0)
         spec.exec_fd = fds[next++];
@@ -441,16 +507,31 @@ static void serve(int *fds, int nfds)
     long pid = syscall(SYS_clone3, &args, sizeof args);
     if (pid == 0)
         child(&spec); /* it closes every descriptor it does not need first */
-    reply(fds[0], pid > 0 ? (int)pid : -1, pid < 0 ? errno : 0, pidfd);
-    if (pidfd >= 0)
-        close(pidfd);
-    err = 0;
+    if (pid < 0) {
+        reply(fds[0], -1, errno, NSBOX_ZYGOTE_CLONE, -1, NULL, 0);
+        goto out;
+    }
+    char msg[NSBOX_ZYGOTE_MSG_MAX];
+    int msglen = 0;
+    int err = write_id_maps(&spec, (pid_t)pid, msg, &msglen);
+    if (err) {
+        /* The child never started: it is ours to stop (our parent reaps it). */
+        syscall(SYS_pidfd_send_signal, pidfd, SIGKILL, NULL, 0);
+        reply(fds[0], (int)pid, err, NSBOX_ZYGOTE_IDMAP, pidfd, msg, msglen);
+    } else {
+        ssize_t w = write(sync[1], "g", 1); /* go on */
+        (void)w;
+        reply(fds[0], (int)pid, 0, 0, pidfd, NULL, 0);
+    }
+    close(pidfd);
+out:
+    for (int i = 0; i < 2; i++) {
+        if (sync[i] >= 0)
+            close(sync[i]);
+    }
     free((void *)spec.steps);
     free((void *)spec.argv);
     free((void *)spec.envp);
-out:
-    if (err)
-        reply(fds[0], -1, err, -1);
     free(buf);
     for (int i = 0; i < nfds; i++)
         close(fds[i]);

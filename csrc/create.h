@@ -40,9 +40,18 @@ struct nsbox_step {
 
 struct nsbox_spec {
     unsigned long clone_flags;      /* CLONE_NEW* for the child */
-    const struct nsbox_step *steps; /* run in order after the "go" byte */
+    const struct nsbox_step *steps; /* run in order once the id maps are written */
     int nsteps;
-    int sync_fd;  /* child reads one byte here once its id maps are written */
+    /* The new user namespace's maps, as /proc/PID/uid_map takes them. With
+     * newuidmap set, the setuid helpers newuidmap/newgidmap write them
+     * (subordinate ids); otherwise they are written directly, after
+     * denying setgroups if deny_setgroups is set. */
+    const char *uid_map;
+    const char *gid_map;
+    const char *newuidmap;
+    const char *newgidmap;
+    int deny_setgroups;
+    int sync_fd;  /* child reads one byte here once its id maps are written (the zygote's pipe) */
     int error_fd; /* child writes struct nsbox_setup_error here on failure */
     int keep_fds[4]; /* become fds 3, 4, ... of the program; -1 entries give closed fds */
     int nkeep;
@@ -83,17 +92,27 @@ enum nsbox_setup_stage {
  * milliseconds per sandbox for a large process. For each sandbox the zygote
  * receives one message on its socket (fd NSBOX_ZYGOTE_SOCKET) carrying, as
  * SCM_RIGHTS and in this order: a socket for the reply, a memfd with the
- * spec (nsbox_spec_pack), the sync and error pipes, the program to exec
- * (if the spec has one) and the keep_fds that are present. It clones the
- * sandbox's first process with CLONE_PARENT, so that process is a child of
- * the Python process, and replies with struct nsbox_zygote_reply and the
- * child's pidfd. EOF on its socket (the Python process exited) ends it.
+ * spec (nsbox_spec_pack), the error pipe, the program to exec (if the spec
+ * has one) and the keep_fds that are present. It clones the sandbox's
+ * first process with CLONE_PARENT, so that process is a child of the
+ * Python process, writes its id maps, lets it go on, and replies with
+ * struct nsbox_zygote_reply, the child's pidfd, and any message from
+ * newuidmap/newgidmap. EOF on its socket (the Python process exited) ends it.
  */
 #define NSBOX_ZYGOTE_SOCKET 3
+#define NSBOX_ZYGOTE_MSG_MAX 1024
+
+enum nsbox_zygote_stage {
+    NSBOX_ZYGOTE_REQUEST = 1, /* the request was malformed */
+    NSBOX_ZYGOTE_CLONE = 2,   /* clone3 failed */
+    NSBOX_ZYGOTE_IDMAP = 3,   /* writing the id maps failed */
+};
 
 struct nsbox_zygote_reply {
-    int pid; /* > 0, or -1 with err set */
+    int pid;   /* > 0, or -1 with err and stage set */
     int err;
+    int stage;
+    int msglen; /* bytes of message text following the struct */
 };
 
 /* Starts the zygote `path` with `sock` as its socket; returns its pid or -errno. */

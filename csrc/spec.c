@@ -26,6 +26,7 @@ struct header {
     uint32_t has_exec_fd, keep_stdio, new_session;
     int32_t lock_slot;
     uint32_t lock_uid_map, lock_gid_map; /* offsets, or NONE */
+    uint32_t uid_map, gid_map, newuidmap, newgidmap, deny_setgroups;
     uint32_t strtab_len;
     uint64_t clone_flags;
 };
@@ -93,6 +94,11 @@ int nsbox_spec_pack(const struct nsbox_spec *spec, int fd)
         h.keep_present |= spec->keep_fds[i] >= 0 ? 1U << i : 0;
     h.lock_uid_map = intern(&strtab, spec->lock_uid_map, &fail);
     h.lock_gid_map = intern(&strtab, spec->lock_gid_map, &fail);
+    h.uid_map = intern(&strtab, spec->uid_map, &fail);
+    h.gid_map = intern(&strtab, spec->gid_map, &fail);
+    h.newuidmap = intern(&strtab, spec->newuidmap, &fail);
+    h.newgidmap = intern(&strtab, spec->newgidmap, &fail);
+    h.deny_setgroups = (uint32_t)spec->deny_setgroups;
     for (int i = 0; i < spec->nsteps; i++) {
         const struct nsbox_step *s = &spec->steps[i];
         struct wire_step w = {
@@ -206,12 +212,19 @@ int nsbox_spec_unpack(char *buf, unsigned long len, struct nsbox_spec *spec)
     spec->lock_uid_map = str_at(strtab, h.strtab_len, h.lock_uid_map, &bad);
     spec->lock_gid_map = str_at(strtab, h.strtab_len, h.lock_gid_map, &bad);
     spec->lock_slot = h.lock_slot;
+    spec->uid_map = str_at(strtab, h.strtab_len, h.uid_map, &bad);
+    spec->gid_map = str_at(strtab, h.strtab_len, h.gid_map, &bad);
+    spec->newuidmap = str_at(strtab, h.strtab_len, h.newuidmap, &bad);
+    spec->newgidmap = str_at(strtab, h.strtab_len, h.newgidmap, &bad);
+    spec->deny_setgroups = (int)h.deny_setgroups;
+    if (!spec->uid_map || !spec->gid_map || (!spec->newuidmap != !spec->newgidmap))
+        return -EINVAL;
     return bad ? -EINVAL : 0;
 }
 
 int nsbox_spec_fds(const struct nsbox_spec *spec)
 {
-    int n = 2 + (spec->exec_fd >= 0); /* sync, error, program */
+    int n = 1 + (spec->exec_fd >= 0); /* error pipe, program */
     for (int i = 0; i < spec->nkeep; i++)
         n += spec->keep_fds[i] >= 0;
     return n;

@@ -13,6 +13,7 @@ command writes, the host holds at most limit + one read chunk per stream.
 
 from __future__ import annotations
 
+import fcntl
 import math
 import os
 import select
@@ -27,6 +28,7 @@ from . import protocol
 from .fdwait import Poller
 
 READ_CHUNK = 65536
+BIG_PIPE = 1 << 20
 # Most bytes taken from one stream per wakeup, so a flood cannot starve
 # the event loop (or this exec's own timeout).
 DRAIN_BUDGET = 4 * 1024 * 1024
@@ -37,8 +39,32 @@ EXIT_GRACE = 0.1
 KILL_WAIT = 5.0
 
 
+# Rings of finished commands, kept for the next ones: a fresh 10 MiB buffer
+# costs a page fault per 4 KiB on every exec, which made large captures
+# slow. At most SPARE_RINGS are kept.
+SPARE_RINGS = 2
+_spare_rings: list[bytearray] = []
+
+
+def _get_ring(size: int) -> bytearray:
+    for i, ring in enumerate(_spare_rings):
+        if len(ring) == size:
+            return _spare_rings.pop(i)
+    return bytearray(size)
+
+
+def _put_ring(ring: bytearray) -> None:
+    if len(_spare_rings) < SPARE_RINGS:
+        _spare_rings.append(ring)
+
+
 class CappedBuffer:
-    """Keeps the last `limit` bytes written into it, and counts them all."""
+    """Keeps the last `limit` bytes written into it, and counts them all.
+
+    Output that fits one read stays in that chunk; more moves into a ring of
+    exactly `limit` bytes that reads land in directly (no copy), so a stream
+    costs at most limit + one chunk of memory whatever the command writes.
+    """
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -71,10 +97,9 @@ class CappedBuffer:
         return n
 
     def _start_ring(self) -> None:
-        """Moves the data into a ring of exactly `limit` bytes."""
         data = b"".join(self._chunks)[-self.limit :]
         self._chunks = []
-        self._ring = bytearray(self.limit)
+        self._ring = _get_ring(self.limit)
         self._ring[: len(data)] = data
         self._view = memoryview(self._ring)
         self._filled = len(data)
@@ -84,20 +109,53 @@ class CappedBuffer:
     def truncated(self) -> bool:
         return self.total > self.limit
 
-    def take(self) -> bytes:
-        """Returns the kept bytes, oldest first, and releases the buffer.
-
-        One copy: with the ring that is limit + limit at the peak, which is
-        the least a caller that receives `limit` bytes can cost.
-        """
+    def _pieces(self) -> list[bytes | memoryview]:
+        """The kept bytes, oldest first, without copying them."""
         if self._view is None:
-            data = b"".join(self._chunks)[-self.limit :] if self.limit else b""
-        elif self._filled < self.limit:
-            data = bytes(self._view[: self._filled])
-        else:
-            data = b"".join((self._view[self._pos :], self._view[: self._pos]))
+            return [b"".join(self._chunks)[-self.limit :] if self.limit else b""]
+        if self._filled < self.limit or self._pos == 0:
+            return [self._view[: self._filled]]
+        return [self._view[self._pos :], self._view[: self._pos]]
+
+    def _release(self) -> None:
+        if self._view is not None:
+            self._view.release()
+            assert self._ring is not None
+            _put_ring(self._ring)
         self._chunks, self._ring, self._view = [], None, None
+
+    def take(self) -> bytes:
+        """Returns the kept bytes and releases the buffer."""
+        data = b"".join(self._pieces())
+        self._release()
         return data
+
+    def _unwrap(self) -> None:
+        """Rotates a wrapped ring in place so the kept bytes start at 0
+        (the temporary copy is at most half the ring)."""
+        view, pos, size = self._view, self._pos, self.limit
+        if view is None or pos == 0 or self._filled < size:
+            return
+        if pos <= size // 2:
+            head = bytes(view[:pos])
+            view[: size - pos] = view[pos:]
+            view[size - pos :] = head
+        else:
+            tail = bytes(view[pos:])
+            view[size - pos :] = view[:pos]
+            view[: size - pos] = tail
+        self._pos = 0
+
+    def take_text(self) -> str:
+        """The kept bytes as UTF-8 text (invalid bytes replaced), decoded
+        straight from the buffer; releases the buffer. At the peak this
+        holds the buffer and the text: twice the limit."""
+        self._unwrap()
+        (piece,) = self._pieces()
+        text = str(piece, "utf-8", "replace")
+        del piece
+        self._release()
+        return text
 
 
 class Forwarder:
@@ -279,8 +337,21 @@ def _drain(fd: int, buf: Sink) -> bool:
             return False
         if n == 0:
             return True
+        if taken == 0 and n == READ_CHUNK and buf.total == n:
+            _grow_pipe(fd)
         taken += n
     return False
+
+
+def _grow_pipe(fd: int) -> None:
+    """A command whose first write fills a read is likely to write a lot:
+    a bigger pipe saves a context switch per 64 KiB. Small outputs keep the
+    default, so many concurrent commands do not use up the per-user pipe
+    allowance (fs.pipe-user-pages-soft)."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, BIG_PIPE)
+    except OSError:
+        pass  # over the allowance, or not a pipe: the default works too
 
 
 def _feed(fd: int, pending: memoryview) -> memoryview:

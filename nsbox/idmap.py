@@ -13,14 +13,13 @@ Sandbox uid 0 is always the invoking user. Beyond that, three modes:
 
 from __future__ import annotations
 
+import functools
 import os
 import pwd
 import shutil
-import subprocess
 from dataclasses import dataclass
 from typing import Literal
 
-from .errors import SandboxSetupError
 
 Mode = Literal["root", "subuid", "single"]
 
@@ -58,53 +57,18 @@ class IdMap:
         return (_format(tuple((i, i, c) for i, _, c in self.uid_map)),
                 _format(tuple((i, i, c) for i, _, c in self.gid_map)))
 
-    def write(self, pid: int) -> None:
-        """Writes the maps of the user namespace of process `pid`."""
-        if self.mode == "subuid":
-            _run_helpers(pid, self)
-            return
-        proc = f"/proc/{pid}"
-        try:
-            if self.mode == "single":
-                # An unprivileged gid_map requires setgroups to be denied.
-                _write(f"{proc}/setgroups", "deny")
-            _write(f"{proc}/uid_map", _format(self.uid_map))
-            _write(f"{proc}/gid_map", _format(self.gid_map))
-        except OSError as e:
-            raise SandboxSetupError(
-                f"writing the id maps of the sandbox failed: {e.strerror} ({e.filename})"
-            ) from None
+    def how_to_write(self) -> tuple[str, str, str | None, str | None, bool]:
+        """(uid_map, gid_map, newuidmap, newgidmap, deny_setgroups) for
+        nsbox-create, which writes the maps of each new sandbox."""
+        helpers = (_find(SUBID_HELPERS[0]), _find(SUBID_HELPERS[1])) if self.mode == "subuid" else (None, None)
+        return _format(self.uid_map), _format(self.gid_map), helpers[0], helpers[1], self.mode == "single"
 
 
 def _format(lines: tuple[tuple[int, int, int], ...]) -> str:
     return "".join(f"{i} {o} {c}\n" for i, o, c in lines)
 
 
-def _write(path: str, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-    try:
-        os.write(fd, text.encode())
-    finally:
-        os.close(fd)
-
-
-def _run_helpers(pid: int, m: IdMap) -> None:
-    procs = []
-    for tool, lines in zip(SUBID_HELPERS, (m.uid_map, m.gid_map)):
-        args = [_find(tool) or tool, str(pid)] + [str(x) for line in lines for x in line]
-        procs.append((tool, subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)))
-    errors = []
-    for tool, p in procs:
-        _, err = p.communicate()
-        if p.returncode != 0:
-            errors.append(f"{tool}: {err.decode(errors='replace').strip() or f'exit {p.returncode}'}")
-    if errors:
-        raise SandboxSetupError(
-            "writing the id maps of the sandbox failed: " + "; ".join(errors),
-            hint="check your /etc/subuid and /etc/subgid entries, or set id_mapping to 'single'",
-        )
-
-
+@functools.cache
 def _find(tool: str) -> str | None:
     return shutil.which(tool) or shutil.which(tool, path=SEARCH_PATH)
 

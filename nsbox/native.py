@@ -131,7 +131,7 @@ class _Keep:
 
 def _pack(steps: Sequence[Step], clone_flags: int, argv: Sequence[str], envp: Sequence[str], keep_fds: Sequence[int],
           has_exec: bool, keep_stdio: bool, new_session: bool, lock_maps: tuple[str, str] | None,
-          lock_slot: int) -> int:
+          lock_slot: int, idmaps: tuple[str, str, str | None, str | None, bool]) -> int:
     """The spec, serialized by nsbox_spec_pack into a new memfd."""
     keep = _Keep()
     c_steps = ffi.new("struct nsbox_step[]", max(len(steps), 1))
@@ -158,6 +158,10 @@ def _pack(steps: Sequence[Step], clone_flags: int, argv: Sequence[str], envp: Se
         spec.lock_uid_map = keep.str(lock_maps[0])
         spec.lock_gid_map = keep.str(lock_maps[1])
     spec.lock_slot = lock_slot
+    uid_map, gid_map, newuidmap, newgidmap, deny_setgroups = idmaps
+    spec.uid_map, spec.gid_map = keep.str(uid_map), keep.str(gid_map)
+    spec.newuidmap, spec.newgidmap = keep.str(newuidmap), keep.str(newgidmap)
+    spec.deny_setgroups = int(deny_setgroups)
     memfd = os.memfd_create("nsbox-spec", os.MFD_CLOEXEC)
     rc = lib.nsbox_spec_pack(spec, memfd)
     if rc < 0:
@@ -225,7 +229,7 @@ def request_spawn(
     *,
     clone_flags: int,
     steps: Sequence[Step],
-    sync_fd: int,
+    idmaps: tuple[str, str, str | None, str | None, bool],
     error_fd: int,
     keep_fds: Sequence[int],
     exec_fd: int,
@@ -239,10 +243,10 @@ def request_spawn(
     """Asks the zygote to clone the process described; returns the socket
     its reply arrives on (read it with read_spawn_reply)."""
     memfd = _pack(steps, clone_flags, argv, envp, keep_fds, exec_fd >= 0, keep_stdio, new_session,
-                  lock_maps, lock_slot)
+                  lock_maps, lock_slot, idmaps)
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
-        fds = [theirs.fileno(), memfd, sync_fd, error_fd] + ([exec_fd] if exec_fd >= 0 else [])
+        fds = [theirs.fileno(), memfd, error_fd] + ([exec_fd] if exec_fd >= 0 else [])
         fds += [fd for fd in keep_fds if fd >= 0]
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
         for attempt in (0, 1):
@@ -261,19 +265,40 @@ def request_spawn(
     return ours
 
 
+class IdMapError(OSError):
+    """Writing the id maps failed; `message` holds newuidmap's complaint."""
+
+    def __init__(self, err: int, message: str) -> None:
+        super().__init__(err, os.strerror(err))
+        self.message = message
+
+
+REPLY = struct.Struct("=4i")
+
+
 def read_spawn_reply(sock: socket.socket) -> tuple[int, int]:
-    """(pid, pidfd) of the cloned process; raises OSError if cloning failed."""
-    data, fds, _, _ = socket.recv_fds(sock, ffi.sizeof("struct nsbox_zygote_reply"), 1)
-    if len(data) != ffi.sizeof("struct nsbox_zygote_reply"):
+    """(pid, pidfd) of the cloned process, which is running its setup steps.
+
+    Raises OSError if cloning failed, IdMapError if writing its id maps
+    failed (the process is then killed; the caller still reaps `pid`,
+    given as the exception's filename).
+    """
+    data, fds, _, _ = socket.recv_fds(sock, REPLY.size + lib.NSBOX_ZYGOTE_MSG_MAX, 1)
+    if len(data) < REPLY.size:
         for fd in fds:
             os.close(fd)
         raise OSError(errno.EIO, "nsbox-create stopped before answering")
-    pid, err = struct.unpack("=ii", data)
+    pid, err, stage, msglen = REPLY.unpack_from(data)
+    pidfd = fds[0] if fds else -1
+    if stage == lib.NSBOX_ZYGOTE_IDMAP:
+        if pidfd >= 0:
+            os.close(pidfd)
+        e = IdMapError(err, data[REPLY.size : REPLY.size + msglen].decode(errors="replace").strip())
+        e.filename = pid
+        raise e
     if pid <= 0:
-        for fd in fds:
-            os.close(fd)
         raise OSError(err, os.strerror(err))
-    return pid, (fds[0] if fds else -1)
+    return pid, pidfd
 
 
 def spawn(**kwargs: object) -> tuple[int, int]:

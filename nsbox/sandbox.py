@@ -180,22 +180,12 @@ class Sandbox:
         steps = rootfs_mod.plan(self.rootfs, self._layer, rootfs_mod.mount_point(), idmap=self.idmap,
                                 hostname=self.hostname, private_network=self.network == "none",
                                 binds=self.mounts)
-        sync_r, sync_w = os.pipe()
         err_r, err_w = os.pipe()
         try:
             try:
-                await self._clone(steps, sync_r, err_w)
+                await self._clone(steps, err_w)
             finally:
-                os.close(sync_r)
                 os.close(err_w)
-            # The child waits for its id maps before anything else.
-            if self.idmap.mode == "subuid":
-                await anyio.to_thread.run_sync(self.idmap.write, self.pid)
-            else:
-                self.idmap.write(self.pid)
-            os.write(sync_w, b"g")
-            os.close(sync_w)
-            sync_w = -1
             # Known now or later: record the sandbox while its setup runs.
             self.workdir = self._requested_workdir or self._known_default_home() or ""
             self._register()
@@ -203,8 +193,6 @@ class Sandbox:
             report = os.read(err_r, 64)
         finally:
             os.close(err_r)
-            if sync_w >= 0:
-                os.close(sync_w)
         if report:
             step, err = struct.unpack("=ii", report[:8])
             raise self._setup_error(steps, step, err)
@@ -213,9 +201,9 @@ class Sandbox:
         self._ctl.setblocking(False)
         self._devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
 
-    async def _clone(self, steps: Sequence[native.Step], sync_r: int, err_w: int) -> None:
-        """Has the zygote clone the sandbox's first process; sets pid, pidfd
-        and the control connection."""
+    async def _clone(self, steps: Sequence[native.Step], err_w: int) -> None:
+        """Has the zygote clone the sandbox's first process and write its id
+        maps; sets pid, pidfd and the control connection."""
         assert self.idmap is not None and self._layer is not None and self._rundir is not None
         self._ctl, ctl_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -228,12 +216,14 @@ class Sandbox:
                                         hint="a shorter NSBOX_STATE_DIR path may help") from None
             listener.listen(64)
             init_fd = os.open(native.INIT_BINARY, os.O_RDONLY | os.O_CLOEXEC)
+            # The zygote lets the child go as soon as its id maps are written.
+            self.rootfs.prepare(self._layer, self.hostname)
             flags = (native.CLONE_NEWUSER | native.CLONE_NEWNS | native.CLONE_NEWPID | native.CLONE_NEWIPC
                      | native.CLONE_NEWUTS | native.CLONE_NEWCGROUP
                      | (native.CLONE_NEWNET if self.network == "none" else 0))
             try:
                 reply = native.request_spawn(
-                    clone_flags=flags, steps=steps, sync_fd=sync_r, error_fd=err_w,
+                    clone_flags=flags, steps=steps, idmaps=self.idmap.how_to_write(), error_fd=err_w,
                     # fds 3..6 of the init: control, listener, and the
                     # locked user and mount namespaces (NSBOX_FD_*).
                     keep_fds=[ctl_child.fileno(), listener.fileno(), -1, -1], exec_fd=init_fd,
@@ -241,12 +231,14 @@ class Sandbox:
                     lock_maps=self.idmap.nested_identity(), lock_slot=native.lib.NSBOX_FD_USERNS - 3,
                 )
                 with reply:
-                    # The kernel creates the namespaces meanwhile; the child
-                    # needs the writable layer only once it has its maps.
-                    self._layer.mkdir(mode=0o700)
-                    self.rootfs.prepare(self._layer, self.hostname)
                     await anyio.wait_readable(reply)
                     self.pid, self._pidfd = native.read_spawn_reply(reply)
+            except native.IdMapError as e:
+                self.pid = int(e.filename)  # killed by the zygote; reaped by _teardown
+                raise SandboxSetupError(
+                    f"writing the id maps of the sandbox failed: {e.message or e.strerror}",
+                    hint="check your /etc/subuid and /etc/subgid entries, or use id_mapping='single'",
+                ) from None
             except OSError as e:
                 raise hostcheck.clone_failed(e.errno) from None
         finally:
@@ -392,7 +384,7 @@ class Sandbox:
         if self._layer is not None:
             # An untouched layer goes with a few syscalls; anything the
             # sandbox wrote may take long, so it is deleted off the event loop.
-            if not rootfs_mod.remove_untouched_layer(self._layer):
+            if not self.rootfs.release_layer(self._layer) and not rootfs_mod.remove_untouched_layer(self._layer):
                 await anyio.to_thread.run_sync(rootfs_mod.remove_layer, self._layer, self.idmap)
             self._layer = None
         if self._rundir is not None:
@@ -562,8 +554,7 @@ class Sandbox:
             self._send, message, memfd, input=data, timeout=timeout, stdout=out, stderr=err,
             stop_on_overflow=self.output_limit_mode == "raise", stdin_fd=self._devnull,
         )
-        stdout = out.take().decode("utf-8", errors="replace")
-        stderr = err.take().decode("utf-8", errors="replace")
+        stdout, stderr = out.take_text(), err.take_text()
         if outcome.channel_lost:
             raise SandboxUnavailable(f"sandbox {self.id} stopped while running {cmd[0]!r}")
         if outcome.timed_out:

@@ -21,37 +21,27 @@ from .idmap import IdMap
 def run_in_userns(mapping: IdMap, argv: Sequence[str], *, check: bool = True) -> int:
     """Runs `argv` (found through the host's PATH) as root of a new user
     namespace; returns its exit status. The host's filesystem stays visible."""
-    sync_r, sync_w = os.pipe()
     err_r, err_w = os.pipe()
     try:
-        pid, pidfd = native.spawn(
-            clone_flags=native.CLONE_NEWUSER, steps=[], sync_fd=sync_r, error_fd=err_w, keep_fds=[],
-            exec_fd=-1, argv=list(argv), envp=[f"{k}={v}" for k, v in os.environ.items()],
-            keep_stdio=True, new_session=False,
-        )
-    except OSError as e:
-        os.close(sync_w)
-        os.close(err_r)
-        from .hostcheck import clone_failed
-        raise clone_failed(e.errno) from None
-    finally:
-        os.close(sync_r)
-        os.close(err_w)
-    try:
         try:
-            mapping.write(pid)
-            os.write(sync_w, b"g")
+            pid, pidfd = native.spawn(
+                clone_flags=native.CLONE_NEWUSER, steps=[], idmaps=mapping.how_to_write(), error_fd=err_w,
+                keep_fds=[], exec_fd=-1, argv=list(argv), envp=[f"{k}={v}" for k, v in os.environ.items()],
+                keep_stdio=True, new_session=False,
+            )
+        except native.IdMapError as e:
+            os.waitpid(int(e.filename), 0)
+            raise NsboxError(f"running {argv[0]} in a user namespace failed: {e.message or e.strerror}") from None
+        except OSError as e:
+            from .hostcheck import clone_failed
+            raise clone_failed(e.errno) from None
         finally:
-            os.close(sync_w)
-        report = os.read(err_r, 64)
-    except BaseException:
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
-        raise
-    finally:
-        os.close(err_r)
+            os.close(err_w)
         if pidfd >= 0:
             os.close(pidfd)
+        report = os.read(err_r, 64)
+    finally:
+        os.close(err_r)
     _, status = os.waitpid(pid, 0)
     code = os.waitstatus_to_exitcode(status)
     if report:
