@@ -23,7 +23,7 @@ from .errors import NsboxError
 from .idmap import IdMap
 from .idmap import detect as detect_idmap
 from .registry import SandboxInfo
-from .rootfs import remove_layer
+from .rootfs import REUSE, remove_layer
 
 # A layer directory without a registry entry may belong to a sandbox being
 # created right now; only older ones are garbage.
@@ -145,7 +145,9 @@ def garbage() -> tuple[list[SandboxInfo], list[Path]]:
     if layers_dir.exists():
         now = time.time()
         for layer in layers_dir.iterdir():
-            if layer not in known and now - layer.lstat().st_mtime > ORPHAN_LAYER_AGE:
+            if layer.name == REUSE:
+                orphans += list(layer.iterdir())  # kept for reuse: garbage to gc
+            elif layer not in known and now - layer.lstat().st_mtime > ORPHAN_LAYER_AGE:
                 orphans.append(layer)
     return infos, orphans
 
@@ -155,6 +157,17 @@ def gc(mapping: IdMap) -> tuple[list[str], list[Path]]:
     infos, orphans = garbage()
     for info in infos:
         remove(info, force=True)
+    removed = []
     for layer in orphans:
+        if layer.parent.name == REUSE:
+            # Take it out of the pool first (atomically), so that a sandbox
+            # being created cannot pick up a half-deleted layer.
+            taken = layer.parent.parent / f".gc-{layer.name}"
+            try:
+                os.rename(layer, taken)
+            except OSError:
+                continue  # a new sandbox took it
+            layer = taken
         remove_layer(layer, mapping)
-    return [i.id for i in infos], orphans
+        removed.append(layer)
+    return [i.id for i in infos], removed

@@ -482,8 +482,11 @@ def _untouched_host_layer(layer: Path) -> bool:
     return True
 
 
+REUSE = ".reuse"  # the directory of layers kept for reuse, in layers_dir()
+
+
 def _reuse_dir() -> Path:
-    return layers_dir() / ".reuse"
+    return layers_dir() / REUSE
 
 
 def _keep_layer(layer: Path) -> bool:

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 import nsbox
-from nsbox import dirs, native, registry
+from nsbox import dirs, native, registry, rootfs
 
 
 def pidns(pid: int) -> str:
@@ -65,9 +65,10 @@ async def test_context_manager_and_explicit_lifecycle() -> None:
 
 
 async def test_create_destroy_loop_leaves_nothing(mode: str) -> None:
-    layers = dirs.data_dir() / "sandboxes"
-    layers.mkdir(exist_ok=True)
-    before_layers = set(os.listdir(layers))
+    layers = rootfs.layers_dir()
+    # Untouched layers may be kept for reuse (at most REUSE_MAX of them);
+    # nothing else may remain.
+    before_layers = set(os.listdir(layers)) - {rootfs.REUSE}
     before_run = set(os.listdir(dirs.runtime_dir()))
     before_mounts = Path("/proc/self/mountinfo").read_text()
     me = psutil.Process()
@@ -82,7 +83,9 @@ async def test_create_destroy_loop_leaves_nothing(mode: str) -> None:
         ns = pidns(sb.pid)
         await sb.close()
         assert wait_until_empty(ns, 2) == [], f"processes left in round {i}"
-    assert set(os.listdir(layers)) == before_layers
+    assert set(os.listdir(layers)) - {rootfs.REUSE} == before_layers
+    pool = layers / rootfs.REUSE
+    assert not pool.exists() or len(os.listdir(pool)) <= rootfs.REUSE_MAX
     assert set(os.listdir(dirs.runtime_dir())) == before_run
     assert Path("/proc/self/mountinfo").read_text() == before_mounts
     assert {c.pid for c in me.children(recursive=True)} == before_children  # nothing unreaped

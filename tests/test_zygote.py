@@ -1,0 +1,116 @@
+"""nsbox-create, the zygote that clones sandboxes for a Python process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+import nsbox
+from nsbox import idmap, native
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+async def test_sandboxes_are_children_of_this_process() -> None:
+    async with nsbox.Sandbox() as sb:
+        with open(f"/proc/{sb.pid}/stat") as f:
+            ppid = int(f.read().split(")")[-1].split()[1])
+        assert ppid == os.getpid()
+        assert native.zygote_pid() not in (None, sb.pid)
+
+
+async def test_a_dead_zygote_is_replaced() -> None:
+    async with nsbox.Sandbox():
+        pass
+    old = native.zygote_pid()
+    assert old is not None
+    os.kill(old, signal.SIGKILL)
+    os.waitpid(old, 0)
+    async with nsbox.Sandbox() as sb:
+        assert (await sb.exec(["echo", "ok"])).stdout == "ok\n"
+    assert native.zygote_pid() not in (None, old)
+
+
+FORKED = textwrap.dedent("""
+    import anyio, json, os, nsbox
+    from nsbox import native
+    async def make():
+        sb = await nsbox.Sandbox.create()
+        return sb
+    anyio.run(make)  # this process now has a zygote (the sandbox dies with the loop's end)
+    parent_zygote = native.zygote_pid()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        async def child():
+            async with nsbox.Sandbox() as sb:
+                ppid = int(open(f"/proc/{sb.pid}/stat").read().split(")")[-1].split()[1])
+                out = (await sb.exec(["echo", "hi"])).stdout
+            return {"ppid": ppid, "me": os.getpid(), "zygote": native.zygote_pid(), "out": out}
+        os.write(w, json.dumps(anyio.run(child)).encode())
+        os._exit(0)
+    os.close(w)
+    data = json.loads(os.read(r, 4096))
+    os.waitpid(pid, 0)
+    data["parent_zygote"] = parent_zygote
+    print(json.dumps(data))
+""")
+
+
+def test_a_forked_child_gets_its_own_zygote() -> None:
+    # With its parent's zygote, CLONE_PARENT would make the parent, not the
+    # forked child, the sandbox's parent.
+    out = subprocess.run([sys.executable, "-c", FORKED], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    assert d["out"] == "hi\n" and d["ppid"] == d["me"]
+    assert d["zygote"] != d["parent_zygote"]
+
+
+OWNER_EXITS = textwrap.dedent("""
+    import anyio, nsbox
+    from nsbox import native
+    async def main():
+        async with nsbox.Sandbox() as sb:
+            await sb.exec(["true"])
+        print(native.zygote_pid(), flush=True)
+    anyio.run(main)
+""")
+
+
+def test_the_zygote_ends_with_its_owner() -> None:
+    out = subprocess.run([sys.executable, "-c", OWNER_EXITS], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    zygote = int(out.stdout)
+    deadline = time.monotonic() + 5
+    while alive(zygote) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(zygote)
+
+
+async def test_id_map_failure_is_a_clear_error(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if mode != "subuid":
+        # root and single write their maps themselves: check the text that
+        # decides it, and that no helper is involved.
+        assert idmap.detect().how_to_write()[2] is None
+        return
+    # newuidmap refusing (here: a stand-in that fails, as it would for a
+    # bad /etc/subuid entry) must give a message, and leave nothing behind.
+    monkeypatch.setattr(idmap, "_find", lambda tool: "/bin/false")
+    before = set(os.listdir(nsbox.dirs.runtime_dir()))
+    with pytest.raises(nsbox.SandboxSetupError, match="id maps"):
+        await nsbox.Sandbox().start()
+    assert set(os.listdir(nsbox.dirs.runtime_dir())) == before
