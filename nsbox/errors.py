@@ -11,12 +11,13 @@ class NsboxError(Exception):
     """Base class for nsbox errors that are meant to be shown to a person.
 
     The message says what failed and why; `hint`, when set, says what to do.
+    Both go on one line.
     """
 
     def __init__(self, message: str, hint: str | None = None) -> None:
         self.message = message
         self.hint = hint
-        super().__init__(message + (f"\n  hint: {hint}" if hint else ""))
+        super().__init__(message + (f"; to fix: {hint}" if hint else ""))
 
 
 class HostPrerequisiteError(NsboxError):

@@ -72,7 +72,7 @@ def find(prefix: str) -> SandboxInfo:
     """The sandbox whose id starts with `prefix` (as docker accepts)."""
     matches = [i for i in registry.entries() if i.id.startswith(prefix)]
     if not matches:
-        raise NsboxError(f"no sandbox {prefix!r}", hint="`nsbox ps` lists the sandboxes")
+        raise NsboxError(f"no sandbox {prefix!r}", hint="run `nsbox ps` to list them")
     if len(matches) > 1:
         raise NsboxError(f"{prefix!r} matches several sandboxes: {', '.join(m.id for m in matches)}")
     return matches[0]

@@ -213,7 +213,7 @@ class Sandbox:
                 listener.bind(os.fspath(self._rundir / registry.SOCKET))
             except OSError as e:
                 raise SandboxSetupError(f"cannot create the sandbox's socket in {self._rundir}: {e.strerror}",
-                                        hint="a shorter NSBOX_STATE_DIR path may help") from None
+                                        hint="set NSBOX_STATE_DIR to a shorter path") from None
             listener.listen(64)
             init_fd = os.open(native.INIT_BINARY, os.O_RDONLY | os.O_CLOEXEC)
             # The zygote lets the child go as soon as its id maps are written.
@@ -320,10 +320,10 @@ class Sandbox:
         that was detached). close() then only disconnects."""
         info = registry.read(sandbox_id)
         if info is None:
-            raise SandboxUnavailable(f"no sandbox {sandbox_id!r}", hint="`nsbox ps` lists the sandboxes")
+            raise SandboxUnavailable(f"no sandbox {sandbox_id!r}", hint="run `nsbox ps` to list them")
         if not info.init_alive:
             raise SandboxUnavailable(f"sandbox {sandbox_id} is not running any more",
-                                     hint=f"`nsbox rm {sandbox_id}` removes what is left of it")
+                                     hint=f"run `nsbox rm {sandbox_id}` to remove what is left of it")
         sb = cls(None if info.rootfs == "host" else info.rootfs, user=info.user, workdir=info.workdir or None)
         sb.id, sb.hostname, sb.label, sb.origin = info.id, info.hostname, info.label, info.origin
         sb.idmap = idmap.IdMap.from_dict(info.idmap)
