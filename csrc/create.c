@@ -38,6 +38,7 @@
 #include <unistd.h>
 
 #include "create.h"
+#include "fdpass.h"
 
 /* Older C libraries lack the new mount API; the kernel has had it since 5.2
  * (mount_setattr since 5.12). */
@@ -389,21 +390,7 @@ static void reply(int sock, int pid, int err, int stage, int pidfd, const char *
 {
     struct nsbox_zygote_reply r = {.pid = pid, .err = err, .stage = stage, .msglen = msglen};
     struct iovec iov[2] = {{.iov_base = &r, .iov_len = sizeof r}, {.iov_base = (void *)msg, .iov_len = (size_t)msglen}};
-    union {
-        char buf[CMSG_SPACE(sizeof(int))];
-        struct cmsghdr align;
-    } u;
-    struct msghdr msg_hdr = {.msg_iov = iov, .msg_iovlen = msglen > 0 ? 2 : 1};
-    if (pidfd >= 0) {
-        msg_hdr.msg_control = u.buf;
-        msg_hdr.msg_controllen = sizeof u.buf;
-        struct cmsghdr *c = CMSG_FIRSTHDR(&msg_hdr);
-        c->cmsg_level = SOL_SOCKET;
-        c->cmsg_type = SCM_RIGHTS;
-        c->cmsg_len = CMSG_LEN(sizeof(int));
-        memcpy(CMSG_DATA(c), &pidfd, sizeof(int));
-    }
-    sendmsg(sock, &msg_hdr, MSG_NOSIGNAL);
+    send_with_fd(sock, iov, msglen > 0 ? 2 : 1, pidfd);
 }
 
 /*

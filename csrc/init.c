@@ -42,6 +42,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "fdpass.h"
 #include "protocol.h"
 
 #define DEFAULT_PATH "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -96,23 +97,8 @@ static void send_reply(int chan, int32_t kind, int32_t code, int32_t err, int32_
 {
     struct nsbox_reply r = {.kind = kind, .code = code, .err = err, .stage = stage};
     struct iovec iov = {.iov_base = &r, .iov_len = sizeof r};
-    union {
-        char buf[CMSG_SPACE(sizeof(int))];
-        struct cmsghdr align;
-    } u;
-    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1};
-    if (fd >= 0) {
-        msg.msg_control = u.buf;
-        msg.msg_controllen = sizeof u.buf;
-        struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
-        c->cmsg_level = SOL_SOCKET;
-        c->cmsg_type = SCM_RIGHTS;
-        c->cmsg_len = CMSG_LEN(sizeof(int));
-        memcpy(CMSG_DATA(c), &fd, sizeof(int));
-    }
     /* A host that went away makes this fail with EPIPE; nothing to do then. */
-    while (sendmsg(chan, &msg, MSG_NOSIGNAL) < 0 && errno == EINTR)
-        ;
+    send_with_fd(chan, &iov, 1, fd);
 }
 
 static void fail_and_exit(int chan, int stage, int err)

@@ -148,12 +148,13 @@ class HostRootfs:
             if not os.path.islink(f"/{name}") and os.path.isdir(f"/{name}")
         ]
 
+    @classmethod
     @functools.cache
-    def _skeleton(self) -> Path:
-        links, real = self._usr_links(), self._real_top_dirs()
+    def _skeleton(cls) -> Path:
+        links, real = cls._usr_links(), cls._real_top_dirs()
 
         def build(d: Path) -> None:
-            for rel, mode in self.SKELETON.items():
+            for rel, mode in cls.SKELETON.items():
                 (d / rel).mkdir()
                 os.chmod(d / rel, mode)
             for name, target in links.items():
@@ -161,7 +162,7 @@ class HostRootfs:
             for name in real:
                 (d / name).mkdir()
 
-        return _cached_dir("skeleton", [self.SKELETON, links, real], build)
+        return _cached_dir("skeleton", [cls.SKELETON, links, real], build)
 
     @staticmethod
     @functools.cache

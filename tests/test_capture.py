@@ -11,6 +11,15 @@ import nsbox
 from nsbox.exec import READ_CHUNK, CappedBuffer
 
 
+def drain(buf: CappedBuffer, fd: int) -> None:
+    while True:
+        try:
+            if buf.read_from(fd) == 0:
+                return
+        except BlockingIOError:
+            return
+
+
 def feed(limit: int, writes: list[bytes]) -> CappedBuffer:
     """Feeds `writes` through a pipe into a buffer, as exec does."""
     buf = CappedBuffer(limit)
@@ -21,20 +30,10 @@ def feed(limit: int, writes: list[bytes]) -> CappedBuffer:
             view = memoryview(data)
             while view:
                 view = view[os.write(w, view[:60000]) :]
-                while True:
-                    try:
-                        if buf.read_from(r) == 0:
-                            break
-                    except BlockingIOError:
-                        break
+                drain(buf, r)
     finally:
         os.close(w)
-        while True:
-            try:
-                if buf.read_from(r) == 0:
-                    break
-            except BlockingIOError:
-                break
+        drain(buf, r)
         os.close(r)
     return buf
 

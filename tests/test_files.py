@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import os
 import secrets
 from pathlib import Path
 from typing import Iterator

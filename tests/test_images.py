@@ -99,7 +99,7 @@ async def test_confinement_holds_even_for_a_careless_tar(tmp_path: Path) -> None
 
     def build(tar: tarfile.TarFile) -> None:
         add(tar, str(sentinel), b"overwritten by absolute path\n")
-        add(tar, f"../outside/sentinel", b"overwritten by dotdot\n")
+        add(tar, "../outside/sentinel", b"overwritten by dotdot\n")
         add(tar, "link", type=tarfile.SYMTYPE, linkname=str(outside))
         add(tar, "link/planted", b"planted through a symlink\n")
 
