@@ -74,3 +74,19 @@ def test_mode_matches_the_host_configuration(mode: str) -> None:
         assert m.uid_map[0] == (0, os.geteuid(), 1) and m.uid_map[1][0] == 1 and m.size > 65535
     else:
         assert mode == "single" and "usermod --add-subuids" in m.reason
+
+
+async def test_inspect_root_probe_verdict(mode: str) -> None:
+    # Inspect's own probe decides whether its tools may run as root.
+    from inspect_ai.tool._sandbox_tools_utils.sandbox import resolve_root_access
+
+    from nsbox.inspect_provider import NsboxConfig, NsboxSandboxEnvironment
+
+    cfg = NsboxConfig()
+    envs = await NsboxSandboxEnvironment.sample_init("probe", cfg, {})
+    try:
+        verdict = await resolve_root_access(envs["default"])
+    finally:
+        await NsboxSandboxEnvironment.sample_cleanup("probe", cfg, envs, False)
+    # With one mapped id, setgroups must be denied: "unusable" is right then.
+    assert verdict.state == ("unusable" if mode == "single" else "usable"), verdict.reason
