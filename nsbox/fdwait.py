@@ -10,12 +10,17 @@ version built from anyio.wait_readable / wait_writable.
 from __future__ import annotations
 
 import asyncio
+import select
 
 import anyio
 
 
 class Poller:
-    """Level-triggered readiness for a changing set of descriptors."""
+    """Level-triggered readiness for a changing set of descriptors.
+
+    A descriptor wait() reports was ready when it returned; POLLHUP and
+    POLLERR count as ready (the read or write then says what happened).
+    """
 
     def __init__(self) -> None:
         self._read: set[int] = set()
@@ -28,27 +33,37 @@ class Poller:
         except RuntimeError:  # not asyncio (trio)
             self._loop = None
 
+    def watch(self, fd: int, read: bool = False, write: bool = False) -> None:
+        """Sets what to wait for on `fd`; neither forgets it (which must
+        happen before it is closed)."""
+        loop = self._loop
+        if read and fd not in self._read:
+            self._read.add(fd)
+            if loop is not None:
+                loop.add_reader(fd, self._fire, fd)
+        elif not read and fd in self._read:
+            self._read.discard(fd)
+            if loop is not None:
+                loop.remove_reader(fd)
+        if write and fd not in self._write:
+            self._write.add(fd)
+            if loop is not None:
+                loop.add_writer(fd, self._fire, fd)
+        elif not write and fd in self._write:
+            self._write.discard(fd)
+            if loop is not None:
+                loop.remove_writer(fd)
+        if not read and not write:
+            self._ready.discard(fd)
+
     def want_read(self, fd: int) -> None:
-        self._read.add(fd)
-        if self._loop is not None:
-            self._loop.add_reader(fd, self._fire, fd)
+        self.watch(fd, read=True, write=fd in self._write)
 
     def want_write(self, fd: int) -> None:
-        self._write.add(fd)
-        if self._loop is not None:
-            self._loop.add_writer(fd, self._fire, fd)
+        self.watch(fd, read=fd in self._read, write=True)
 
     def forget(self, fd: int) -> None:
-        """Stops watching `fd`; must be called before it is closed."""
-        if fd in self._read:
-            self._read.discard(fd)
-            if self._loop is not None:
-                self._loop.remove_reader(fd)
-        if fd in self._write:
-            self._write.discard(fd)
-            if self._loop is not None:
-                self._loop.remove_writer(fd)
-        self._ready.discard(fd)
+        self.watch(fd)
 
     def close(self) -> None:
         for fd in list(self._read | self._write):
@@ -60,18 +75,31 @@ class Poller:
             self._waiter.set_result(None)
 
     async def wait(self) -> set[int]:
-        """Returns the descriptors that became ready (at least one)."""
-        if not self._ready:
-            if self._loop is not None:
-                self._waiter = self._loop.create_future()
-                try:
-                    await self._waiter
-                finally:
-                    self._waiter = None
-            else:
-                await self._wait_generic()
-        ready, self._ready = self._ready, set()
-        return ready
+        """Returns the descriptors that are ready (at least one)."""
+        while True:
+            if not self._ready:
+                if self._loop is not None:
+                    self._waiter = self._loop.create_future()
+                    try:
+                        await self._waiter
+                    finally:
+                        self._waiter = None
+                else:
+                    await self._wait_generic()
+            ready, self._ready = self._ready, set()
+            if self._loop is None:
+                return ready
+            # The loop may run a reader callback it queued before our last
+            # read: confirm, or a blocking descriptor would block on it.
+            ready = self._confirm(ready)
+            if ready:
+                return ready
+
+    def _confirm(self, fds: set[int]) -> set[int]:
+        p = select.poll()
+        for fd in fds:
+            p.register(fd, (select.POLLIN if fd in self._read else 0) | (select.POLLOUT if fd in self._write else 0))
+        return {fd for fd, _ in p.poll(0)}
 
     async def _wait_generic(self) -> None:
         async def watch(fd: int, wait, scope: anyio.CancelScope) -> None:  # type: ignore[no-untyped-def]

@@ -387,15 +387,31 @@ async def nsenter_command(sb: Sandbox, user: str | None = None) -> str:
     if identity is None:
         raise SandboxUserUnsupportedError(f"no user {user!r} in the sandbox's /etc/passwd")
     pid = sb.pid
-    # Sandbox processes live in the nested user and mount namespaces whose
-    # descriptors the init holds (see make_locked_namespaces in csrc/create.c).
     userns, mntns = native.lib.NSBOX_FD_USERNS, native.lib.NSBOX_FD_MNTNS
-    cmd = ["nsenter", f"--target={pid}", f"--user=/proc/{pid}/fd/{userns}", f"--mount=/proc/{pid}/fd/{mntns}",
-           "--pid", "--net", "--uts", "--ipc", "--cgroup"]
+    # The sandbox's network, IPC, UTS, cgroup and PID namespaces belong to
+    # the init's user namespace, and joining them takes capabilities there:
+    # so enter that one (--user), then the others and the locked mount
+    # namespace the init holds as a descriptor. A root session then moves
+    # into the nested user namespace sandbox processes run in (fd `userns`
+    # of PID 1, as the sandbox's /proc shows it), when the root filesystem
+    # has nsenter; another user simply switches ids (it has no capabilities).
+    # With a single mapped id setgroups is denied, which nsenter would call
+    # to become root; there our own uid already is the sandbox's root.
+    keep = ["--preserve-credentials"] if sb.idmap is not None and sb.idmap.mode == "single" else []
+    cmd = ["nsenter", f"--target={pid}", "--user", "--cgroup", "--ipc", "--uts", "--net", "--pid",
+           f"--mount=/proc/{pid}/fd/{mntns}", *keep]
     if identity.uid != 0:
         cmd += [f"--setuid={identity.uid}", f"--setgid={identity.gid}"]
-    shell = identity.shell or "/bin/sh"
-    login = f"cd {shlex.quote(sb.workdir)} && exec {shlex.quote(shell)} -l"
-    cmd += ["--", "/usr/bin/env", "-i", f"HOME={identity.home}", f"PATH={DEFAULT_PATH}", "TERM=${TERM:-xterm}",
-            "/bin/sh", "-c", login]
-    return " ".join(shlex.quote(c) if not c.startswith("TERM=") else f'"{c}"' for c in cmd)
+    login = (f"cd {shlex.quote(sb.workdir)} 2>/dev/null || cd {shlex.quote(identity.home)} 2>/dev/null || cd /; "
+             "if [ -x /bin/bash ]; then exec /bin/bash -l; else exec /bin/sh -l; fi")
+    q = shlex.quote
+    # A clean environment; TERM comes through nsenter from the person's terminal.
+    session = (f"/usr/bin/env -i {q('HOME=' + identity.home)} {q('PATH=' + DEFAULT_PATH)} "
+               f'"TERM=${{TERM:-xterm}}" /bin/sh -c {q(login)}')
+    if identity.uid == 0:
+        inner = f"nsenter --user=/proc/1/fd/{userns} {' '.join(keep)} -- {session}"
+        script = f"if command -v nsenter >/dev/null 2>&1; then exec {inner}; fi; exec {session}"
+    else:
+        script = f"exec {session}"
+    cmd += ["--", "/bin/sh", "-c", script]
+    return shlex.join(cmd)

@@ -120,20 +120,27 @@ async def _relay(sb: Sandbox, chan: socket.socket, master: int, stdin: int, stdo
     replies = bytearray()
     code: int | None = None
     failure: protocol.Reply | None = None
+    pending = b""  # input the pty has not taken yet (a large paste, say)
+    stdin_open = master_open = True
     try:
-        for fd in (stdin, master, chan.fileno()):
-            poller.want_read(fd)
+        poller.watch(chan.fileno(), read=True)
         while code is None:
+            # Read more input only once the pty has taken what we have.
+            poller.watch(stdin, read=stdin_open and not pending)
+            poller.watch(master, read=master_open, write=bool(pending))
             ready = await poller.wait()
             if stdin in ready:
                 data = os.read(stdin, 4096)
-                if data:
-                    os.write(master, data)
-                else:
-                    poller.forget(stdin)
-                    os.write(master, b"\x04")  # our input ended: end of file for the shell
-            if master in ready and not _drain(master, stdout):
-                poller.forget(master)
+                if not data:  # our input ended: end of file (^D) for the shell
+                    stdin_open, data = False, b"\x04"
+                pending += data
+            if pending:
+                try:
+                    pending = pending[os.write(master, pending) :]
+                except BlockingIOError:
+                    pass
+            if master in ready and master_open:
+                master_open = _drain(master, stdout)
             if chan.fileno() in ready:
                 try:
                     got = chan.recv(4096)
