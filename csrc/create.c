@@ -312,19 +312,10 @@ static int make_locked_namespaces(const char *uid_map, const char *gid_map, int 
 
 static void __attribute__((noreturn)) child(const struct nsbox_spec *spec)
 {
-    /* Keep the host's signal handlers from ever running in this copy of its
-     * memory: block everything, and reset caught signals to their default. */
+    /* Nothing may interrupt the setup; the mask is cleared before exec. */
     sigset_t all;
     sigfillset(&all);
     sigprocmask(SIG_SETMASK, &all, NULL);
-    for (int s = 1; s < NSIG; s++) {
-        struct sigaction sa;
-        if (sigaction(s, NULL, &sa) == 0 && sa.sa_handler != SIG_IGN && sa.sa_handler != SIG_DFL) {
-            sa.sa_handler = SIG_DFL;
-            sa.sa_flags = 0;
-            sigaction(s, &sa, NULL);
-        }
-    }
 
     /* Drop every host descriptor we were not given before anything else:
      * a stray copy of the sync pipe's write end would keep us waiting
@@ -528,8 +519,23 @@ out:
  * nsbox-create: the zygote (see create.h). Reads creation requests from
  * its socket until the Python process that started it goes away.
  */
+/* Sets every signal's disposition to the default. posix_spawn leaves
+ * glibc's two internal signals (32, 33) ignored, and an ignored signal
+ * stays ignored across exec, in every process of every sandbox; sigaction()
+ * refuses those two, so this uses the system call. An all-zero kernel
+ * sigaction is SIG_DFL with no flags and an empty mask. */
+static void default_signal_dispositions(void)
+{
+    static const char dfl[64];
+    for (int s = 1; s <= 64; s++) {
+        if (s != SIGKILL && s != SIGSTOP)
+            syscall(SYS_rt_sigaction, s, dfl, NULL, 8);
+    }
+}
+
 int main(void)
 {
+    default_signal_dispositions();
     for (;;) {
         char byte;
         struct iovec iov = {.iov_base = &byte, .iov_len = 1};

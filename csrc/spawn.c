@@ -24,7 +24,8 @@ int nsbox_start_zygote(const char *path, int sock)
     posix_spawn_file_actions_adddup2(&fa, sock, NSBOX_ZYGOTE_SOCKET);
     for (int fd = 0; fd < 3; fd++)
         posix_spawn_file_actions_addopen(&fa, fd, "/dev/null", O_RDWR, 0);
-    /* A clean signal state: nothing blocked, caught or ignored. */
+    /* A clean signal state: nothing blocked or caught (the zygote resets
+     * the two signals glibc keeps for itself, see create.c). */
     sigset_t none, all;
     sigemptyset(&none);
     sigfillset(&all);

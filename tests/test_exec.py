@@ -33,6 +33,16 @@ async def test_signal_death_is_128_plus_n(sandbox: nsbox.Sandbox) -> None:
     assert (await sandbox.exec(["sh", "-c", "kill -TERM $$"], timeout=30)).returncode == 143
 
 
+async def test_commands_start_with_default_signal_state(sandbox: nsbox.Sandbox) -> None:
+    # The init blocks SIGCHLD and ignores SIGPIPE; neither may leak into
+    # commands (a shell pipeline would then never see SIGPIPE).
+    r = await sandbox.exec(["sh", "-c", "grep -E '^Sig(Blk|Ign)' /proc/self/status"])
+    fields = dict(line.split(":\t") for line in r.stdout.splitlines())
+    assert fields == {"SigBlk": "0000000000000000", "SigIgn": "0000000000000000"}
+    r = await sandbox.exec(["sh", "-c", "yes | head -c 1 >/dev/null; echo ${PIPESTATUS:-done}"])
+    assert r.returncode == 0
+
+
 async def test_missing_command_is_127_with_message(sandbox: nsbox.Sandbox) -> None:
     r = await sandbox.exec(["no-such-command-xyz"])
     assert r.returncode == 127 and not r.success
