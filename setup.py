@@ -1,4 +1,4 @@
-"""Build glue: the cffi extension (csrc/create.c) and the static init binary.
+"""Build glue: the cffi extension (csrc/spawn.c, csrc/spec.c) and the static programs.
 
 Everything else about the package lives in pyproject.toml.
 """
@@ -16,8 +16,9 @@ ROOT = Path(__file__).parent.resolve()
 # The static programs nsbox runs: the sandbox's PID 1, and the helper that
 # creates a sandbox's namespaces.
 PROGRAMS = {
-    "nsbox-init": ["init.c"],
-    "nsbox-create": ["create.c", "spec.c"],
+    "nsbox-init": ["init/main.c", "init/child.c", "init/spawn.c", "init/open.c", "init/kill.c", "seccomp.c"],
+    "nsbox-create": ["create/main.c", "create/child.c", "create/idmap.c", "create/lock.c", "create/proc.c",
+                     "spec.c"],
 }
 
 
@@ -36,7 +37,8 @@ class BuildExtWithPrograms(build_ext):
         for name, sources in PROGRAMS.items():
             cmd = [
                 *cc, "-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror=implicit-function-declaration",
-                "-static", "-o", str(out_dir / name), *(str(ROOT / "csrc" / s) for s in sources),
+                "-static", "-I", str(ROOT / "csrc"), "-o", str(out_dir / name),
+                *(str(ROOT / "csrc" / s) for s in sources),
             ]
             self.announce(f"building {name}: " + " ".join(cmd), level=2)
             result = subprocess.run(cmd, capture_output=True, text=True)

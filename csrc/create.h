@@ -1,5 +1,5 @@
 /*
- * create.h - the interface of create.c, as cffi sees it.
+ * create.h - the interface of the zygote (csrc/create/), as cffi sees it.
  *
  * Python (nsbox/rootfs.py) composes a sandbox as a list of steps; the C
  * side only carries them out, in order, in a freshly cloned child. Keeping
@@ -21,7 +21,23 @@ enum nsbox_step_kind {
     NSBOX_STEP_HOSTNAME = 8,    /* sethostname(a) */
     NSBOX_STEP_LOOPBACK_UP = 9, /* bring up "lo" in the new network namespace */
     NSBOX_STEP_REMOUNT = 10,    /* mount(NULL, b, NULL, MS_REMOUNT | flags, NULL) */
+    NSBOX_STEP_BECOME_ROOT = 11, /* setresgid/setresuid(0): become the namespace's root */
+    NSBOX_STEP_PATH_FD = 12,    /* open a as O_PATH at descriptor NSBOX_PATH_FD_BASE + slot */
 };
+
+/* Host directories looked up before NSBOX_STEP_BECOME_ROOT are held open at
+ * NSBOX_PATH_FD_BASE + slot, so later steps name them /proc/self/fd/N (see
+ * plan() in nsbox/rootfs.py). They are close-on-exec and closed after the
+ * steps; nothing else the child opens reaches this range. */
+#define NSBOX_PATH_FD_BASE 200
+#define NSBOX_PATH_FDS 512
+
+/* C libraries older than the kernel's mount API (5.2) lack this flag of
+ * open_tree and mount_setattr. (A fallback for a system header: the cffi
+ * build reads the value from the headers, see nsbox/_build_ffi.py.) */
+#ifndef AT_RECURSIVE
+#define AT_RECURSIVE 0x8000
+#endif
 
 struct nsbox_step {
     int kind;
@@ -39,7 +55,7 @@ struct nsbox_step {
 #define NSBOX_SLOTS 32
 
 struct nsbox_spec {
-    unsigned long clone_flags;      /* CLONE_NEW* for the child */
+    unsigned long clone_flags;      /* CLONE_NEW* for the child, and nothing else */
     const struct nsbox_step *steps; /* run in order once the id maps are written */
     int nsteps;
     /* The new user namespace's maps, as /proc/PID/uid_map takes them. With
@@ -51,7 +67,8 @@ struct nsbox_spec {
     const char *newuidmap;
     const char *newgidmap;
     int deny_setgroups;
-    int sync_fd;  /* child reads one byte here once its id maps are written (the zygote's pipe) */
+    int sync_fd;  /* child reads one byte here before its steps: the host's "go", sent
+                     once the id maps are written and its hooks are done */
     int error_fd; /* child writes struct nsbox_setup_error here on failure */
     int keep_fds[4]; /* become fds 3, 4, ... of the program; -1 entries give closed fds */
     int nkeep;
@@ -64,7 +81,8 @@ struct nsbox_spec {
      * nested in the new one, with these uid/gid maps (identity lines, one per
      * extent of the outer map: an extent may not span two outer ones), and
      * its own mount namespace, in which every mount is locked. Descriptors
-     * of the two land in keep positions lock_slot and lock_slot + 1. */
+     * of the two land in keep positions lock_slot and lock_slot + 1, which
+     * must be within nkeep and empty (keep_fds -1). */
     const char *lock_uid_map;
     const char *lock_gid_map;
     int lock_slot;
@@ -81,26 +99,34 @@ enum nsbox_setup_stage {
     NSBOX_SETUP_SYNC = -1, /* waiting for the id maps failed */
     NSBOX_SETUP_FDS = -2,  /* arranging descriptors failed */
     NSBOX_SETUP_EXEC = -3, /* execve of the program failed */
-    NSBOX_SETUP_IDS = -4,  /* becoming root in the new namespace failed */
+    /* -4 was "becoming root", now a step (NSBOX_STEP_BECOME_ROOT) */
     NSBOX_SETUP_LOCK = -5, /* creating the locked namespaces failed */
+    NSBOX_SETUP_SESSION = -6, /* setsid() failed */
+    NSBOX_SETUP_SIGNALS = -7, /* blocking or unblocking signals failed */
 };
 
 /*
- * The Python process creates sandboxes through nsbox-create (csrc/create.c),
+ * The Python process creates sandboxes through nsbox-create (csrc/create/),
  * a small static "zygote" it starts once with nsbox_start_zygote(): cloning
  * the Python process itself would copy its page tables, which costs
  * milliseconds per sandbox for a large process. For each sandbox the zygote
  * receives one message on its socket (fd NSBOX_ZYGOTE_SOCKET) carrying, as
  * SCM_RIGHTS and in this order: a socket for the reply, a memfd with the
- * spec (nsbox_spec_pack), the error pipe, the program to exec (if the spec
- * has one) and the keep_fds that are present. It clones the sandbox's
- * first process with CLONE_PARENT, so that process is a child of the
- * Python process, writes its id maps, lets it go on, and replies with
- * struct nsbox_zygote_reply, the child's pidfd, and any message from
- * newuidmap/newgidmap. EOF on its socket (the Python process exited) ends it.
+ * spec (nsbox_spec_pack), the error pipe, the read end of the sync pipe,
+ * the program to exec (if the spec has one) and the keep_fds that are
+ * present. It clones the sandbox's first process with CLONE_PARENT, so
+ * that process is a child of the Python process, writes its id maps and
+ * replies with struct nsbox_zygote_reply, the child's pidfd, and any
+ * message from newuidmap/newgidmap. The child then waits for the host's
+ * go byte on the sync pipe: between the two the host runs its own hooks
+ * (attaching a network, placing the child in a cgroup). A request it cannot use is answered with -1,
+ * EINVAL and NSBOX_ZYGOTE_REQUEST, or not at all if it carried no
+ * descriptor to answer on; replies never wait for room on the socket.
+ * EOF on its socket (the Python process exited) ends it.
  */
 #define NSBOX_ZYGOTE_SOCKET 3
 #define NSBOX_ZYGOTE_MSG_MAX 1024
+#define NSBOX_SPEC_MAX 16777216 /* bytes: a larger spec is refused unread */
 
 enum nsbox_zygote_stage {
     NSBOX_ZYGOTE_REQUEST = 1, /* the request was malformed */
@@ -115,12 +141,21 @@ struct nsbox_zygote_reply {
     int msglen; /* bytes of message text following the struct */
 };
 
+/* NSBOX_DEFAULT_PATH of protocol.h, for Python (spawn.c). */
+const char *nsbox_default_path(void);
+
 /* Starts the zygote `path` with `sock` as its socket; returns its pid or -errno. */
 int nsbox_start_zygote(const char *path, int sock);
 
-/* spec.c: the spec, serialized with its strings; unpack() points into buf
- * and leaves every descriptor at -1. nsbox_spec_fds() says how many
- * descriptors follow the spec in the zygote's message. */
+/* spec.c: the spec, serialized with its strings. unpack() points the
+ * strings into buf, allocates the steps, argv and envp arrays (free them
+ * with nsbox_spec_free) and marks the descriptors the message must carry
+ * (0 for one expected, -1 for none); it returns 0, or -EINVAL (-ENOMEM)
+ * and leaves spec zeroed, having freed what it allocated. It refuses
+ * anything pack() would not produce and anything the zygote must not do
+ * (see spec.c). nsbox_spec_fds() says how many descriptors follow the spec
+ * in the zygote's message. */
 int nsbox_spec_pack(const struct nsbox_spec *spec, int fd);
 int nsbox_spec_unpack(char *buf, unsigned long len, struct nsbox_spec *spec);
+void nsbox_spec_free(struct nsbox_spec *spec);
 int nsbox_spec_fds(const struct nsbox_spec *spec);

@@ -10,8 +10,10 @@
  *     the request's file descriptors attached as SCM_RIGHTS.
  *   - Every EXEC or OPEN request carries a "channel": one end of a fresh
  *     SOCK_STREAM socketpair. Results come back on it as struct nsbox_reply
- *     records; the host may write a 4-byte signal number on it to signal the
- *     command's process tree. Closing it early kills that tree.
+ *     records: for EXEC, STARTED or FAIL, then EXIT; for OPEN, FD or FAIL.
+ *     The host may write a 4-byte signal number on it to signal the
+ *     command's process tree. Closing it early kills that tree (or the
+ *     helper serving an OPEN).
  *   - The init inherits its connections as fixed fds (NSBOX_FD_*).
  */
 #ifndef NSBOX_PROTOCOL_H
@@ -19,7 +21,11 @@
 
 #include <stdint.h>
 
-#define NSBOX_PROTOCOL_VERSION 1
+#define NSBOX_PROTOCOL_VERSION 2
+
+/* PATH of a command whose environment has none (the host sends the same
+ * default; it reads this one through nsbox_default_path()). */
+#define NSBOX_DEFAULT_PATH "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 /* Descriptors the init finds open when it starts. */
 #define NSBOX_FD_CONTROL 3   /* the owner's connection; its loss is the lifeline */
@@ -46,6 +52,7 @@ enum nsbox_op {
 #define NSBOX_F_SETGROUPS 0x4  /* apply the supplementary group list */
 #define NSBOX_F_SETCTTY 0x8    /* EXEC: stdin is a terminal; make it the controlling one */
 #define NSBOX_F_DETACHED 0x10  /* EXEC: closing the channel does not kill the command */
+#define NSBOX_F_REGULAR 0x20   /* OPEN: only a regular file or a directory will do */
 
 /*
  * Payload layout: ngroups uint32 gids, then NUL-terminated strings:
@@ -69,6 +76,7 @@ enum nsbox_reply_kind {
     NSBOX_REPLY_EXIT = 1, /* code: exit status, or 128+N for signal N */
     NSBOX_REPLY_FAIL = 2, /* stage and err (an errno) say what failed */
     NSBOX_REPLY_FD = 3,   /* a descriptor is attached; code: 1 if a directory */
+    NSBOX_REPLY_STARTED = 4, /* EXEC: the command is running (its execve succeeded) */
 };
 
 enum nsbox_stage {
@@ -79,6 +87,7 @@ enum nsbox_stage {
     NSBOX_STAGE_EXEC = 5,    /* execve of the command */
     NSBOX_STAGE_MKDIRS = 6,  /* creating parent directories */
     NSBOX_STAGE_OPEN = 7,    /* opening the file */
+    NSBOX_STAGE_HELPER = 8,  /* a process inside stopped or killed nsbox's helper */
 };
 
 struct nsbox_reply {

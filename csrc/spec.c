@@ -4,11 +4,13 @@
  * Layout: a header, the steps with their strings replaced by offsets into
  * a string table, the argv/envp offsets, then the string table itself.
  * Descriptors are not serialized: they travel beside the spec, as
- * SCM_RIGHTS (see create.h). unpack() checks every offset, so a truncated
- * or garbled spec is refused rather than followed.
+ * SCM_RIGHTS (see create.h). unpack() checks every count, offset and
+ * length, so a truncated, garbled or oversized spec is refused rather than
+ * followed.
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -141,7 +143,8 @@ int nsbox_spec_pack(const struct nsbox_spec *spec, int fd)
 }
 
 /* A string at offset off of the table, or NULL for NONE; sets *bad if the
- * offset is out of range. The table is NUL-terminated (checked below). */
+ * offset is out of range. The table is NUL-terminated (checked below), so
+ * every string in range ends inside it. */
 static const char *str_at(const char *strtab, uint32_t len, uint32_t off, int *bad)
 {
     if (off == NONE)
@@ -153,16 +156,46 @@ static const char *str_at(const char *strtab, uint32_t len, uint32_t off, int *b
     return strtab + off;
 }
 
+/* The only clone flags a spec may carry: the namespaces. The zygote adds
+ * CLONE_PARENT | CLONE_PIDFD itself; anything else would have the child
+ * share the zygote's memory (CLONE_VM), descriptors (CLONE_FILES) or root
+ * and cwd (CLONE_FS), make the zygote wait for it (CLONE_VFORK: it waits
+ * for the id maps the zygote writes, so both would hang), or take pointers
+ * the spec cannot give. */
+#define NAMESPACE_FLAGS                                                                           \
+    ((uint64_t)(CLONE_NEWNS | CLONE_NEWCGROUP | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER | CLONE_NEWPID | \
+                CLONE_NEWNET))
+
+#define MAX_STEPS 4096
+#define MAX_ARGS 65536 /* for argv and for envp */
+
+/*
+ * Runs in the zygote on whatever its owner sends: checks every count,
+ * offset and length before use, and refuses anything pack() would not have
+ * produced from a usable spec. On every refusal it frees what it allocated
+ * and leaves spec zeroed, so the long-lived zygote leaks nothing.
+ */
 int nsbox_spec_unpack(char *buf, unsigned long len, struct nsbox_spec *spec)
 {
     struct header h;
+    memset(spec, 0, sizeof *spec);
     if (len < sizeof h)
         return -EINVAL;
     memcpy(&h, buf, sizeof h);
-    if (h.magic != MAGIC || h.nkeep > 4 || h.nsteps > 4096 || h.argc > 65536 || h.envc > 65536)
+    if (h.magic != MAGIC || h.nkeep > 4 || h.nsteps > MAX_STEPS || h.argc == 0 || h.argc > MAX_ARGS ||
+        h.envc > MAX_ARGS || (h.clone_flags & ~NAMESPACE_FLAGS))
         return -EINVAL;
-    size_t body = (size_t)h.nsteps * sizeof(struct wire_step) + ((size_t)h.argc + h.envc) * sizeof(uint32_t);
-    if (len != sizeof h + body + h.strtab_len || (h.strtab_len && buf[len - 1] != 0))
+    /* The counts are bounded above, so none of this overflows. */
+    uint64_t body = (uint64_t)h.nsteps * sizeof(struct wire_step) + ((uint64_t)h.argc + h.envc) * sizeof(uint32_t);
+    if ((uint64_t)len != sizeof h + body + h.strtab_len || h.strtab_len == 0 || buf[len - 1] != 0)
+        return -EINVAL;
+    /* The nested namespaces' descriptors are dup2()ed to fds 3 + lock_slot
+     * and 4 + lock_slot of the program: both must be keep positions the
+     * spec leaves empty, or they would land on a descriptor it passes on. */
+    int lock = h.lock_uid_map != NONE;
+    if (lock != (h.lock_gid_map != NONE))
+        return -EINVAL;
+    if (lock && (h.lock_slot < 0 || (uint32_t)h.lock_slot + 1 >= h.nkeep || (h.keep_present >> h.lock_slot) & 3))
         return -EINVAL;
     const char *strtab = buf + sizeof h + body;
     int bad = 0;
@@ -170,8 +203,12 @@ int nsbox_spec_unpack(char *buf, unsigned long len, struct nsbox_spec *spec)
     struct nsbox_step *steps = calloc(h.nsteps ? h.nsteps : 1, sizeof *steps);
     char **argv = calloc(h.argc + 1, sizeof *argv);
     char **envp = calloc(h.envc + 1, sizeof *envp);
-    if (!steps || !argv || !envp)
+    if (!steps || !argv || !envp) {
+        free(steps);
+        free(argv);
+        free(envp);
         return -ENOMEM;
+    }
     const char *p = buf + sizeof h;
     for (uint32_t i = 0; i < h.nsteps; i++, p += sizeof(struct wire_step)) {
         struct wire_step w;
@@ -183,19 +220,18 @@ int nsbox_spec_unpack(char *buf, unsigned long len, struct nsbox_spec *spec)
             .c = str_at(strtab, h.strtab_len, w.str[2], &bad), .d = str_at(strtab, h.strtab_len, w.str[3], &bad),
         };
     }
+    /* Every argv and envp entry is a string: a NULL would cut the vector short. */
     for (uint32_t i = 0; i < h.argc + h.envc; i++, p += sizeof(uint32_t)) {
         uint32_t off;
         memcpy(&off, p, sizeof off);
         const char *s = str_at(strtab, h.strtab_len, off, &bad);
+        bad |= !s;
         if (i < h.argc)
             argv[i] = (char *)s;
         else
             envp[i - h.argc] = (char *)s;
     }
-    if (bad || h.argc == 0 || !argv[0])
-        return -EINVAL;
 
-    memset(spec, 0, sizeof *spec);
     spec->clone_flags = (unsigned long)h.clone_flags;
     spec->steps = steps;
     spec->nsteps = (int)h.nsteps;
@@ -207,8 +243,8 @@ int nsbox_spec_unpack(char *buf, unsigned long len, struct nsbox_spec *spec)
     spec->exec_fd = h.has_exec_fd ? 0 : -1;
     spec->argv = argv;
     spec->envp = envp;
-    spec->keep_stdio = (int)h.keep_stdio;
-    spec->new_session = (int)h.new_session;
+    spec->keep_stdio = h.keep_stdio != 0;
+    spec->new_session = h.new_session != 0;
     spec->lock_uid_map = str_at(strtab, h.strtab_len, h.lock_uid_map, &bad);
     spec->lock_gid_map = str_at(strtab, h.strtab_len, h.lock_gid_map, &bad);
     spec->lock_slot = h.lock_slot;
@@ -216,15 +252,27 @@ int nsbox_spec_unpack(char *buf, unsigned long len, struct nsbox_spec *spec)
     spec->gid_map = str_at(strtab, h.strtab_len, h.gid_map, &bad);
     spec->newuidmap = str_at(strtab, h.strtab_len, h.newuidmap, &bad);
     spec->newgidmap = str_at(strtab, h.strtab_len, h.newgidmap, &bad);
-    spec->deny_setgroups = (int)h.deny_setgroups;
-    if (!spec->uid_map || !spec->gid_map || (!spec->newuidmap != !spec->newgidmap))
+    spec->deny_setgroups = h.deny_setgroups != 0;
+    if (bad || !spec->uid_map || !spec->gid_map || (!spec->newuidmap != !spec->newgidmap)) {
+        nsbox_spec_free(spec);
         return -EINVAL;
-    return bad ? -EINVAL : 0;
+    }
+    return 0;
+}
+
+/* Frees what nsbox_spec_unpack allocated (nothing, for a zeroed spec) and
+ * zeroes the spec. Not for specs built elsewhere (Python's are cffi's). */
+void nsbox_spec_free(struct nsbox_spec *spec)
+{
+    free((void *)spec->steps);
+    free((void *)spec->argv);
+    free((void *)spec->envp);
+    memset(spec, 0, sizeof *spec);
 }
 
 int nsbox_spec_fds(const struct nsbox_spec *spec)
 {
-    int n = 1 + (spec->exec_fd >= 0); /* error pipe, program */
+    int n = 2 + (spec->exec_fd >= 0); /* error pipe, sync pipe, program */
     for (int i = 0; i < spec->nkeep; i++)
         n += spec->keep_fds[i] >= 0;
     return n;

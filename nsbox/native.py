@@ -1,8 +1,9 @@
-"""The C helper, seen from Python: setup steps and nsbox_spawn().
+"""The C side, seen from Python: the zygote that creates sandboxes.
 
-Everything that runs between clone and exec is C (csrc/create.c, in the
-nsbox-create helper that nsbox_spawn starts); this module only packs the
-steps Python composed into the structures create.h defines.
+Everything that runs between clone and exec is C (csrc/create/, in the
+nsbox-create zygote this module starts once per process); this module packs
+the steps Python composed (nsbox/steps.py) into the structures create.h
+defines, sends them, and reads the zygote's answer.
 """
 
 from __future__ import annotations
@@ -13,97 +14,63 @@ import os
 import socket
 import struct
 import threading
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from ._native import ffi, lib
+from .steps import PATH_FD_BASE, Kind, Step
 
 INIT_BINARY = Path(__file__).resolve().parent / "nsbox-init"
 CREATE_HELPER = os.fsencode(Path(__file__).resolve().parent / "nsbox-create")
 
-# Namespace flags from <linux/sched.h>.
-CLONE_NEWNS = 0x00020000
-CLONE_NEWCGROUP = 0x02000000
-CLONE_NEWUTS = 0x04000000
-CLONE_NEWIPC = 0x08000000
-CLONE_NEWUSER = 0x10000000
-CLONE_NEWPID = 0x20000000
-CLONE_NEWNET = 0x40000000
+# Kernel flags, as the system headers define them: the cffi module takes
+# their values from the C compiler (KERNEL_CONSTANTS in nsbox/_build_ffi.py).
+# Namespaces, for clone3.
+CLONE_NEWNS: int = lib.CLONE_NEWNS
+CLONE_NEWCGROUP: int = lib.CLONE_NEWCGROUP
+CLONE_NEWUTS: int = lib.CLONE_NEWUTS
+CLONE_NEWIPC: int = lib.CLONE_NEWIPC
+CLONE_NEWUSER: int = lib.CLONE_NEWUSER
+CLONE_NEWPID: int = lib.CLONE_NEWPID
+CLONE_NEWNET: int = lib.CLONE_NEWNET
 
 # mount(2) flags.
-MS_RDONLY = 1
-MS_NOSUID = 2
-MS_NODEV = 4
-MS_NOEXEC = 8
-MS_BIND = 4096
-MS_REC = 16384
-MS_PRIVATE = 1 << 18
+MS_RDONLY: int = lib.MS_RDONLY
+MS_NOSUID: int = lib.MS_NOSUID
+MS_NODEV: int = lib.MS_NODEV
+MS_NOEXEC: int = lib.MS_NOEXEC
+MS_BIND: int = lib.MS_BIND
+MS_REC: int = lib.MS_REC
+MS_PRIVATE: int = lib.MS_PRIVATE
 
 # open_tree(2) and mount_setattr(2).
-AT_RECURSIVE = 0x8000
-MOUNT_ATTR_RDONLY = 0x1
-MOUNT_ATTR_NOSUID = 0x2
-MOUNT_ATTR_NODEV = 0x4
-MOUNT_ATTR_NOEXEC = 0x8
+AT_RECURSIVE: int = lib.AT_RECURSIVE
+MOUNT_ATTR_RDONLY: int = lib.MOUNT_ATTR_RDONLY
+MOUNT_ATTR_NOSUID: int = lib.MOUNT_ATTR_NOSUID
+MOUNT_ATTR_NODEV: int = lib.MOUNT_ATTR_NODEV
+MOUNT_ATTR_NOEXEC: int = lib.MOUNT_ATTR_NOEXEC
 
 
-@dataclass(frozen=True)
-class Step:
-    """One setup step; `what` says in words what it does, for error messages."""
-
-    kind: int
-    what: str
-    a: str | None = None
-    b: str | None = None
-    c: str | None = None
-    d: str | None = None
-    flags: int = 0
-    mode: int = 0
-    slot: int = -1
-    attr_set: int = 0
-    attr_clr: int = 0
+# The step vocabulary is plain Python (nsbox/steps.py); its numbers must be
+# the C header's.
+for _kind in Kind:
+    if getattr(lib, f"NSBOX_STEP_{_kind.name}") != _kind.value:
+        raise ImportError(f"nsbox: step kind {_kind.name} differs between nsbox/steps.py and csrc/create.h")
+if lib.NSBOX_PATH_FD_BASE != PATH_FD_BASE:
+    raise ImportError("nsbox: NSBOX_PATH_FD_BASE differs between nsbox/steps.py and csrc/create.h")
 
 
-def mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None, what: str) -> Step:
-    return Step(lib.NSBOX_STEP_MOUNT, what, a=source, b=target, c=fstype, d=data, flags=flags)
+def clone_flags(namespaces: Iterable[str]) -> int:
+    """clone3 flags for namespaces named as in <linux/sched.h> (CLONE_NEW*)."""
+    return _bits(frozenset(namespaces))
 
 
-def tree_clone(source: str, slot: int, what: str, *, recursive: bool = False, readonly: bool = False) -> Step:
-    return Step(
-        lib.NSBOX_STEP_TREE_CLONE, what, a=source, slot=slot,
-        flags=AT_RECURSIVE if recursive else 0,
-        attr_set=MOUNT_ATTR_RDONLY if readonly else 0,
-    )
-
-
-def tree_attach(slot: int, target: str, what: str) -> Step:
-    return Step(lib.NSBOX_STEP_TREE_ATTACH, what, b=target, slot=slot)
-
-
-def mkdir(path: str, mode: int = 0o755) -> Step:
-    return Step(lib.NSBOX_STEP_MKDIR, f"create the directory {path} (it must not be a symlink or a file)",
-                b=path, mode=mode)
-
-
-def mkfile(path: str) -> Step:
-    return Step(lib.NSBOX_STEP_MKFILE, f"create mount point {path}", b=path, mode=0o644)
-
-
-def symlink(target: str, path: str) -> Step:
-    return Step(lib.NSBOX_STEP_SYMLINK, f"create symlink {path} -> {target}", a=target, b=path)
-
-
-def pivot(new_root: str) -> Step:
-    return Step(lib.NSBOX_STEP_PIVOT, f"pivot_root into {new_root}", b=new_root)
-
-
-def hostname(name: str) -> Step:
-    return Step(lib.NSBOX_STEP_HOSTNAME, f"set the hostname to {name}", a=name)
-
-
-def loopback_up() -> Step:
-    return Step(lib.NSBOX_STEP_LOOPBACK_UP, "bring up the loopback interface")
+def _bits(names: frozenset[str]) -> int:
+    """Kernel flags named in a step, valued by the C headers."""
+    value = 0
+    for name in names:
+        value |= getattr(lib, name)
+    return value
 
 
 class _Keep:
@@ -137,8 +104,8 @@ def _pack(steps: Sequence[Step], clone_flags: int, argv: Sequence[str], envp: Se
     c_steps = ffi.new("struct nsbox_step[]", max(len(steps), 1))
     for i, s in enumerate(steps):
         c = c_steps[i]
-        c.kind, c.slot, c.mode, c.flags = s.kind, s.slot, s.mode, s.flags
-        c.attr_set, c.attr_clr = s.attr_set, s.attr_clr
+        c.kind, c.slot, c.mode, c.flags = int(s.kind), s.slot, s.mode, _bits(s.flags)
+        c.attr_set, c.attr_clr = _bits(s.attr_set), _bits(s.attr_clr)
         c.a, c.b, c.c, c.d = keep.str(s.a), keep.str(s.b), keep.str(s.c), keep.str(s.d)
     spec = ffi.new("struct nsbox_spec *")
     spec.clone_flags = clone_flags
@@ -231,6 +198,7 @@ def request_spawn(
     steps: Sequence[Step],
     idmaps: tuple[str, str, str | None, str | None, bool],
     error_fd: int,
+    sync_fd: int,
     keep_fds: Sequence[int],
     exec_fd: int,
     argv: Sequence[str],
@@ -241,12 +209,14 @@ def request_spawn(
     lock_slot: int = 0,
 ) -> socket.socket:
     """Asks the zygote to clone the process described; returns the socket
-    its reply arrives on (read it with read_spawn_reply)."""
+    its reply arrives on (read it with read_spawn_reply). The process waits
+    for one byte on the pipe whose read end is `sync_fd` before it runs its
+    steps: write it once the reply came (and the caller's hooks ran)."""
     memfd = _pack(steps, clone_flags, argv, envp, keep_fds, exec_fd >= 0, keep_stdio, new_session,
                   lock_maps, lock_slot, idmaps)
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
-        fds = [theirs.fileno(), memfd, error_fd] + ([exec_fd] if exec_fd >= 0 else [])
+        fds = [theirs.fileno(), memfd, error_fd, sync_fd] + ([exec_fd] if exec_fd >= 0 else [])
         fds += [fd for fd in keep_fds if fd >= 0]
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
         for attempt in (0, 1):
@@ -301,7 +271,26 @@ def read_spawn_reply(sock: socket.socket) -> tuple[int, int]:
     return pid, pidfd
 
 
+def go(go_w: int) -> None:
+    """Lets a cloned process run its steps."""
+    try:
+        os.write(go_w, b"g")
+    except BrokenPipeError:
+        pass  # it failed before it waited; its error report says why
+
+
 def spawn(**kwargs: object) -> tuple[int, int]:
-    """request_spawn + read_spawn_reply, blocking (for synchronous callers)."""
-    with request_spawn(**kwargs) as sock:  # type: ignore[arg-type]
-        return read_spawn_reply(sock)
+    """request_spawn + read_spawn_reply + go, blocking (for synchronous
+    callers without hooks)."""
+    go_r, go_w = os.pipe2(os.O_CLOEXEC)
+    try:
+        with request_spawn(sync_fd=go_r, **kwargs) as sock:  # type: ignore[arg-type]
+            os.close(go_r)
+            go_r = -1
+            pid, pidfd = read_spawn_reply(sock)
+        go(go_w)
+        return pid, pidfd
+    finally:
+        if go_r >= 0:
+            os.close(go_r)
+        os.close(go_w)

@@ -1,0 +1,333 @@
+/*
+ * child.c - the child the zygote clones: it arranges its descriptors,
+ * waits for the host's go byte, runs the setup steps, locks the mounts and
+ * execs the init (see main.c for the order).
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/sched.h>
+#include <net/if.h>
+#include <signal.h>
+#include <spawn.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/mount.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "create/zygote.h"
+#include "fdpass.h"
+
+/* Older C libraries lack the new mount API; the kernel has had it since 5.2
+ * (mount_setattr since 5.12). */
+#ifndef OPEN_TREE_CLONE
+#define OPEN_TREE_CLONE 1
+#endif
+#ifndef OPEN_TREE_CLOEXEC
+#define OPEN_TREE_CLOEXEC O_CLOEXEC
+#endif
+#ifndef MOVE_MOUNT_F_EMPTY_PATH
+#define MOVE_MOUNT_F_EMPTY_PATH 0x00000004
+#endif
+
+struct nsbox_mount_attr {
+    uint64_t attr_set;
+    uint64_t attr_clr;
+    uint64_t propagation;
+    uint64_t userns_fd;
+};
+
+static void report(int fd, int step, int err)
+{
+    struct nsbox_setup_error e = {.step = step, .err = err};
+    /* Best effort: the host treats a short report like a crash. */
+    ssize_t r = write(fd, &e, sizeof e);
+    (void)r;
+}
+
+static int run_step(const struct nsbox_step *s, int *slots)
+{
+    switch (s->kind) {
+    case NSBOX_STEP_MOUNT:
+        return mount(s->a, s->b, s->c, s->flags, s->d);
+
+    case NSBOX_STEP_TREE_CLONE: {
+        if (s->slot < 0 || s->slot >= NSBOX_SLOTS) {
+            errno = EINVAL;
+            return -1;
+        }
+        unsigned int rec = (s->flags & AT_RECURSIVE) ? AT_RECURSIVE : 0;
+        int fd = (int)syscall(SYS_open_tree, AT_FDCWD, s->a, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | rec);
+        if (fd < 0)
+            return -1;
+        if (s->attr_set || s->attr_clr) {
+            struct nsbox_mount_attr attr = {.attr_set = s->attr_set, .attr_clr = s->attr_clr};
+            if (syscall(SYS_mount_setattr, fd, "", AT_EMPTY_PATH | rec, &attr, sizeof attr) < 0)
+                return -1;
+        }
+        slots[s->slot] = fd;
+        return 0;
+    }
+
+    case NSBOX_STEP_TREE_ATTACH:
+        if (s->slot < 0 || s->slot >= NSBOX_SLOTS || slots[s->slot] < 0) {
+            errno = EBADF;
+            return -1;
+        }
+        if (syscall(SYS_move_mount, slots[s->slot], "", AT_FDCWD, s->b, MOVE_MOUNT_F_EMPTY_PATH) < 0)
+            return -1;
+        close(slots[s->slot]);
+        slots[s->slot] = -1;
+        return 0;
+
+    case NSBOX_STEP_MKDIR: {
+        if (mkdir(s->b, s->mode) < 0 && errno != EEXIST)
+            return -1;
+        /* It must be a directory and not a symlink: a mount on it would
+         * follow the link, and before the pivot that leads to the host. */
+        struct stat st;
+        if (lstat(s->b, &st) < 0)
+            return -1;
+        if (!S_ISDIR(st.st_mode)) {
+            errno = ENOTDIR;
+            return -1;
+        }
+        return 0;
+    }
+
+    case NSBOX_STEP_MKFILE: {
+        int fd = open(s->b, O_WRONLY | O_CREAT | O_CLOEXEC | O_NOFOLLOW, s->mode);
+        if (fd < 0)
+            return -1;
+        close(fd);
+        return 0;
+    }
+
+    case NSBOX_STEP_SYMLINK:
+        if (symlink(s->a, s->b) == 0)
+            return 0;
+        if (errno != EEXIST || unlink(s->b) < 0)
+            return -1;
+        return symlink(s->a, s->b);
+
+    case NSBOX_STEP_PIVOT:
+        /* pivot_root(".", ".") stacks the old root under the new one; the
+         * detach then leaves no path back to the host's filesystem. */
+        if (chdir(s->b) < 0 || syscall(SYS_pivot_root, ".", ".") < 0)
+            return -1;
+        if (umount2(".", MNT_DETACH) < 0)
+            return -1;
+        return chdir("/");
+
+    case NSBOX_STEP_HOSTNAME:
+        if (!s->a) {
+            errno = EINVAL;
+            return -1;
+        }
+        return sethostname(s->a, strlen(s->a));
+
+    case NSBOX_STEP_LOOPBACK_UP: {
+        int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+        if (fd < 0)
+            return -1;
+        struct ifreq ifr;
+        memset(&ifr, 0, sizeof ifr);
+        strcpy(ifr.ifr_name, "lo");
+        int r = ioctl(fd, SIOCGIFFLAGS, &ifr);
+        if (r == 0) {
+            ifr.ifr_flags |= IFF_UP | IFF_RUNNING;
+            r = ioctl(fd, SIOCSIFFLAGS, &ifr);
+        }
+        int err = errno;
+        close(fd);
+        errno = err;
+        return r;
+    }
+
+    case NSBOX_STEP_REMOUNT:
+        return mount(NULL, s->b, NULL, MS_REMOUNT | s->flags, NULL);
+
+    case NSBOX_STEP_PATH_FD: {
+        if (s->slot < 0 || s->slot >= NSBOX_PATH_FDS) {
+            errno = EINVAL;
+            return -1;
+        }
+        int fd = open(s->a, O_PATH | O_CLOEXEC);
+        if (fd < 0)
+            return -1;
+        int r = dup3(fd, NSBOX_PATH_FD_BASE + s->slot, O_CLOEXEC);
+        int err = errno;
+        close(fd);
+        errno = err;
+        return r < 0 ? -1 : 0;
+    }
+
+    case NSBOX_STEP_BECOME_ROOT:
+        /* Until now the child kept its creator's credentials (see plan() in
+         * nsbox/rootfs.py): host paths were looked up as the invoking user.
+         * From here on every id (real, saved, filesystem) is the
+         * namespace's root, so what we create belongs to sandbox root. */
+        if (setresgid(0, 0, 0) < 0 || setresuid(0, 0, 0) < 0)
+            return -1;
+        /* Changing ids made us non-dumpable, which hands our /proc files
+         * (the id maps of the namespaces we create next among them) to host
+         * root. We run no other program yet: nothing to protect. */
+        return prctl(PR_SET_DUMPABLE, 1, 0, 0, 0);
+    }
+    errno = EINVAL;
+    return -1;
+}
+
+/*
+ * Puts keep_fds at 3, 4, ... (a -1 entry leaves that number closed), then
+ * the error pipe, the program and the sync pipe just above them (all three
+ * close-on-exec), points stdin/out/err at /dev/null unless told otherwise,
+ * and closes every other descriptor inherited from the host. Updates the
+ * three pointers to the new numbers; *error_fd is valid even on failure.
+ */
+static int arrange_fds(const struct nsbox_spec *spec, int *error_fd, int *exec_fd, int *sync_fd)
+{
+    if (spec->nkeep < 0 || spec->nkeep > 4) {
+        errno = EINVAL;
+        return -1;
+    }
+    /* First copy everything we keep above any number we are about to
+     * assign; the error pipe first, so that a failure can still be
+     * reported once its old number has been reused. */
+    int err_hi = fcntl(*error_fd, F_DUPFD_CLOEXEC, 100);
+    if (err_hi < 0)
+        return -1;
+    *error_fd = err_hi;
+    int high[4];
+    for (int i = 0; i < spec->nkeep; i++) {
+        high[i] = -1;
+        if (spec->keep_fds[i] >= 0 && (high[i] = fcntl(spec->keep_fds[i], F_DUPFD_CLOEXEC, 100)) < 0)
+            return -1;
+    }
+    int sync_hi = fcntl(*sync_fd, F_DUPFD_CLOEXEC, 100);
+    int exe_hi = *exec_fd >= 0 ? fcntl(*exec_fd, F_DUPFD_CLOEXEC, 100) : -1;
+    if (sync_hi < 0 || (*exec_fd >= 0 && exe_hi < 0))
+        return -1;
+    for (int i = 0; i < spec->nkeep; i++) {
+        if (high[i] >= 0 && dup2(high[i], 3 + i) < 0) /* the copy loses O_CLOEXEC */
+            return -1;
+        if (high[i] < 0)
+            close(3 + i);
+    }
+    int base = 3 + spec->nkeep;
+    if (dup3(err_hi, base, O_CLOEXEC) < 0)
+        return -1;
+    *error_fd = base;
+    if (dup3(sync_hi, base + 2, O_CLOEXEC) < 0)
+        return -1;
+    *sync_fd = base + 2;
+    if (exe_hi >= 0) {
+        if (dup3(exe_hi, base + 1, O_CLOEXEC) < 0)
+            return -1;
+        *exec_fd = base + 1;
+    } else {
+        close(base + 1); /* whatever it was (close_range below starts above it) */
+    }
+    if (!spec->keep_stdio) {
+        /* Not close-on-exec: should it land on one of 0-2, it stays there. */
+        int null = open("/dev/null", O_RDWR);
+        if (null < 0)
+            return -1;
+        for (int i = 0; i < 3; i++) {
+            if (null != i && dup2(null, i) < 0)
+                return -1;
+        }
+        /* It may have taken a keep position left empty: that one stays closed. */
+        if (null > 2)
+            close(null);
+    }
+    return (int)syscall(SYS_close_range, base + 3, ~0U, 0);
+}
+
+void __attribute__((noreturn)) child(const struct nsbox_spec *spec)
+{
+    /* Nothing may interrupt the setup; the mask is cleared before exec. */
+    sigset_t all;
+    sigfillset(&all);
+    if (sigprocmask(SIG_SETMASK, &all, NULL) < 0) {
+        report(spec->error_fd, NSBOX_SETUP_SIGNALS, errno);
+        _exit(1);
+    }
+
+    /* Drop every host descriptor we were not given before anything else:
+     * a stray copy of the sync pipe's write end would keep us waiting
+     * forever if the host died. */
+    int error_fd = spec->error_fd, exec_fd = spec->exec_fd, sync_fd = spec->sync_fd;
+    if (arrange_fds(spec, &error_fd, &exec_fd, &sync_fd) < 0) {
+        report(error_fd, NSBOX_SETUP_FDS, errno);
+        _exit(1);
+    }
+    char go;
+    if (read(sync_fd, &go, 1) != 1) {
+        report(error_fd, NSBOX_SETUP_SYNC, errno ? errno : EPIPE);
+        _exit(1);
+    }
+    close(sync_fd);
+    /* The program leads a session and process group of its own. */
+    if (spec->new_session && setsid() < 0) {
+        report(error_fd, NSBOX_SETUP_SESSION, errno);
+        _exit(1);
+    }
+
+    int slots[NSBOX_SLOTS];
+    for (int i = 0; i < NSBOX_SLOTS; i++)
+        slots[i] = -1;
+    for (int i = 0; i < spec->nsteps; i++) {
+        if (run_step(&spec->steps[i], slots) < 0) {
+            report(error_fd, i, errno);
+            _exit(1);
+        }
+    }
+    for (int i = 0; i < NSBOX_SLOTS; i++) {
+        if (slots[i] >= 0)
+            close(slots[i]);
+    }
+    /* The host directories the steps used: nothing of the host stays open. */
+    if (syscall(SYS_close_range, NSBOX_PATH_FD_BASE, NSBOX_PATH_FD_BASE + NSBOX_PATH_FDS - 1, 0) < 0) {
+        report(error_fd, NSBOX_SETUP_FDS, errno);
+        _exit(1);
+    }
+    if (spec->lock_uid_map) {
+        /* nsbox_spec_unpack checked this; the dup2s below must not land
+         * anywhere else (nor on our error pipe just above the keeps). */
+        if (!spec->lock_gid_map || spec->lock_slot < 0 || spec->lock_slot + 1 >= spec->nkeep) {
+            report(error_fd, NSBOX_SETUP_LOCK, EINVAL);
+            _exit(1);
+        }
+        int userns, mntns, at = 3 + spec->lock_slot;
+        /* open() may have handed out the very numbers we are to fill: move
+         * both out of the way before placing them. */
+        if (make_locked_namespaces(spec->lock_uid_map, spec->lock_gid_map, &userns, &mntns) < 0 ||
+            (userns = fcntl(userns, F_DUPFD_CLOEXEC, 100)) < 0 || (mntns = fcntl(mntns, F_DUPFD_CLOEXEC, 100)) < 0 ||
+            dup2(userns, at) < 0 || dup2(mntns, at + 1) < 0) {
+            report(error_fd, NSBOX_SETUP_LOCK, errno);
+            _exit(1);
+        }
+        close(userns);
+        close(mntns);
+    }
+
+    sigemptyset(&all);
+    if (sigprocmask(SIG_SETMASK, &all, NULL) < 0) {
+        report(error_fd, NSBOX_SETUP_SIGNALS, errno);
+        _exit(1);
+    }
+    if (exec_fd >= 0)
+        syscall(SYS_execveat, exec_fd, "", spec->argv, spec->envp, AT_EMPTY_PATH);
+    else
+        execvpe(spec->argv[0], spec->argv, spec->envp);
+    report(error_fd, NSBOX_SETUP_EXEC, errno);
+    _exit(127);
+}

@@ -1,0 +1,163 @@
+/*
+ * main.c - nsbox-create, the zygote: clone a child into new namespaces.
+ *
+ * A small static program that the Python process starts once and asks to
+ * create each sandbox (the zygote, see create.h). It clones a child
+ * straight into the new user, mount, PID, IPC, UTS, cgroup and network
+ * namespaces, so the child is PID 1 of its namespace and, with
+ * CLONE_PARENT, a child of the Python process.
+ *
+ * The child:
+ *   1. moves the descriptors the program keeps to 3, 4, ... and closes every
+ *      other one, so nothing of the host leaks in;
+ *   2. waits for one byte on sync_fd: the host writes it once the child's
+ *      uid/gid maps are in place (it may need newuidmap to write them);
+ *   3. runs the steps Python composed (mounts, pivot_root, hostname, ...),
+ *      reporting the index of a failed step and its errno on error_fd;
+ *   4. execs the init from a descriptor opened before the pivot, so the
+ *      binary does not need to exist inside the root filesystem.
+ * error_fd is close-on-exec: the host reading EOF on it means the exec
+ * succeeded.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/sched.h>
+#include <net/if.h>
+#include <signal.h>
+#include <spawn.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/mount.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "create/zygote.h"
+#include "fdpass.h"
+
+/* Best effort, and without waiting: the reply socket is fresh and the reply
+ * small, so a socket with no room (or no socket at all) means the owner
+ * does not want it, and waiting would stall every later request. */
+static void reply(int sock, int pid, int err, int stage, int pidfd, const char *msg, int msglen)
+{
+    struct nsbox_zygote_reply r = {.pid = pid, .err = err, .stage = stage, .msglen = msglen};
+    struct iovec iov[2] = {{.iov_base = &r, .iov_len = sizeof r}, {.iov_base = (void *)msg, .iov_len = (size_t)msglen}};
+    send_with_fd_flags(sock, iov, msglen > 0 ? 2 : 1, pidfd, MSG_DONTWAIT);
+}
+
+#define MAX_FDS 12
+
+/* Serves one creation request; fds[0] is the reply socket, fds[1] the spec. */
+static void serve(int *fds, int nfds)
+{
+    if (nfds < 1)
+        return; /* no descriptor came: nothing to answer on, nothing to close */
+    struct stat st;
+    char *buf = NULL;
+    struct nsbox_spec spec;
+    memset(&spec, 0, sizeof spec);
+    /* The spec is a memfd; its size bounds what we allocate and read. */
+    if (nfds < 2 || fstat(fds[1], &st) < 0 || !S_ISREG(st.st_mode) || st.st_size <= 0 ||
+        st.st_size > NSBOX_SPEC_MAX || !(buf = malloc((size_t)st.st_size)) ||
+        pread(fds[1], buf, (size_t)st.st_size, 0) != st.st_size ||
+        nsbox_spec_unpack(buf, (unsigned long)st.st_size, &spec) || nfds != 2 + nsbox_spec_fds(&spec)) {
+        reply(fds[0], -1, EINVAL, NSBOX_ZYGOTE_REQUEST, -1, NULL, 0);
+        goto out;
+    }
+    /* The descriptors, in the order create.h gives. */
+    int next = 2;
+    spec.error_fd = fds[next++];
+    spec.sync_fd = fds[next++];
+    if (spec.exec_fd >= 0)
+        spec.exec_fd = fds[next++];
+    for (int i = 0; i < spec.nkeep; i++) {
+        if (spec.keep_fds[i] >= 0)
+            spec.keep_fds[i] = fds[next++];
+    }
+
+    int pidfd = -1;
+    struct clone_args args;
+    memset(&args, 0, sizeof args);
+    /* With CLONE_PARENT the child's exit signal is ours (SIGCHLD); clone3
+     * requires exit_signal to be 0 then. */
+    args.flags = spec.clone_flags | CLONE_PARENT | CLONE_PIDFD;
+    args.pidfd = (uint64_t)(uintptr_t)&pidfd;
+    long pid = syscall(SYS_clone3, &args, sizeof args);
+    if (pid == 0)
+        child(&spec); /* it closes every descriptor it does not need first */
+    if (pid < 0) {
+        reply(fds[0], -1, errno, NSBOX_ZYGOTE_CLONE, -1, NULL, 0);
+        goto out;
+    }
+    char msg[NSBOX_ZYGOTE_MSG_MAX];
+    int msglen = 0;
+    int err = write_id_maps(&spec, (pid_t)pid, msg, &msglen);
+    if (err) {
+        /* The child never started: it is ours to stop (our parent reaps it). */
+        syscall(SYS_pidfd_send_signal, pidfd, SIGKILL, NULL, 0);
+        reply(fds[0], (int)pid, err, NSBOX_ZYGOTE_IDMAP, pidfd, msg, msglen);
+    } else {
+        /* The child waits on the sync pipe: the host writes the go byte
+         * once its own hooks (network, cgroup) are done with it. */
+        reply(fds[0], (int)pid, 0, 0, pidfd, NULL, 0);
+    }
+    close(pidfd);
+out:
+    nsbox_spec_free(&spec); /* unpack left it zeroed if it refused it */
+    free(buf);
+    for (int i = 0; i < nfds; i++)
+        close(fds[i]);
+}
+
+/*
+ * nsbox-create: the zygote (see create.h). Reads creation requests from
+ * its socket until the Python process that started it goes away.
+ */
+/* Sets every signal's disposition to the default. posix_spawn leaves
+ * glibc's two internal signals (32, 33) ignored, and an ignored signal
+ * stays ignored across exec, in every process of every sandbox; sigaction()
+ * refuses those two, so this uses the system call. An all-zero kernel
+ * sigaction is SIG_DFL with no flags and an empty mask. */
+static void default_signal_dispositions(void)
+{
+    static const char dfl[64];
+    for (int s = 1; s <= 64; s++) {
+        if (s != SIGKILL && s != SIGSTOP)
+            syscall(SYS_rt_sigaction, s, dfl, NULL, 8);
+    }
+}
+
+int main(void)
+{
+    default_signal_dispositions();
+    /* We hold our socket and /dev/null at 0-2, nothing else: close what the
+     * owner's process may have let through (see spawn.c). posix_spawn's dup2
+     * left the socket inheritable; nothing we run (the setuid id-map
+     * helpers) may have it. The children we clone put their own descriptors
+     * over fd 3 before they exec. */
+    if (syscall(SYS_close_range, NSBOX_ZYGOTE_SOCKET + 1, ~0U, 0) < 0 ||
+        fcntl(NSBOX_ZYGOTE_SOCKET, F_SETFD, FD_CLOEXEC) < 0)
+        return 1;
+    for (;;) {
+        char byte;
+        int fds[MAX_FDS], nfds;
+        bool truncated;
+        ssize_t n = recv_with_fds(NSBOX_ZYGOTE_SOCKET, &byte, 1, fds, MAX_FDS, &nfds, &truncated, 0);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0)
+            return 0;
+        if (truncated) {
+            for (int i = 0; i < nfds; i++)
+                close(fds[i]);
+            continue;
+        }
+        serve(fds, nfds);
+    }
+}

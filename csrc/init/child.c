@@ -1,0 +1,141 @@
+/*
+ * child.c - what every request child of the init does first: read and
+ * check the request's payload, take the requested credentials, put its
+ * descriptors in place, and report a failure before it exits.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <limits.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "init/init.h"
+
+/* In a request child: where a failure goes (the start pipe of an EXEC, the
+ * channel of an OPEN) before the child exits. */
+int child_report_fd = -1;
+bool child_report_is_pipe;
+
+void __attribute__((noreturn)) child_fail(int stage, int err)
+{
+    if (child_report_is_pipe) {
+        struct start_failure f = {.stage = stage, .err = err};
+        ssize_t w = write(child_report_fd, &f, sizeof f); /* an empty pipe takes 8 bytes at once */
+        (void)w;
+    } else {
+        send_reply(child_report_fd, NSBOX_REPLY_FAIL, 0, err, stage, -1);
+    }
+    _exit(127);
+}
+
+/* Parses the payload into `rq`. Runs in the forked child, so it may allocate. */
+bool parse_payload(struct request *rq, char *payload, size_t len)
+{
+    size_t glen = (size_t)rq->h.ngroups * sizeof(uint32_t);
+    if (rq->h.ngroups > NGROUPS_MAX || glen > len)
+        return false;
+    rq->groups = (const uint32_t *)payload;
+    size_t want = 1 + (size_t)rq->h.argc + rq->h.envc;
+    rq->strings = calloc(want + 1, sizeof(char *));
+    if (!rq->strings)
+        return false;
+    char *p = payload + glen, *end = payload + len;
+    for (size_t i = 0; i < want; i++) {
+        char *z = memchr(p, 0, (size_t)(end - p));
+        if (!z)
+            return false;
+        rq->strings[i] = p;
+        p = z + 1;
+    }
+    rq->nstrings = want;
+    return true;
+}
+
+/* Reads a payload that came in a memfd. */
+char *read_payload_fd(int fd, size_t len)
+{
+    char *buf = malloc(len ? len : 1);
+    if (!buf)
+        return NULL;
+    size_t off = 0;
+    while (off < len) {
+        ssize_t n = pread(fd, buf + off, len - off, (off_t)off);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0) {
+            free(buf);
+            return NULL;
+        }
+        off += (size_t)n;
+    }
+    return buf;
+}
+
+/* Switches to the requested user; returns 0 or an errno. */
+int apply_creds(const struct request *rq)
+{
+    if (rq->h.flags & NSBOX_F_SETGROUPS) {
+        /* On the heap: NGROUPS_MAX gids would be 256 KiB of stack. */
+        gid_t *gs = malloc((rq->h.ngroups ? rq->h.ngroups : 1) * sizeof *gs);
+        if (!gs)
+            return ENOMEM;
+        for (uint32_t i = 0; i < rq->h.ngroups; i++)
+            gs[i] = rq->groups[i];
+        /* With a single mapped id, setgroups is denied by the kernel; only
+         * root runs then, and keeping root's groups is what it would get. */
+        int r = setgroups(rq->h.ngroups, gs);
+        int err = errno;
+        free(gs);
+        if (r < 0 && !(err == EPERM && rq->h.uid == 0))
+            return err;
+    }
+    if (setresgid(rq->h.gid, rq->h.gid, rq->h.gid) < 0)
+        return errno;
+    if (setresuid(rq->h.uid, rq->h.uid, rq->h.uid) < 0)
+        return errno;
+    return 0;
+}
+
+/* Moves the child's descriptors into place: `map[i]` becomes fd i for
+ * i < nmap; `*keep` is moved above them and stays close-on-exec; every
+ * other descriptor is closed. */
+bool arrange_fds(const int *map, int nmap, int *keep)
+{
+    int high[NSBOX_MAX_FDS];
+    for (int i = 0; i < nmap; i++) {
+        if ((high[i] = fcntl(map[i], F_DUPFD_CLOEXEC, 64)) < 0)
+            return false;
+    }
+    int k = fcntl(*keep, F_DUPFD_CLOEXEC, 64);
+    if (k < 0)
+        return false;
+    for (int i = 0; i < nmap; i++) {
+        if (dup2(high[i], i) < 0) /* dup2 clears close-on-exec on the copy */
+            return false;
+    }
+    if (dup2(k, nmap) < 0 || fcntl(nmap, F_SETFD, FD_CLOEXEC) < 0)
+        return false;
+    *keep = nmap;
+    /* Nothing of the init's (its connections, the namespace fds) may
+     * reach the command. */
+    return syscall(SYS_close_range, nmap + 1, ~0U, 0) == 0;
+}
+
+/* Gives the command the signal state of a fresh process: nothing blocked,
+ * and SIGPIPE, the one disposition the init changes, back to default
+ * (handlers are reset by execve itself). */
+void reset_signals(void)
+{
+    sigset_t all;
+    sigemptyset(&all);
+    sigprocmask(SIG_SETMASK, &all, NULL);
+    signal(SIGPIPE, SIG_DFL);
+}

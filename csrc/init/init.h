@@ -1,0 +1,61 @@
+/*
+ * init.h - the parts of nsbox-init, PID 1 of every nsbox sandbox:
+ *
+ *   main.c   the server: connections, requests, jobs, reaping, the lifeline
+ *   child.c  what every request child does first: payload, credentials, fds
+ *   spawn.c  an EXEC child: working directory, PATH resolution, execve
+ *   open.c   an OPEN child: a path opened inside the sandbox, fd sent back
+ *   kill.c   signalling a command's whole process tree
+ *
+ * The init holds no privileges beyond those of the sandbox itself. It never
+ * blocks on a request body: payloads arrive inline or in a memfd, and the
+ * work that may block (exec, open) happens in a forked child.
+ */
+#ifndef NSBOX_INIT_H
+#define NSBOX_INIT_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "protocol.h"
+
+struct request {
+    struct nsbox_request h;
+    const uint32_t *groups;
+    char **strings; /* cwd or path, then argv, then env */
+    size_t nstrings;
+};
+
+/* What a request child writes on the start pipe when it cannot go on. */
+struct start_failure {
+    int32_t stage;
+    int32_t err;
+};
+
+/* main.c */
+void *grow(void *p, size_t *cap, size_t need, size_t elem);
+void send_reply(int chan, int32_t kind, int32_t code, int32_t err, int32_t stage, int fd);
+
+/* child.c: the request child reports failures on child_report_fd (the
+ * start pipe of an EXEC, the channel of an OPEN) and exits. */
+extern int child_report_fd;
+extern bool child_report_is_pipe;
+void __attribute__((noreturn)) child_fail(int stage, int err);
+bool parse_payload(struct request *rq, char *payload, size_t len);
+char *read_payload_fd(int fd, size_t len);
+int apply_creds(const struct request *rq);
+bool arrange_fds(const int *map, int nmap, int *keep);
+void reset_signals(void);
+
+/* spawn.c */
+void __attribute__((noreturn)) child_exec(struct request *rq, int fds[4]);
+
+/* open.c */
+void __attribute__((noreturn)) child_open(struct request *rq);
+
+/* kill.c */
+void kill_tree(pid_t leader, int sig);
+
+#endif

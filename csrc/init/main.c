@@ -1,0 +1,458 @@
+/*
+ * main.c - nsbox-init, PID 1 of every nsbox sandbox: its server loop.
+ *
+ * A small static program with four jobs:
+ *   1. spawn server: on an EXEC request it forks, the child applies cwd and
+ *      credentials and execs the command with cmd[0] resolved through PATH;
+ *      on an OPEN request the child opens a file as the requesting user and
+ *      passes the descriptor back;
+ *   2. reaper: it reaps every process that ends up as its child and reports
+ *      the exit status of commands (128+N for signal N);
+ *   3. killer: on request (or when the host drops a command's channel) it
+ *      kills the command's whole process tree;
+ *   4. lifeline: when the owner's control connection closes it kills
+ *      everything and exits, which makes the kernel tear down the sandbox.
+ *
+ * The init holds no privileges beyond those of the sandbox itself. It never
+ * blocks on a request body: payloads arrive inline or in a memfd, and the
+ * work that may block (exec, open) happens in a forked child.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "fdpass.h"
+#include "init/init.h"
+#include "seccomp.h"
+
+/* A forked child we answer for: a command started by EXEC whose exit has
+ * not been reported yet, or the helper serving an OPEN. */
+struct job {
+    pid_t pid;
+    int chan;      /* -1 once the host has let go of the channel */
+    int start;     /* EXEC: the start pipe until the command runs or failed, else -1 */
+    bool detached; /* losing the channel does not kill it */
+    bool open;     /* an OPEN helper: it answers on its own copy of chan */
+    bool stopped;  /* we killed it because a sandbox process stopped it */
+};
+
+/* A client connection: the owner's (fd 3) or one accepted later. */
+struct conn {
+    int fd;
+    bool lifeline;
+};
+
+static struct job *jobs;
+static size_t njobs, jobs_cap;
+static struct conn *conns;
+static size_t nconns, conns_cap;
+static int sig_fd = -1, listen_fd = -1;
+static int userns_fd = -1, mntns_fd = -1; /* where sandbox processes run */
+static bool detached;
+static uint64_t exec_count;
+/* argv "--nested-userns": commands may create namespaces (see seccomp.c). */
+static bool allow_nested_userns;
+
+void *grow(void *p, size_t *cap, size_t need, size_t elem)
+{
+    if (need <= *cap)
+        return p;
+    size_t n = *cap ? *cap * 2 : 16;
+    while (n < need)
+        n *= 2;
+    void *q = realloc(p, n * elem);
+    if (!q) /* out of memory in PID 1: nothing sensible is left to do */
+        _exit(70);
+    *cap = n;
+    return q;
+}
+
+static void shutdown_sandbox(void)
+{
+    /* As PID 1, kill(-1) reaches every other process of the namespace; our
+     * exit then makes the kernel kill anything that slipped through. */
+    kill(-1, SIGKILL);
+    _exit(0);
+}
+
+void send_reply(int chan, int32_t kind, int32_t code, int32_t err, int32_t stage, int fd)
+{
+    struct nsbox_reply r = {.kind = kind, .code = code, .err = err, .stage = stage};
+    struct iovec iov = {.iov_base = &r, .iov_len = sizeof r};
+    /* A host that went away makes this fail with EPIPE; nothing to do then. */
+    send_with_fd(chan, &iov, 1, fd);
+}
+
+/* ---- the server side ------------------------------------------------- */
+
+static void add_conn(int fd, bool lifeline)
+{
+    conns = grow(conns, &conns_cap, nconns + 1, sizeof *conns);
+    conns[nconns++] = (struct conn){.fd = fd, .lifeline = lifeline};
+}
+
+static void drop_conn(size_t i)
+{
+    if (conns[i].lifeline && !detached)
+        shutdown_sandbox();
+    close(conns[i].fd);
+    conns[i] = conns[--nconns];
+}
+
+static void close_fds(const int *fds, int n)
+{
+    for (int i = 0; i < n; i++)
+        close(fds[i]);
+}
+
+static void serve_status(int fd)
+{
+    struct nsbox_status st = {
+        .version = NSBOX_PROTOCOL_VERSION,
+        .running = (uint32_t)njobs,
+        .execs = exec_count,
+        .detached = detached,
+    };
+    send(fd, &st, sizeof st, MSG_NOSIGNAL | MSG_DONTWAIT);
+}
+
+/* Moves a freshly forked child into the namespaces sandbox processes live
+ * in (see csrc/create/lock.c); returns 0 or an errno. */
+static int enter_sandbox(void)
+{
+    if (userns_fd < 0)
+        return 0;
+    if (setns(userns_fd, CLONE_NEWUSER) < 0 || setns(mntns_fd, CLONE_NEWNS) < 0)
+        return errno;
+    return 0;
+}
+
+static void add_job(struct job j)
+{
+    jobs = grow(jobs, &jobs_cap, njobs + 1, sizeof *jobs);
+    jobs[njobs++] = j;
+}
+
+/* Forks the child that serves an EXEC or OPEN request.
+ *
+ * Until it has exec'd, an EXEC child is nsbox's helper, not the command: it
+ * reports a failure on a close-on-exec start pipe, whose EOF without a
+ * report means the command runs (STARTED). A helper runs as a sandbox user
+ * so a sandbox process may signal it; reap() kills one that gets stopped,
+ * and the host hears STAGE_HELPER instead of waiting forever. */
+static void spawn_request(struct request *rq, char *payload, int *fds, int nfds)
+{
+    bool exec = rq->h.op == NSBOX_OP_EXEC;
+    int need = exec ? 4 : 1;
+    bool in_fd = rq->h.flags & NSBOX_F_PAYLOAD_FD;
+    if (nfds != need + (in_fd ? 1 : 0)) {
+        if (nfds > 0)
+            send_reply(fds[0], NSBOX_REPLY_FAIL, 0, EINVAL, NSBOX_STAGE_REQUEST, -1);
+        close_fds(fds, nfds);
+        return;
+    }
+    int chan = fds[0];
+    int start[2] = {-1, -1};
+    if (exec && pipe2(start, O_CLOEXEC | O_NONBLOCK) < 0) {
+        send_reply(chan, NSBOX_REPLY_FAIL, 0, errno, NSBOX_STAGE_SPAWN, -1);
+        close_fds(fds, nfds);
+        return;
+    }
+    pid_t pid = fork();
+    if (pid < 0) {
+        send_reply(chan, NSBOX_REPLY_FAIL, 0, errno, NSBOX_STAGE_SPAWN, -1);
+        close_fds(fds, nfds);
+        close_fds(start, exec ? 2 : 0);
+        return;
+    }
+    if (pid == 0) {
+        child_report_is_pipe = exec;
+        child_report_fd = exec ? start[1] : chan;
+        reset_signals();
+        int err = enter_sandbox();
+        if (err)
+            child_fail(NSBOX_STAGE_SPAWN, err);
+        /* Everything the command starts inherits the filter. We hold
+         * CAP_SYS_ADMIN in the user namespace we just joined, so no
+         * no_new_privs is needed; what follows (setsid, chdir, TIOCSCTTY,
+         * setgroups, setresuid, execve) is not denied. No filter, no exec. */
+        if (exec && (err = nsbox_seccomp_install(allow_nested_userns)) < 0)
+            child_fail(NSBOX_STAGE_SPAWN, -err);
+        if (in_fd) {
+            payload = read_payload_fd(fds[nfds - 1], rq->h.payload_len);
+            if (!payload)
+                child_fail(NSBOX_STAGE_REQUEST, EIO);
+        }
+        if (!parse_payload(rq, payload, rq->h.payload_len) || (exec && rq->h.argc == 0))
+            child_fail(NSBOX_STAGE_REQUEST, EINVAL);
+        if (!exec)
+            child_open(rq);
+        /* Each command leads its own session, so kill_tree can find it. */
+        if (setsid() < 0)
+            child_fail(NSBOX_STAGE_SPAWN, errno);
+        child_exec(rq, fds);
+    }
+    if (exec) {
+        exec_count++;
+        close(start[1]);
+        add_job((struct job){.pid = pid, .chan = chan, .start = start[0],
+                             .detached = rq->h.flags & NSBOX_F_DETACHED});
+    } else {
+        /* The helper answers on its own copy of chan; ours tells us when
+         * the host gives up, and is closed when the helper is reaped. */
+        add_job((struct job){.pid = pid, .chan = chan, .start = -1, .open = true});
+    }
+    close_fds(fds + 1, nfds - 1);
+}
+
+/* Handles one message on a connection; returns false if it closed. */
+static bool serve_conn(int fd)
+{
+    static char buf[NSBOX_MSG_MAX];
+    int fds[NSBOX_MAX_FDS], nfds;
+    bool truncated;
+    ssize_t n = recv_with_fds(fd, buf, sizeof buf, fds, NSBOX_MAX_FDS, &nfds, &truncated, MSG_DONTWAIT);
+    if (n < 0)
+        return errno == EINTR || errno == EAGAIN;
+    if (n == 0)
+        return false;
+    struct request rq = {0};
+    if ((size_t)n < sizeof rq.h || truncated) {
+        close_fds(fds, nfds);
+        return true;
+    }
+    memcpy(&rq.h, buf, sizeof rq.h);
+    size_t inline_len = (size_t)n - sizeof rq.h;
+    if (!(rq.h.flags & NSBOX_F_PAYLOAD_FD) && rq.h.payload_len != inline_len) {
+        if (nfds > 0)
+            send_reply(fds[0], NSBOX_REPLY_FAIL, 0, EINVAL, NSBOX_STAGE_REQUEST, -1);
+        close_fds(fds, nfds);
+        return true;
+    }
+
+    switch (rq.h.op) {
+    case NSBOX_OP_EXEC:
+    case NSBOX_OP_OPEN:
+        spawn_request(&rq, buf + sizeof rq.h, fds, nfds);
+        return true;
+    case NSBOX_OP_DETACH:
+        detached = true;
+        serve_status(fd);
+        break;
+    case NSBOX_OP_STATUS:
+        serve_status(fd);
+        break;
+    case NSBOX_OP_SHUTDOWN:
+        shutdown_sandbox();
+    }
+    close_fds(fds, nfds);
+    return true;
+}
+
+static void remove_job(size_t i)
+{
+    if (jobs[i].chan >= 0)
+        close(jobs[i].chan);
+    if (jobs[i].start >= 0)
+        close(jobs[i].start);
+    jobs[i] = jobs[--njobs];
+}
+
+/* The start pipe of an EXEC is readable (or its helper is gone): tells the
+ * host whether the command runs. */
+static void settle_start(struct job *j)
+{
+    struct start_failure f;
+    ssize_t n = read(j->start, &f, sizeof f);
+    if (n < 0 && errno == EAGAIN && !j->stopped)
+        return;
+    close(j->start);
+    j->start = -1;
+    if (j->chan < 0)
+        return;
+    if (j->stopped)
+        send_reply(j->chan, NSBOX_REPLY_FAIL, 0, EINTR, NSBOX_STAGE_HELPER, -1);
+    else if (n == (ssize_t)sizeof f)
+        send_reply(j->chan, NSBOX_REPLY_FAIL, 0, f.err, f.stage, -1);
+    else
+        send_reply(j->chan, NSBOX_REPLY_STARTED, 0, 0, 0, -1);
+}
+
+static struct job *find_job(pid_t pid)
+{
+    for (size_t i = 0; i < njobs; i++) {
+        if (jobs[i].pid == pid)
+            return &jobs[i];
+    }
+    return NULL;
+}
+
+static void reap(void)
+{
+    struct signalfd_siginfo si;
+    while (read(sig_fd, &si, sizeof si) > 0)
+        ;
+    int status;
+    pid_t pid;
+    /* WUNTRACED: a helper that is not yet the command (or serves an OPEN)
+     * is ours, and a sandbox process that stops it would stall the host. */
+    while ((pid = waitpid(-1, &status, WNOHANG | WUNTRACED)) > 0) {
+        struct job *j = find_job(pid);
+        if (!j)
+            continue;
+        if (WIFSTOPPED(status)) {
+            if (j->open || j->start >= 0) {
+                j->stopped = true;
+                kill(pid, SIGKILL); /* our unreaped child: its pid cannot be reused */
+            }
+            continue;
+        }
+        if (j->start >= 0)
+            settle_start(j); /* before EXIT: the host hears why first */
+        if (j->chan >= 0) {
+            if (j->open) {
+                if (j->stopped || WIFSIGNALED(status))
+                    send_reply(j->chan, NSBOX_REPLY_FAIL, 0, EINTR, NSBOX_STAGE_HELPER, -1);
+            } else {
+                int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+                send_reply(j->chan, NSBOX_REPLY_EXIT, code, 0, 0, -1);
+            }
+        }
+        remove_job((size_t)(j - jobs));
+    }
+}
+
+/* The host wrote a signal number on a command's channel, or closed it. */
+static void serve_channel(size_t i)
+{
+    int32_t sig;
+    ssize_t n = read(jobs[i].chan, &sig, sizeof sig);
+    if (n < 0 && (errno == EINTR || errno == EAGAIN))
+        return;
+    if (!jobs[i].open && n == (ssize_t)sizeof sig && sig > 0 && sig < NSIG) {
+        kill_tree(jobs[i].pid, sig);
+        return;
+    }
+    /* EOF or garbage: the host no longer wants this command (or, for a
+     * detached one, no longer wants to hear about it). */
+    if (jobs[i].open)
+        kill(jobs[i].pid, SIGKILL);
+    else if (!jobs[i].detached)
+        kill_tree(jobs[i].pid, SIGKILL);
+    close(jobs[i].chan);
+    jobs[i].chan = -1; /* still reaped, silently */
+}
+
+static void accept_clients(void)
+{
+    int fd;
+    while ((fd = accept4(listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK)) >= 0)
+        add_conn(fd, false);
+}
+
+int main(int argc, char **argv)
+{
+    for (int i = 2; i < argc; i++) /* argv[1] is the sandbox's id */
+        allow_nested_userns |= strcmp(argv[i], "--nested-userns") == 0;
+    umask(022);
+    /* Lift the descriptor soft limit: each running command holds a channel. */
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
+        rl.rlim_cur = rl.rlim_max;
+        setrlimit(RLIMIT_NOFILE, &rl);
+    }
+
+    /* SIGCHLD arrives through a signalfd; the signals that would kill an
+     * ordinary process do not reach PID 1 from inside its namespace anyway,
+     * and SIGPIPE must not kill us when a host drops a channel. */
+    sigset_t mask;
+    sigemptyset(&mask);
+    sigaddset(&mask, SIGCHLD);
+    sigprocmask(SIG_BLOCK, &mask, NULL);
+    signal(SIGPIPE, SIG_IGN);
+    sig_fd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
+    if (sig_fd < 0)
+        return 70;
+
+    /* Nothing in the sandbox may ptrace us or take our descriptors (the
+     * lifeline among them); the sandbox's processes hold no capabilities in
+     * our user namespace, so this suffices. Our exec'd children are
+     * dumpable again. */
+    if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0)
+        return 70;
+    if (fcntl(NSBOX_FD_USERNS, F_GETFD) >= 0 && fcntl(NSBOX_FD_MNTNS, F_GETFD) >= 0) {
+        userns_fd = NSBOX_FD_USERNS;
+        mntns_fd = NSBOX_FD_MNTNS;
+        fcntl(userns_fd, F_SETFD, FD_CLOEXEC);
+        fcntl(mntns_fd, F_SETFD, FD_CLOEXEC);
+    }
+
+    fcntl(NSBOX_FD_CONTROL, F_SETFD, FD_CLOEXEC);
+    fcntl(NSBOX_FD_CONTROL, F_SETFL, O_NONBLOCK);
+    add_conn(NSBOX_FD_CONTROL, true);
+    if (fcntl(NSBOX_FD_LISTEN, F_GETFD) >= 0) {
+        listen_fd = NSBOX_FD_LISTEN;
+        fcntl(listen_fd, F_SETFD, FD_CLOEXEC);
+        fcntl(listen_fd, F_SETFL, O_NONBLOCK);
+    }
+
+    struct pollfd *pfds = NULL;
+    size_t pcap = 0;
+    for (;;) {
+        size_t n = 0, need = 2 + nconns + 2 * njobs;
+        pfds = grow(pfds, &pcap, need, sizeof *pfds);
+        pfds[n++] = (struct pollfd){.fd = sig_fd, .events = POLLIN};
+        pfds[n++] = (struct pollfd){.fd = listen_fd, .events = POLLIN};
+        size_t conn_base = n;
+        for (size_t i = 0; i < nconns; i++)
+            pfds[n++] = (struct pollfd){.fd = conns[i].fd, .events = POLLIN};
+        /* A closed channel or start pipe is -1, which poll skips. */
+        size_t job_base = n;
+        for (size_t i = 0; i < njobs; i++)
+            pfds[n++] = (struct pollfd){.fd = jobs[i].chan, .events = POLLIN};
+        size_t start_base = n;
+        for (size_t i = 0; i < njobs; i++)
+            pfds[n++] = (struct pollfd){.fd = jobs[i].start, .events = POLLIN};
+
+        if (poll(pfds, n, -1) < 0) {
+            if (errno == EINTR)
+                continue;
+            return 70;
+        }
+        /* Walk connections backwards: dropping swaps in the last. Jobs are
+         * only removed by reap(), last. */
+        for (size_t i = njobs; i-- > 0;) {
+            if (jobs[i].chan >= 0 && pfds[job_base + i].revents)
+                serve_channel(i);
+            if (jobs[i].start >= 0 && pfds[start_base + i].revents)
+                settle_start(&jobs[i]);
+        }
+        for (size_t i = nconns; i-- > 0;) {
+            short ev = pfds[conn_base + i].revents;
+            if (ev & POLLIN) {
+                if (!serve_conn(conns[i].fd))
+                    drop_conn(i);
+            } else if (ev & (POLLHUP | POLLERR | POLLNVAL)) {
+                drop_conn(i);
+            }
+        }
+        if (listen_fd >= 0 && pfds[1].revents)
+            accept_clients();
+        if (pfds[0].revents)
+            reap();
+    }
+}

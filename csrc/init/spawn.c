@@ -1,0 +1,128 @@
+/*
+ * spawn.c - an EXEC request's child: it enters the working directory,
+ * takes the terminal if asked, becomes the requested user and execs the
+ * command with cmd[0] resolved through the command's own PATH.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <limits.h>
+#include <stdbool.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <unistd.h>
+
+#include "init/init.h"
+
+static char *getenv_from(char **env, size_t envc, const char *name)
+{
+    size_t n = strlen(name);
+    for (size_t i = 0; i < envc; i++) {
+        if (strncmp(env[i], name, n) == 0 && env[i][n] == '=')
+            return env[i] + n + 1;
+    }
+    return NULL;
+}
+
+/* execve, falling back to /bin/sh for files without a #! line (as execvp). */
+static void try_exec(const char *path, char **argv, size_t argc, char **env)
+{
+    execve(path, argv, env);
+    if (errno != ENOEXEC)
+        return;
+    char **sh = calloc(argc + 2, sizeof(char *));
+    if (!sh)
+        return;
+    sh[0] = "sh";
+    sh[1] = (char *)path;
+    for (size_t i = 1; i < argc; i++)
+        sh[i + 1] = argv[i];
+    execve("/bin/sh", sh, env);
+    errno = ENOEXEC;
+}
+
+/* Resolves argv[0] through the command's own PATH and execs it. Returns the
+ * errno an execvp would report. */
+static int exec_command(char **argv, size_t argc, char **env, size_t envc)
+{
+    const char *cmd = argv[0];
+    if (!*cmd)
+        return ENOENT;
+    if (strchr(cmd, '/')) {
+        try_exec(cmd, argv, argc, env);
+        return errno;
+    }
+    const char *path = getenv_from(env, envc, "PATH");
+    if (!path)
+        path = NSBOX_DEFAULT_PATH;
+    bool denied = false;
+    int last = ENOENT;
+    size_t clen = strlen(cmd);
+    for (const char *p = path;; p++) {
+        const char *colon = strchrnul(p, ':');
+        size_t dlen = (size_t)(colon - p);
+        char buf[PATH_MAX];
+        if (dlen + clen + 2 <= sizeof buf) {
+            /* An empty PATH element means the current directory. */
+            if (dlen == 0)
+                buf[0] = '.', dlen = 1;
+            else
+                memcpy(buf, p, dlen);
+            buf[dlen] = '/';
+            memcpy(buf + dlen + 1, cmd, clen + 1);
+            try_exec(buf, argv, argc, env);
+            switch (errno) {
+            case EACCES:
+                denied = true;
+                /* fall through */
+            case ENOENT:
+            case ENOTDIR:
+            case ESTALE:
+            case ENODEV:
+            case ETIMEDOUT:
+                break;
+            default:
+                return errno; /* found, but unusable (ENOEXEC, E2BIG, ...) */
+            }
+            last = errno;
+        }
+        if (!*colon)
+            break;
+        p = colon;
+    }
+    return denied ? EACCES : last;
+}
+
+void __attribute__((noreturn)) child_exec(struct request *rq, int fds[4])
+{
+    int stdio[3] = {fds[1], fds[2], fds[3]};
+    /* The channel stays with the init; we report on the start pipe. */
+    if (!arrange_fds(stdio, 3, &child_report_fd))
+        _exit(127);
+    char *cwd = rq->strings[0];
+    char **argv = rq->strings + 1;
+    char **env = rq->strings + 1 + rq->h.argc;
+    /* The argv and env arrays must be NULL-terminated for execve. */
+    char **argv_z = calloc(rq->h.argc + 1, sizeof(char *));
+    char **env_z = calloc(rq->h.envc + 1, sizeof(char *));
+    if (!argv_z || !env_z)
+        child_fail(NSBOX_STAGE_SPAWN, ENOMEM);
+    memcpy(argv_z, argv, rq->h.argc * sizeof(char *));
+    memcpy(env_z, env, rq->h.envc * sizeof(char *));
+
+    /* Like runc: enter the working directory while still root, so a user
+     * may start in a directory it cannot search (root's home, say); if root
+     * cannot (root-squashed NFS), try again as the user. */
+    int cwd_err = (*cwd && chdir(cwd) < 0) ? errno : 0;
+    /* We lead a new session (setsid in spawn_request), so this terminal
+     * becomes ours: job control works in an interactive shell. */
+    if ((rq->h.flags & NSBOX_F_SETCTTY) && ioctl(0, TIOCSCTTY, 0) < 0)
+        child_fail(NSBOX_STAGE_SPAWN, errno);
+    int err = apply_creds(rq);
+    if (err)
+        child_fail(NSBOX_STAGE_CREDS, err);
+    if (cwd_err && chdir(cwd) < 0)
+        child_fail(NSBOX_STAGE_CWD, errno);
+    err = exec_command(argv_z, rq->h.argc, env_z, rq->h.envc);
+    child_fail(NSBOX_STAGE_EXEC, err);
+}
