@@ -16,10 +16,12 @@ from __future__ import annotations
 import os
 import secrets
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Callable
 
+from . import idmap
 from .errors import NsboxError
-from .rootfs import Bind, remove_layer
+from .removal import remove_layer
+from .rootfs import Bind
 from .sandbox import Sandbox
 
 
@@ -27,7 +29,7 @@ async def import_tarball(
     tarball: str | os.PathLike[str],
     dest: str | os.PathLike[str],
     *,
-    id_mapping: Literal["auto", "single"] = "auto",
+    id_mapping: idmap.Requested = "auto",
     progress: Callable[[str], None] | None = None,
 ) -> Path:
     """Unpacks `tarball` (any compression GNU tar knows) into `dest`.
@@ -44,6 +46,10 @@ async def import_tarball(
     target.parent.mkdir(parents=True, exist_ok=True)
     work = target.parent / f".{target.name}.partial-{secrets.token_hex(4)}"
     work.mkdir(mode=0o755)
+    # Sandbox root unpacks into it: as real root that is not us.
+    mapping = idmap.detect(id_mapping)
+    if mapping.host_root != (os.geteuid(), os.getegid()):
+        os.chown(work, *mapping.host_root)
     box = Sandbox(mounts=[Bind(os.fspath(work), "/target"), Bind(os.fspath(src), "/image", readonly=True)],
                   id_mapping=id_mapping, workdir="/")
     try:

@@ -58,6 +58,7 @@ class SandboxInfo:
     label: str = ""  # free text for people, e.g. the Inspect sample
     created: float = field(default_factory=time.time)
     detached: bool = False
+    lowers: list[str] = field(default_factory=list)  # image layers it stacks (prune keeps them)
 
     @property
     def owner_alive(self) -> bool:

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import nsbox
-from nsbox import manage, rootfs
+from nsbox import layers, manage
+from nsbox.rootfs import ImageRootfs
 
 
 def reuse_dir() -> Path:
-    return rootfs.layers_dir() / rootfs.REUSE
+    return layers.layers_dir() / layers.REUSE
 
 
 def kept() -> set[str]:
@@ -61,4 +63,124 @@ async def test_gc_empties_the_pool() -> None:
     assert kept()
     manage.gc(nsbox.idmap.detect())
     assert not kept()
-    assert not [p for p in os.listdir(rootfs.layers_dir()) if p.startswith(".gc-")]
+    assert not [p for p in os.listdir(layers.layers_dir()) if p.startswith(".gc-")]
+
+
+# ---- what no kind of kept layer may carry: times, flags, the overlay's uuid --
+
+def dir_kept() -> set[str]:
+    return {name for name in kept() if name.startswith(layers.DIR_LAYER + ".")}
+
+
+def host_kept() -> set[str]:
+    return {name for name in kept() if "." not in name}
+
+
+# Printed by a new sandbox: / as the sandbox sees it (its attributes come
+# from the upper layer), and its overlay's fsid (from the upper's uuid).
+FINGERPRINT = "stat -c '%a %u %g %s %h' /; lsattr -d / 2>/dev/null | cut -d' ' -f1; ls -A /"
+FSID_AND_MTIME = "stat -f -c %i /; stat -c %Y /"
+
+
+async def fingerprint(sb: nsbox.Sandbox) -> tuple[str, str, int]:
+    r = await sb.exec(["sh", "-c", FINGERPRINT])
+    assert r.success, r.stderr
+    fsid, mtime = (await sb.exec(["sh", "-c", FSID_AND_MTIME])).stdout.split()
+    return r.stdout, fsid, int(mtime)
+
+
+def image_sandbox(lower: Path) -> nsbox.Sandbox:
+    """A sandbox whose root is an ImageRootfs of one layer, `lower`."""
+    sb = nsbox.Sandbox(workdir="/")
+    sb.rootfs = ImageRootfs(lower, "test-image", (lower,))
+    return sb
+
+
+async def test_a_kept_layer_has_no_overlay_uuid() -> None:
+    # The uuid is the overlay's f_fsid: a reused layer would share it.
+    for make in (nsbox.Sandbox, lambda: nsbox.Sandbox(workdir="/")):
+        manage.gc(nsbox.idmap.detect())
+        async with make() as sb:
+            await sb.exec(["true"])
+        (name,) = kept()
+        for upper in ("upper", "etc-upper"):
+            if (reuse_dir() / name / upper).exists():
+                assert not [x for x in os.listxattr(reuse_dir() / name / upper) if ".overlay." in x]
+
+
+async def test_an_untouched_directory_or_image_layer_is_reused_across_lower_stacks(
+        busybox_rootfs: Path, debian_rootfs: Path) -> None:
+    manage.gc(nsbox.idmap.detect())
+    async with nsbox.Sandbox(busybox_rootfs) as a:
+        before = await fingerprint(a)
+    assert len(dir_kept()) == 1 and not host_kept()
+    async with nsbox.Sandbox() as host:  # a host root never takes a directory's layer
+        assert len(dir_kept()) == 1
+        await host.exec(["true"])
+    assert len(dir_kept()) == 1 and len(host_kept()) == 1
+    t0 = int(time.time())
+    async with image_sandbox(debian_rootfs) as b:
+        assert len(dir_kept()) == 0  # taken from the pool, though its lower was busybox
+        after = await fingerprint(b)
+        assert (await b.exec(["test", "-x", "/usr/bin/apt-get"])).success  # debian's root, not busybox's
+    assert after[1] != before[1], "a reused layer gave the new sandbox the old overlay's fsid"
+    assert after[2] >= t0 - 1, "a reused layer kept the old upper dir's mtime"
+    assert len(dir_kept()) == 1
+
+
+async def test_nothing_of_a_directory_or_image_sandbox_carries_over(debian_rootfs: Path, mode: str) -> None:
+    # Each change either makes the layer unfit for reuse, or (times) is
+    # undone when it is reused. Changes a mode cannot make are skipped.
+    changes = [
+        ("echo data > /root/file", False),
+        ("mkdir /newdir", False),
+        ("rm /etc/debian_version", False),  # a whiteout in the upper dir
+        ("chmod 700 /", False),
+        ("chown 1 /", False),
+        ("chgrp 1 /", False),
+        ("chattr +d /", False),
+        ("for i in $(seq 300); do : > /f$i; done; rm /f*", None),  # may grow the upper dir
+        ("touch -d 2001-01-01 /", True),
+        ("touch /x && rm /x", True),
+    ]
+    manage.gc(nsbox.idmap.detect())
+    async with nsbox.Sandbox(debian_rootfs, workdir="/") as fresh:
+        expected = await fingerprint(fresh)
+    for i, (change, keepable) in enumerate(changes):
+        manage.gc(nsbox.idmap.detect())
+        make = (lambda: nsbox.Sandbox(debian_rootfs, workdir="/")) if i % 2 else (lambda: image_sandbox(debian_rootfs))
+        async with make() as a:
+            r = await a.exec(["sh", "-c", change])
+            fsid = (await fingerprint(a))[1]
+        if not r.success:
+            assert mode == "single" and "ch" in change, (change, r.stderr)
+            continue
+        if keepable is not None:
+            assert bool(dir_kept()) == keepable, f"after {change!r}: kept {dir_kept()}"
+        t0 = int(time.time())
+        async with make() as b:
+            got = await fingerprint(b)
+        assert got[0] == expected[0], f"{change!r} carried over"
+        assert got[1] != fsid and got[2] >= t0 - 1, f"{change!r}: fsid or mtime carried over"
+
+
+async def test_host_layer_times_flags_and_fsid_do_not_carry_over(mode: str) -> None:
+    for change in ("touch -d 2001-01-01 / /etc/hosts && touch -a -d 2001-01-01 /etc/hostname",
+                   "chattr +d /", "chattr +A /etc/hosts", "chgrp 1 /etc/hosts", "chgrp 1 /"):
+        manage.gc(nsbox.idmap.detect())
+        async with nsbox.Sandbox() as a:
+            r = await a.exec(["sh", "-c", change])
+            fsid = (await a.exec(["stat", "-f", "-c", "%i", "/"])).stdout
+        if not r.success:
+            assert mode == "single" and "ch" in change, (change, r.stderr)
+            continue
+        t0 = time.time()
+        async with nsbox.Sandbox() as b:
+            r = await b.exec(["sh", "-c", "stat -f -c %i /; stat -c '%X %Y %g' / /etc/hosts /etc/hostname; "
+                                          "lsattr -d / /etc/hosts | cut -d' ' -f1"])
+            lines = r.stdout.split("\n")
+        assert lines[0] != fsid.strip(), f"{change!r}: the overlay's fsid carried over"
+        for line in lines[1:4]:
+            atime, mtime, gid = map(int, line.split())
+            assert atime >= t0 - 1 and mtime >= t0 - 1 and gid == 0, f"{change!r} carried over: {lines}"
+        assert "A" not in lines[5] and "d" not in lines[4], f"{change!r} carried over: {lines}"

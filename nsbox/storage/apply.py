@@ -1,0 +1,136 @@
+"""Unpacking layer blobs into directories, inside a confined sandbox.
+
+One throwaway sandbox (the host-composed root, network none) serves a whole
+pull or import: it sees the blob directory read-only at /blobs and one
+staging directory at /staging, nothing else of the host's data. Each layer
+is applied there by applytar.py under the host's python3, as sandbox root
+with the owner's id mapping, so the kernel enforces both the confinement
+and the ownership (see applytar.py for the path rules it adds on top).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import anyio
+
+from ..errors import NsboxError
+from ..idmap import IdMap
+
+APPLIER = Path(__file__).with_name("applytar.py")
+# Two layers at once: the applier is single-threaded and machines have cores.
+PARALLEL = 2
+
+
+class CorruptLayer(NsboxError):
+    """A layer blob that cannot be unpacked: corrupt, truncated, or not what its digest says."""
+
+
+@dataclass
+class ApplyReport:
+    diff_id: str
+    size: int  # uncompressed bytes
+    compression: str
+    files: int
+    skipped: dict[str, int] = field(default_factory=dict)
+    examples: list[str] = field(default_factory=list)
+
+    def summary(self) -> str | None:
+        """One line on what was left out, or None."""
+        words = {"devices": "device nodes", "unsafe": "unsafe members (outside the layer or through a symlink)",
+                 "hardlink": "hardlinks to files outside the layer", "owners": "owners the id mapping lacks (now root)",
+                 "xattrs": "xattrs", "absolute": "absolute member names (made relative)", "unknown": "unknown entries"}
+        parts = [f"{n} {words.get(k, k)}" for k, n in sorted(self.skipped.items())]
+        if not parts:
+            return None
+        eg = f" (e.g. {', '.join(self.examples[:3])})" if self.examples else ""
+        return f"layer {self.diff_id[:19]}: skipped {'; '.join(parts)}{eg}"
+
+
+def _python() -> tuple[str, list[Any]]:
+    """A python3 the host-root sandbox can run, and the binds it needs."""
+    from ..rootfs import Bind
+
+    for candidate in ("/usr/bin/python3", "/usr/local/bin/python3"):
+        if os.access(candidate, os.X_OK):
+            return candidate, []
+    # Elsewhere (conda, pyenv under $HOME): show this interpreter's prefix.
+    prefix = os.path.realpath(sys.base_prefix)
+    exe = os.path.realpath(sys.executable)
+    return exe, [Bind(prefix, prefix, readonly=True)]
+
+
+class Unpacker:
+    """Applies layers into `staging`; the sandbox starts on first use."""
+
+    def __init__(self, blobs: Path, staging: Path, mapping: IdMap, id_mapping: str = "auto") -> None:
+        self.blobs = blobs
+        self.staging = staging
+        self.mapping = mapping
+        self._id_mapping = id_mapping
+        self._box: Any = None
+        self._lock = anyio.Lock()
+        self._slots = anyio.Semaphore(PARALLEL)
+        self._source = APPLIER.read_text()
+
+    async def __aenter__(self) -> Unpacker:
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        if self._box is not None:
+            with anyio.CancelScope(shield=True):
+                await self._box.close()
+
+    async def _sandbox(self) -> Any:
+        async with self._lock:
+            if self._box is None:
+                from ..rootfs import Bind
+                from ..sandbox import Sandbox
+
+                python, binds = _python()
+                self._python = python
+                box = Sandbox(mounts=[Bind(os.fspath(self.blobs), "/blobs", readonly=True),
+                                      Bind(os.fspath(self.staging), "/staging"), *binds],
+                              id_mapping=self._id_mapping, workdir="/", label="nsbox image unpack")  # type: ignore[arg-type]
+                await box.start()
+                self._box = box
+        return self._box
+
+    async def apply(self, blob: str, name: str) -> ApplyReport:
+        """Unpacks blob `sha256:…` into staging/`name` (which must not exist)."""
+        box = await self._sandbox()
+        args = json.dumps({"blob": f"/blobs/{blob.replace(':', '/')}", "dest": f"/staging/{name}",
+                           "single": self.mapping.mode == "single"})
+        async with self._slots:
+            r = await box.exec([self._python, "-I", "-S", "-c", self._source, args])
+        if r.returncode == 3:
+            raise CorruptLayer(f"layer {blob}: {r.stderr.strip()[-500:]}",
+                               hint="pull or import the image again; if it recurs, the source is damaged")
+        if r.returncode != 0:
+            raise NsboxError(f"unpacking layer {blob} failed: {r.stderr.strip()[-1000:]}")
+        data = json.loads(r.stdout.strip().splitlines()[-1])
+        return ApplyReport(data["diff_id"], data["size"], data["compression"], data["files"],
+                           data["skipped"], data["examples"])
+
+
+def dir_size(path: Path) -> int:
+    """Bytes of regular files under path (hardlinks once)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                st = os.lstat(os.path.join(dirpath, f))
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
+    return total
+

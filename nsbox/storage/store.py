@@ -1,0 +1,480 @@
+"""The image store: blobs by digest, layers unpacked once per id mapping, names.
+
+Under $XDG_DATA_HOME/nsbox/images:
+
+    blobs/sha256/HEX        manifests, configs, layer archives (verified when written)
+    layers/KEY/HEX          a layer unpacked for id mapping KEY, HEX its diff_id
+    layers/KEY/.staging-*   unpacking in progress (bound into the unpack sandbox)
+    tmp/                    downloads in progress (same filesystem: rename publishes)
+    locks/                  flock files
+    refs.json               name -> {digest (manifest), id (config), ...}
+    store.lock              shared by every pull/import, exclusive for prune and rm
+
+An image's sandbox stacks its layer directories as overlay lower dirs:
+nothing is copied per sandbox. Layers are keyed by diff_id (the digest of
+the uncompressed tar) so images share them whatever the compression, and by
+the id mapping because the files' host owners differ per mapping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import re
+import secrets
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Literal
+
+import anyio
+import anyio.abc
+
+from .. import idmap
+from ..dirs import data_dir
+from ..errors import NsboxError
+from . import oci
+from .apply import ApplyReport, CorruptLayer, Unpacker
+from .config import ImageConfig
+from .progress import Progress
+from .reference import ReferenceError, parse
+
+PullPolicy = Literal["missing", "always", "never"]
+_ID = re.compile(r"(?:sha256:)?([0-9a-f]{4,64})")
+COPY_CHUNK = 1 << 20
+
+
+class ImageNotFound(NsboxError):
+    pass
+
+
+@dataclass(frozen=True)
+class Image:
+    """An image ready to run: its layers unpacked for `mapping`."""
+
+    name: str | None  # the normalised reference it was found by (None: by id)
+    digest: str  # of the manifest
+    id: str  # of the config (Docker's IMAGE ID)
+    config: ImageConfig
+    layers: tuple[Path, ...]  # unpacked layer directories, lowest first
+    mapping_key: str
+
+    @property
+    def lowerdirs(self) -> list[Path]:
+        """overlayfs order: topmost first."""
+        return list(reversed(self.layers))
+
+
+@dataclass(frozen=True)
+class Record:
+    name: str
+    digest: str
+    id: str
+    created: float  # when it was stored here
+    size: int  # compressed layer bytes
+    source: str  # "registry", "docker-archive", "oci", "rootfs"...
+    platform: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "digest": self.digest, "id": self.id, "created": self.created,
+                "size": self.size, "source": self.source, "platform": self.platform}
+
+
+@dataclass
+class PruneReport:
+    blobs: int = 0
+    layers: int = 0
+    bytes: int = 0
+
+
+class Store:
+    def __init__(self, root: Path | None = None) -> None:
+        self.root = Path(root) if root is not None else data_dir() / "images"
+        self.blobs = self.root / "blobs"
+        self.layers_root = self.root / "layers"
+        self.tmp = self.root / "tmp"
+        self.locks = self.root / "locks"
+        self.refs_file = self.root / "refs.json"
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for d in (self.tmp, self.locks, self.layers_root):
+            d.mkdir(mode=0o700, exist_ok=True)
+        # The unpack sandbox reads blobs through a bind: as another uid in root mode.
+        (self.blobs / "sha256").mkdir(mode=0o755, parents=True, exist_ok=True)
+
+    # ---- locks -------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def lock(self, name: str, shared: bool = False) -> AsyncIterator[None]:
+        """flock on a lock file; polled so a waiting task can be cancelled."""
+        path = self.root / "store.lock" if name == "store" else self.locks / f"{name}.lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            op = (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB
+            delay = 0.005
+            while True:
+                try:
+                    fcntl.flock(fd, op)
+                    break
+                except BlockingIOError:
+                    await anyio.sleep(delay)
+                    delay = min(delay * 2, 0.1)
+            yield
+        finally:
+            os.close(fd)
+
+    # ---- blobs -------------------------------------------------------
+
+    def blob_path(self, digest: str) -> Path:
+        algo, _, hexd = digest.partition(":")
+        if algo not in ("sha256", "sha512") or not re.fullmatch(r"[0-9a-f]{64,128}", hexd):
+            raise NsboxError(f"invalid digest {digest!r}")
+        return self.blobs / algo / hexd
+
+    def has_blob(self, digest: str) -> bool:
+        return self.blob_path(digest).is_file()
+
+    def read_blob(self, digest: str) -> bytes:
+        """A small blob (manifest, config), verified on every read."""
+        try:
+            data = self.blob_path(digest).read_bytes()
+        except FileNotFoundError:
+            raise ImageNotFound(f"blob {digest} is missing from the store",
+                                hint="pull or import the image again") from None
+        oci.verify(data, digest, f"stored blob {digest}")
+        return data
+
+    def read_json(self, digest: str) -> dict[str, Any]:
+        return json.loads(self.read_blob(digest))
+
+    def temp_path(self) -> Path:
+        return self.tmp / f"{os.getpid()}-{secrets.token_hex(6)}"
+
+    def commit_blob(self, tmp: Path, digest: str) -> Path:
+        """Publishes a verified temp file as blob `digest` (atomic rename)."""
+        final = self.blob_path(digest)
+        final.parent.mkdir(mode=0o755, exist_ok=True)
+        os.chmod(tmp, 0o644)
+        os.rename(tmp, final)
+        return final
+
+    def put_bytes(self, data: bytes) -> str:
+        digest = oci.digest_of(data)
+        if not self.has_blob(digest):
+            tmp = self.temp_path()
+            tmp.write_bytes(data)
+            self.commit_blob(tmp, digest)
+        return digest
+
+    def put_stream(self, src: IO[bytes], expected: str | None = None, size: int | None = None) -> tuple[str, int]:
+        """Copies a file object into the store, hashing it; checks `expected`
+        and `size` when given. Blocking: run it in a thread."""
+        h = oci.hasher(expected) if expected else hashlib.sha256()
+        algo = expected.split(":")[0] if expected else "sha256"
+        tmp = self.temp_path()
+        n = 0
+        try:
+            with open(tmp, "wb") as out:
+                while chunk := src.read(COPY_CHUNK):
+                    h.update(chunk)
+                    out.write(chunk)
+                    n += len(chunk)
+            digest = f"{algo}:{h.hexdigest()}"
+            if size is not None and n != size:
+                raise oci.DigestMismatch(f"blob {expected or digest} has {n} bytes, not {size} (truncated?)")
+            if expected and digest != expected:
+                raise oci.DigestMismatch(f"blob content does not match its digest {expected} (got {digest})",
+                                         hint="the source is damaged or tampered with")
+            if self.has_blob(digest):
+                tmp.unlink()
+            else:
+                self.commit_blob(tmp, digest)
+            return digest, n
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    # ---- layers ------------------------------------------------------
+
+    def layer_dir(self, diff_id: str, key: str) -> Path:
+        return self.layers_root / key / diff_id.split(":", 1)[1]
+
+    @contextlib.asynccontextmanager
+    async def session(self, id_mapping: idmap.Requested = "auto",
+                      progress: Progress | None = None) -> AsyncIterator[Session]:
+        """What one pull or import holds: the shared store lock, a staging
+        directory and (started on first use) the unpack sandbox."""
+        mapping = idmap.detect(id_mapping)
+        async with self.lock("store", shared=True):
+            base = self.layers_root / mapping.key
+            base.mkdir(mode=0o700, exist_ok=True)
+            staging = base / f".staging-{os.getpid()}-{secrets.token_hex(4)}"
+            staging.mkdir(mode=0o700)
+            if mapping.host_root != (os.geteuid(), os.getegid()):
+                os.chown(staging, *mapping.host_root)  # sandbox root writes there
+            try:
+                async with Unpacker(self.blobs, staging, mapping, id_mapping) as unpacker:
+                    yield Session(self, mapping, staging, unpacker, progress or Progress())
+            finally:
+                _remove(staging, mapping)
+
+    # ---- names -------------------------------------------------------
+
+    def records(self) -> dict[str, Record]:
+        try:
+            raw = json.loads(self.refs_file.read_text())
+        except FileNotFoundError:
+            return {}
+        return {name: Record(**{"name": name, **r}) for name, r in raw.items()}
+
+    async def tag(self, name: str, digest: str, *, source: str) -> Record:
+        manifest = self.read_json(digest)
+        config_digest = manifest["config"]["digest"]
+        cfg = ImageConfig.parse(self.read_json(config_digest))
+        size = sum(int(d.get("size", 0)) for d in oci.layer_descriptors(manifest))
+        plat = f"{cfg.os}/{cfg.architecture}" + (f"/{cfg.variant}" if cfg.variant else "")
+        rec = Record(name, digest, config_digest, time.time(), size, source, plat)
+        async with self.lock("refs"):
+            records = self.records()
+            records[name] = rec
+            self._write_records(records)
+        return rec
+
+    def _write_records(self, records: dict[str, Record]) -> None:
+        tmp = self.temp_path()
+        data = {n: {k: v for k, v in r.to_dict().items() if k != "name"} for n, r in sorted(records.items())}
+        tmp.write_text(json.dumps(data, indent=1))
+        os.rename(tmp, self.refs_file)
+
+    def lookup(self, ref: str) -> Record:
+        """A stored image by name (normalised as Docker does) or by id prefix."""
+        return self._lookup(ref)[0]
+
+    def _lookup(self, ref: str) -> tuple[Record, bool]:
+        """(record, whether `ref` named it by id)."""
+        records = self.records()
+        m = _ID.fullmatch(ref)
+        if m:
+            hits = {r.id: r for r in records.values() if r.id.split(":")[1].startswith(m.group(1))}
+            if len(hits) == 1:
+                return next(iter(hits.values())), True
+            if len(hits) > 1:
+                raise NsboxError(f"image id {ref} is ambiguous", hint="give more of it")
+        try:
+            name = str(parse(ref))
+        except ReferenceError:
+            if m:
+                raise ImageNotFound(f"no image with id {ref}") from None
+            raise
+        if name in records:
+            return records[name], False
+        raise ImageNotFound(f"image {ref} is not in the store", hint=f"pull it: nsbox image pull {ref}")
+
+    def inspect(self, ref: str) -> dict[str, Any]:
+        rec = self.lookup(ref)
+        manifest = self.read_json(rec.digest)
+        cfg = ImageConfig.parse(self.read_json(rec.id))
+        names = sorted(n for n, r in self.records().items() if r.id == rec.id)
+        key = idmap.detect().key
+        layers = [{"digest": d["digest"], "size": d.get("size"), "mediaType": d.get("mediaType"),
+                   "diff_id": diff, "unpacked": os.fspath(p) if (p := self.layer_dir(diff, key)).is_dir() else None}
+                  for d, diff in zip(oci.layer_descriptors(manifest), cfg.diff_ids)]
+        return {**rec.to_dict(), "names": names, "config": cfg.to_dict(), "layers": layers}
+
+    async def remove(self, ref: str) -> list[str]:
+        """Forgets a name; an id forgets every name of that image. The
+        content goes with the next prune."""
+        rec, by_id = self._lookup(ref)
+        async with self.lock("refs"):
+            records = self.records()
+            gone = [n for n, r in records.items() if (r.id == rec.id if by_id else n == rec.name)]
+            for n in gone:
+                del records[n]
+            self._write_records(records)
+        return gone
+
+    # ---- resolving ---------------------------------------------------
+
+    async def resolve(self, ref: str, *, id_mapping: idmap.Requested = "auto", pull: PullPolicy = "missing",
+                      platform: str | None = None, progress: Progress | None = None) -> Image:
+        """The image `ref` (name or id) with its layers unpacked for this
+        user's id mapping: pulled first if missing (or always), unpacked
+        for this mapping if it was not yet."""
+        if pull == "always":
+            from .registry import pull as do_pull
+            return await do_pull(self, ref, platform=platform, progress=progress, id_mapping=id_mapping)
+        try:
+            rec = self.lookup(ref)
+        except ImageNotFound:
+            if pull == "never" or _ID.fullmatch(ref):
+                raise
+            from .registry import pull as do_pull
+            return await do_pull(self, ref, platform=platform, progress=progress, id_mapping=id_mapping)
+        image = self.image(rec.digest, name=rec.name, key=idmap.detect(id_mapping).key)
+        if image is not None:
+            return image
+        async with self.session(id_mapping, progress) as s:
+            return await s.unpack_image(rec.digest, name=rec.name)
+
+    def image(self, digest: str, *, name: str | None, key: str) -> Image | None:
+        """The image if all its layers are unpacked for id mapping `key`, else None."""
+        manifest = self.read_json(digest)
+        cfg = ImageConfig.parse(self.read_json(manifest["config"]["digest"]))
+        layers = tuple(self.layer_dir(d, key) for d in cfg.diff_ids)
+        if not all(p.is_dir() for p in layers):
+            return None
+        return Image(name, digest, manifest["config"]["digest"], cfg, layers, key)
+
+    # ---- prune -------------------------------------------------------
+
+    async def prune(self, in_use: Callable[[], Iterable[os.PathLike[str] | str]] | None = None) -> PruneReport:
+        """Deletes blobs and unpacked layers no named image uses, and layer
+        directories no live sandbox uses (`in_use` lists those in use),
+        plus what interrupted pulls left."""
+        report = PruneReport()
+        async with self.lock("store"):
+            keep_blobs: set[str] = set()
+            keep_diffs: set[str] = set()
+            for rec in self.records().values():
+                with contextlib.suppress(NsboxError, KeyError, ValueError):
+                    manifest = self.read_json(rec.digest)
+                    keep_blobs |= {rec.digest, rec.id, *(d["digest"] for d in manifest.get("layers", []))}
+                    keep_diffs |= {d.split(":")[1] for d in ImageConfig.parse(self.read_json(rec.id)).diff_ids}
+            busy = {os.path.realpath(p) for p in (in_use() if in_use else ())}
+            for algo_dir in self.blobs.iterdir():
+                for blob in algo_dir.iterdir():
+                    if f"{algo_dir.name}:{blob.name}" not in keep_blobs:
+                        report.bytes += blob.stat().st_size
+                        blob.unlink()
+                        report.blobs += 1
+            mapping = idmap.detect()
+            for key_dir in self.layers_root.iterdir():
+                for layer in key_dir.iterdir():
+                    if layer.name.startswith(".staging-") or (
+                            layer.name not in keep_diffs and os.path.realpath(layer) not in busy):
+                        try:
+                            _remove(layer, mapping if key_dir.name == mapping.key else None)
+                        except PermissionError:
+                            continue  # another mapping's files: prune as that user
+                        report.layers += not layer.name.startswith(".")
+                with contextlib.suppress(OSError):
+                    key_dir.rmdir()
+            for leftover in (*self.tmp.iterdir(), *self.locks.iterdir()):
+                leftover.unlink()
+        return report
+
+
+class Session:
+    """One pull or import: unpacks layers, shares work through per-layer locks."""
+
+    def __init__(self, store: Store, mapping: idmap.IdMap, staging: Path, unpacker: Unpacker,
+                 progress: Progress) -> None:
+        self.store = store
+        self.mapping = mapping
+        self.staging = staging
+        self.unpacker = unpacker
+        self.progress = progress
+
+    async def layer(self, blob: str, diff_id: str | None) -> tuple[str, Path]:
+        """Unpacks blob into its layer directory unless there already is
+        one; returns (diff_id, directory). diff_id None: learn it by unpacking."""
+        key = self.mapping.key
+        if diff_id:
+            final = self.store.layer_dir(diff_id, key)
+            if final.is_dir():
+                return diff_id, final
+            async with self.store.lock(f"layer-{key}-{diff_id.split(':')[1]}"):
+                if final.is_dir():
+                    return diff_id, final
+                await self._apply(blob, diff_id, final)
+            return diff_id, final
+        report, tmp = await self._unpack(blob)
+        final = self.store.layer_dir(report.diff_id, key)
+        async with self.store.lock(f"layer-{key}-{report.diff_id.split(':')[1]}"):
+            if final.is_dir():
+                _remove(tmp, self.mapping)
+            else:
+                os.rename(tmp, final)
+        return report.diff_id, final
+
+    async def _unpack(self, blob: str) -> tuple[ApplyReport, Path]:
+        name = secrets.token_hex(8)
+        tmp = self.staging / name
+        try:
+            report = await self.unpacker.apply(blob, name)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                _remove(tmp, self.mapping)
+            raise
+        summary = report.summary()
+        if summary:
+            self.progress.note(summary)
+        return report, tmp
+
+    async def _apply(self, blob: str, diff_id: str, final: Path) -> None:
+        report, tmp = await self._unpack(blob)
+        if report.diff_id != diff_id:
+            _remove(tmp, self.mapping)
+            raise CorruptLayer(f"layer {blob} unpacks to {report.diff_id}, but the image config says {diff_id}",
+                               hint="the image is damaged or tampered with")
+        os.rename(tmp, final)
+
+    async def unpack_image(self, digest: str, *, name: str | None) -> Image:
+        """Unpacks every layer of a stored manifest (concurrently)."""
+        manifest = self.store.read_json(digest)
+        cfg = ImageConfig.parse(self.store.read_json(manifest["config"]["digest"]))
+        descs = oci.layer_descriptors(manifest)
+        if len(descs) != len(cfg.diff_ids):
+            raise NsboxError(f"image {name or digest}: {len(descs)} layers but {len(cfg.diff_ids)} diff_ids")
+        async with task_group() as tg:
+            for d, diff in zip(descs, cfg.diff_ids):
+                tg.start_soon(self.layer, d["digest"], diff)
+        image = self.store.image(digest, name=name, key=self.mapping.key)
+        assert image is not None
+        return image
+
+
+if sys.version_info >= (3, 11):
+    _Group = BaseExceptionGroup  # noqa: F821
+else:
+    from exceptiongroup import BaseExceptionGroup as _Group
+
+
+@contextlib.asynccontextmanager
+async def task_group() -> AsyncIterator[anyio.abc.TaskGroup]:
+    """A task group that raises its first error itself, not an exception
+    group: one clear error when, say, one of several layers is damaged."""
+    try:
+        async with anyio.create_task_group() as tg:
+            yield tg
+    except _Group as group:
+        errors = _flatten(group)
+        raise next((e for e in errors if isinstance(e, NsboxError)), errors[0]) from None
+
+
+def _flatten(e: BaseException) -> list[BaseException]:
+    if isinstance(e, _Group):
+        return [x for sub in e.exceptions for x in _flatten(sub)]
+    return [e]
+
+
+def _remove(path: Path, mapping: idmap.IdMap | None) -> None:
+    """Deletes a layer directory whatever sandbox users own in it."""
+    from ..removal import remove_layer, remove_tree
+
+    try:
+        if mapping is not None:
+            remove_layer(path, mapping)
+        else:
+            remove_tree(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        if e.errno not in (errno.ENOENT,):
+            raise
+

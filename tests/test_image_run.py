@@ -1,0 +1,125 @@
+"""Sandboxes made from images: Sandbox(image=...), `nsbox run --image`, and
+Inspect's conformance checks on a sandbox made from a pulled image.
+
+The image (busybox with a second layer adding user `app`, USER app,
+WORKDIR /srv, ENV GREETING, Cmd `echo $GREETING`) is built by umoci and
+served by a docker-registry on 127.0.0.1 (tests/imagekit.py).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from inspect_ai.util._sandbox import self_check
+
+import nsbox
+from nsbox.inspect_provider import NsboxConfig, NsboxSandboxEnvironment
+from nsbox.storage import Store
+
+from .conftest import MODE
+from .imagekit import Registry, busybox_oci, fixture_tar, push, registry, umoci_image  # noqa: F401
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def debian_image(registry: Registry, tmp_path_factory: pytest.TempPathFactory) -> Any:  # noqa: F811
+    """The Debian fixture as a one-layer image (it has adduser, which
+    Inspect's checks use), with a non-root user's home as WORKDIR."""
+    layout = tmp_path_factory.mktemp("debian-oci") / "debian"
+    umoci_image(layout, "1", fixture_tar("debian"), "--config.workingdir=/root")
+    ref = f"{registry.host}/run/debian:1"
+    push(f"oci:{layout}:1", registry, "run/debian:1")
+    yield ref
+    anyio.run(Store().remove, ref)
+
+
+@pytest.fixture(scope="module")
+def app_image(registry: Registry, busybox_oci: Path) -> Any:  # noqa: F811
+    ref = f"{registry.host}/run/app:1"
+    push(f"oci:{busybox_oci}:app", registry, "run/app:1")
+    yield ref
+    anyio.run(Store().remove, ref)
+
+
+async def test_image_config_applies(app_image: str) -> None:
+    async with nsbox.Sandbox(image=app_image) as sb:
+        assert sb.image is not None and str(sb.rootfs) == app_image
+        r = await sb.exec(["sh", "-c", "id -u; pwd; echo $GREETING"])
+        uid = "0" if MODE.mode == "single" else "1000"  # single: the image's USER runs as root
+        assert r.stdout == f"{uid}\n/srv\nhello world\n", r
+        assert sb.image_command() == ["sh", "-c", "echo $GREETING"]
+        assert sb.image_command(["echo", "hi"]) == ["echo", "hi"]  # Cmd replaced, no Entrypoint
+        # The sandbox's own settings win over the image's.
+    async with nsbox.Sandbox(image=app_image, user="root", workdir="/tmp", env={"GREETING": "mine"}) as sb:
+        r = await sb.exec(["sh", "-c", "id -u; pwd; echo $GREETING"])
+        assert r.stdout == "0\n/tmp\nmine\n", r
+
+
+async def test_image_sandboxes_are_copy_on_write(app_image: str) -> None:
+    async with nsbox.Sandbox(image=app_image, user="root") as a, nsbox.Sandbox(image=app_image, user="root") as b:
+        await a.exec(["sh", "-c", "echo changed > /etc/motd; rm /bin/sh.bak 2>/dev/null; touch /srv/only-a"])
+        assert not (await b.exec(["test", "-e", "/srv/only-a"])).success
+        assert (await b.exec(["cat", "/etc/passwd"])).stdout.startswith("root:")
+    # The shared layers were not touched.
+    image = await Store().resolve(app_image, pull="never")
+    assert not any((layer / "srv" / "only-a").exists() for layer in image.layers)
+
+
+def test_cli_runs_an_image(app_image: str) -> None:
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "nsbox", "run", "--image", app_image, *args],
+                              capture_output=True, text=True, timeout=60)
+
+    r = run()  # the image's Cmd, as `docker run` runs it
+    assert (r.returncode, r.stdout) == (0, "hello world\n"), r.stderr
+    r = run("--", "sh", "-c", "echo $GREETING from $(pwd)")
+    assert (r.returncode, r.stdout) == (0, "hello world from /srv\n"), r.stderr
+    r = subprocess.run([sys.executable, "-m", "nsbox", "run", "--image", "localhost:1/nothing/here:1", "--pull",
+                        "never", "--", "true"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 125 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
+
+
+CHECKS = [name for name in dir(self_check) if name.startswith("test_")]
+
+
+async def test_inspect_conformance_on_a_pulled_image(debian_image: str) -> None:
+    """Inspect's sandbox self-check on sandboxes made from a pulled image."""
+    cfg = NsboxConfig(image=debian_image)
+    await NsboxSandboxEnvironment.task_init("image-conformance", cfg)
+    failures = []
+
+    async def check(name: str) -> None:
+        envs = await NsboxSandboxEnvironment.sample_init("image-conformance", cfg, {})
+        try:
+            await getattr(self_check, name)(envs["default"])
+        except Exception:
+            failures.append(f"{name}: {traceback.format_exc(limit=2)}")
+        finally:
+            await NsboxSandboxEnvironment.sample_cleanup("image-conformance", cfg, envs, False)
+
+    try:
+        # The timeout checks mostly wait: they run side by side.
+        async with anyio.create_task_group() as tg:
+            for name in CHECKS:
+                if "timeout" in name:
+                    tg.start_soon(check, name)
+            for name in CHECKS:
+                if "timeout" not in name:
+                    await check(name)
+    finally:
+        await NsboxSandboxEnvironment.task_cleanup("image-conformance", cfg, True)
+    # As in tests/test_inspect_conformance.py: root bypasses file modes (as
+    # in Docker), and one mapped uid cannot run other users.
+    expected = {"test_read_file_not_allowed", "test_write_text_file_without_permissions",
+                "test_write_binary_file_without_permissions"}
+    if MODE.mode == "single":
+        expected.add("test_exec_as_user")
+    failed = {f.split(":")[0] for f in failures}
+    assert failed == expected, "\n".join(failures)
