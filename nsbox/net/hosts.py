@@ -1,0 +1,50 @@
+"""The text of a sandbox's /etc/hosts and /etc/resolv.conf for each network mode.
+
+Names inside sandboxes resolve through /etc/hosts: the sandbox's own name,
+`host.nsbox.internal` (the host's loopback, in nat mode and on networks
+that allow it) and the other members of its service networks, by name and
+by alias. The caller writes the text into the sandbox and writes it again
+when members join or leave.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable, Sequence
+
+HOST_NAME = "host.nsbox.internal"
+# A name in /etc/hosts: letters, digits, '-', '_' and '.' (RFC 952/1123 plus '_').
+_NAME = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_.-]{0,252})$")
+
+
+def check_name(name: str) -> str:
+    """Returns `name` if it can stand in /etc/hosts, else raises ValueError."""
+    if not _NAME.match(name) or ".." in name:
+        raise ValueError(f"{name!r} cannot be a host name (letters, digits, '-', '_' and '.' only)")
+    return name
+
+
+def render_hosts(hostname: str, peers: Iterable[tuple[str, Sequence[str]]] = (),
+                 host_address: str | None = None, own_address: str | None = None) -> str:
+    """/etc/hosts for a sandbox called `hostname`.
+
+    peers: (address, [name, alias...]) of the other members of its networks.
+    host_address: where the host's loopback is reachable (nat: the gateway).
+    own_address: the sandbox's address on a network (else 127.0.1.1).
+    """
+    lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback",
+             f"{own_address or '127.0.1.1'}\t{check_name(hostname)}"]
+    if host_address:
+        lines.append(f"{host_address}\t{HOST_NAME}")
+    for address, names in peers:
+        names = [check_name(n) for n in names if n != hostname]
+        if names:
+            lines.append(f"{address}\t{' '.join(names)}")
+    return "\n".join(lines) + "\n"
+
+
+def render_resolv_conf(nameserver: str | None) -> str:
+    """/etc/resolv.conf: the user-mode network's DNS forwarder, or none at all."""
+    if nameserver is None:
+        return "# nsbox: no DNS in this network mode; names resolve through /etc/hosts\n"
+    return f"nameserver {nameserver}\noptions edns0\n"

@@ -1,0 +1,103 @@
+"""Published ports: `-p [ADDRESS:]HOSTPORT:PORT` makes a TCP port of the
+sandbox reachable on the host, on 127.0.0.1 unless another address is named.
+
+The listener is an ordinary socket of this process on the host. Each
+connection it accepts is paired with a connection to 127.0.0.1:PORT made
+from inside the sandbox's network namespace (by the network helper, which
+hands the connected socket back), and bytes are copied between the two.
+So it works the same in every network mode that has its own namespace
+(none, proxy, nat, service networks), needs no tun device and starts no
+process in the sandbox. A service inside listening on 0.0.0.0 or on
+127.0.0.1 is reached either way.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import socket
+from dataclasses import dataclass
+
+import anyio
+from anyio.abc import SocketListener, SocketStream
+
+from .client import NetHelper, Namespaces, connect_in
+from .proxy import relay
+
+_SPEC = re.compile(r"^(?:(?P<addr>\[[0-9a-fA-F:.]+\]|[0-9.]+):)?(?P<host>\d+):(?P<port>\d+)(?:/(?P<proto>tcp))?$")
+
+
+@dataclass(frozen=True)
+class PortSpec:
+    host_port: int      # 0: any free port
+    port: int
+    address: str = "127.0.0.1"
+
+    @classmethod
+    def parse(cls, text: str) -> "PortSpec":
+        """`[ADDRESS:]HOSTPORT:PORT[/tcp]`, e.g. "8080:80", "0.0.0.0:8080:80",
+        "[::1]:8080:80". Only TCP."""
+        m = _SPEC.match(text.strip())
+        if not m:
+            raise ValueError(f"bad published port {text!r}: expected [ADDRESS:]HOSTPORT:PORT (TCP only)")
+        address = (m["addr"] or "127.0.0.1").strip("[]")
+        ipaddress.ip_address(address)  # raises ValueError on a bad address
+        host_port, port = int(m["host"]), int(m["port"])
+        if not 0 <= host_port < 65536 or not 0 < port < 65536:
+            raise ValueError(f"bad published port {text!r}: ports are 1..65535")
+        return cls(host_port, port, address)
+
+    def __str__(self) -> str:
+        address = f"[{self.address}]" if ":" in self.address else self.address
+        return f"{address}:{self.host_port}:{self.port}"
+
+
+class PublishedPort:
+    """A listener on the host forwarding into the sandbox. `await open()`,
+    run `serve()` in a task group, cancel it (or `aclose()`) to stop."""
+
+    def __init__(self, spec: PortSpec, ns: Namespaces, *, via: NetHelper | None = None) -> None:
+        self.spec = spec
+        self.ns = ns
+        self.via = via
+        self._listener: SocketListener | None = None
+        self.host_port = spec.host_port
+
+    async def open(self) -> "PublishedPort":
+        """Binds the host's side (raises OSError, e.g. EADDRINUSE, at once)."""
+        family = socket.AF_INET6 if ":" in self.spec.address else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.spec.address, self.spec.host_port))
+            sock.listen(128)
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        self.host_port = sock.getsockname()[1]
+        self._listener = await SocketListener.from_socket(sock)
+        return self
+
+    async def serve(self) -> None:
+        if self._listener is None:
+            await self.open()
+        assert self._listener is not None
+        async with self._listener:
+            await self._listener.serve(self._forward)
+
+    async def aclose(self) -> None:
+        if self._listener is not None:
+            await self._listener.aclose()
+
+    async def _forward(self, client: SocketStream) -> None:
+        async with client:
+            try:
+                inside = await connect_in(self.ns, "127.0.0.1", self.spec.port, via=self.via)
+            except (OSError, TimeoutError):
+                return  # nothing listens inside: the client sees the connection close
+            async with await SocketStream.from_socket(inside) as upstream:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(relay, client, upstream)
+                    await relay(upstream, client)
+                    tg.cancel_scope.cancel()
