@@ -13,7 +13,7 @@ import errno
 import os
 import platform
 
-from . import native
+from .steps import Kind, Step
 from .errors import HostPrerequisiteError, SandboxSetupError
 
 # Filesystems overlayfs cannot use for its upper layer (network and FUSE).
@@ -67,6 +67,14 @@ def userns_hint() -> str:
 
 
 def clone_failed(err: int) -> HostPrerequisiteError:
+    if err in (errno.EPERM, errno.EACCES, errno.ENOSPC, errno.EUSERS, errno.ENOSYS):
+        # Probing says which of the possible causes it is (nsbox doctor's
+        # checks); its own message stands if user namespaces work after all.
+        from .doctor import explain_clone_failure
+
+        explained = explain_clone_failure(err)
+        if explained is not None:
+            return explained
     what = f"creating the sandbox's namespaces failed: {os.strerror(err)}"
     if err in (errno.EPERM, errno.EACCES, errno.ENOSPC, errno.EUSERS):
         return HostPrerequisiteError(what + " (unprivileged user namespaces are not available)", userns_hint())
@@ -101,7 +109,7 @@ def _kernel_older_than(major: int, minor: int) -> bool:
         return False
 
 
-def step_failed(step: native.Step, err: int, layer: str) -> SandboxSetupError | HostPrerequisiteError:
+def step_failed(step: Step, err: int, layer: str) -> SandboxSetupError | HostPrerequisiteError:
     """The error for a setup step that failed with `err`."""
     what = f"sandbox setup failed: {step.what}: {os.strerror(err)}"
     denied = err in (errno.EPERM, errno.EACCES)
@@ -109,13 +117,13 @@ def step_failed(step: native.Step, err: int, layer: str) -> SandboxSetupError | 
         return HostPrerequisiteError(what, _apparmor_hint())
     if err == errno.ENOSYS:
         return HostPrerequisiteError(what, "this kernel lacks the new mount API; nsbox needs Linux 5.12 or later")
-    if step.kind == native.lib.NSBOX_STEP_MOUNT and step.c == "proc" and denied:
+    if step.kind == Kind.MOUNT and step.c == "proc" and denied:
         return HostPrerequisiteError(
             what + " (the host's /proc has paths masked by over-mounts, so the kernel refuses a new procfs)",
             "inside a container, unmask /proc: Docker `--security-opt systempaths=unconfined`, "
             "Kubernetes `securityContext.procMount: Unmasked`",
         )
-    if step.kind == native.lib.NSBOX_STEP_MOUNT and step.c == "overlay":
+    if step.kind == Kind.MOUNT and step.c == "overlay":
         fs = fs_type(layer)
         if fs and fs.split(".")[0] in NO_UPPER:
             return SandboxSetupError(

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from nsbox import hostcheck, native
+from nsbox import hostcheck, native, steps
 
 
 def test_refused_user_namespaces_name_the_sysctl(tmp_path: Path) -> None:
@@ -23,7 +23,7 @@ def test_refused_user_namespaces_name_the_sysctl(tmp_path: Path) -> None:
     assert r.returncode == 125
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in r.stderr
-    assert "user namespaces are not available" in lines[0]
+    assert "user.max_user_namespaces=0" in lines[0]  # the cause, found by probing (nsbox doctor)
     assert "sysctl -w user.max_user_namespaces=" in lines[0]
 
 
@@ -44,9 +44,9 @@ def test_each_cause_gets_its_fix(monkeypatch: pytest.MonkeyPatch, sysctl: dict[s
 
 def test_masked_proc_and_network_filesystems(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(hostcheck, "_sysctl", lambda name: None)
-    proc = native.mount("proc", "/x/proc", "proc", 0, None, "mount a fresh /proc")
+    proc = steps.mount("proc", "/x/proc", "proc", (), None, "mount a fresh /proc")
     assert "systempaths=unconfined" in str(hostcheck.step_failed(proc, errno.EPERM, "/layer"))
-    overlay = native.mount("overlay", "/x", "overlay", 0, "lowerdir=/a", "mount the root filesystem")
+    overlay = steps.mount("overlay", "/x", "overlay", (), "lowerdir=/a", "mount the root filesystem")
     monkeypatch.setattr(hostcheck, "fs_type", lambda path: "nfs4")
     err = str(hostcheck.step_failed(overlay, errno.EINVAL, "/home/u/.local/share/nsbox/sandboxes/x"))
     assert "is on nfs4" in err and "NSBOX_STATE_DIR" in err and "\n" not in err
