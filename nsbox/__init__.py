@@ -1,5 +1,9 @@
 """nsbox: rootless local sandboxes for Linux on user, mount and PID namespaces."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from .errors import (
     CommandTimeout,
     HostPrerequisiteError,
@@ -9,7 +13,11 @@ from .errors import (
     SandboxUnavailable,
     UserUnsupported,
 )
-from .sandbox import ExecResult, Sandbox
+
+if TYPE_CHECKING:
+    from .client import ExecResult
+    from .sandbox import Sandbox
+    from .spec import SandboxSpec
 
 __version__ = "0.1.0"
 
@@ -21,7 +29,20 @@ __all__ = [
     "OutputLimitExceeded",
     "Sandbox",
     "SandboxSetupError",
+    "SandboxSpec",
     "SandboxUnavailable",
     "UserUnsupported",
     "__version__",
 ]
+
+# Loaded on first use: the plan, steps and spec modules need no compiled
+# code, so `import nsbox.plan` works without the C extension.
+_LAZY = {"Sandbox": "sandbox", "ExecResult": "client", "SandboxSpec": "spec"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'nsbox' has no attribute {name!r}")

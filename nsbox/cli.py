@@ -15,6 +15,10 @@ from . import __version__, idmap, manage, registry
 from .errors import CommandTimeout, NsboxError
 from .rootfs import Bind
 from .sandbox import Sandbox
+from .doctor import doctor
+from .spec import SandboxSpec
+from .storage import cli as image_cli
+from .storage.cli import image as image_group
 
 T = TypeVar("T")
 # Exit statuses of `nsbox run` for failures of nsbox itself (as docker run).
@@ -55,26 +59,54 @@ def sandbox_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     options = [
         click.option("--rootfs", default="host", show_default=True, metavar="DIR",
                      help="Root filesystem: 'host' (composed from this host) or a directory."),
-        click.option("-u", "--user", default="root", show_default=True, help="User to run as."),
+        click.option("--image", default=None, metavar="REF",
+                     help="Run an OCI/Docker image (pulled if missing) instead of --rootfs."),
+        click.option("--pull", type=click.Choice(["missing", "always", "never"]), default="missing",
+                     show_default=True, help="When to pull --image."),
+        click.option("--platform", default=None, metavar="OS/ARCH", help="Platform of --image (default: this host's)."),
+        click.option("-u", "--user", default=None, help="User to run as (default: root; for `shell ID`: the sandbox's)."),
         click.option("-w", "--workdir", default=None, help="Working directory (default: the user's home)."),
         click.option("-e", "--env", "env", multiple=True, metavar="KEY=VALUE", help="Set an environment variable."),
         click.option("-v", "--volume", "volumes", multiple=True, metavar="SRC:DST[:ro]",
                      help="Bind a host file or directory into the sandbox."),
-        click.option("--network", type=click.Choice(["none", "host"]), default="none", show_default=True,
-                     help="'none': loopback only; 'host': the host's network."),
-        click.option("--id-mapping", type=click.Choice(["auto", "single"]), default="auto", show_default=True,
-                     help="'single' maps only your own uid, even when subordinate ids exist."),
+        click.option("--network", type=click.Choice(["none", "host", "nat", "proxy"]), default="none",
+                     show_default=True,
+                     help="'none': loopback only; 'host': the host's network; 'nat': outbound access, the host's "
+                          "loopback as host.nsbox.internal; 'proxy': only the hosts --allow names, through a proxy."),
+        click.option("-p", "--publish", "publish", multiple=True, metavar="[IP:]HOSTPORT:PORT",
+                     help="Publish a TCP port of the sandbox on the host (on 127.0.0.1 unless IP is given)."),
+        click.option("--allow", "allow", multiple=True, metavar="HOST",
+                     help="With --network proxy: a host the sandbox may reach (example.com, *.example.org, "
+                          "host:443, '*')."),
+        click.option("--nested-userns", is_flag=True,
+                     help="Let commands create user namespaces and mount (to nest sandboxes)."),
+        click.option("--id-mapping", type=click.Choice(["auto", "single", "host-root"]), default="auto",
+                     show_default=True,
+                     help="'single' maps only your own uid, even when subordinate ids exist; "
+                          "'host-root' (as root only) maps host root into the sandbox."),
+        click.option("-m", "--memory", default=None, metavar="SIZE",
+                     help="Memory limit, e.g. 512m or 2g (a process beyond it is killed: exit 137)."),
+        click.option("--pids-limit", type=click.IntRange(min=1), default=None, help="Most processes at once."),
+        click.option("--cpus", type=click.FloatRange(min=0.01), default=None, help="CPU time, in CPUs (e.g. 1.5)."),
+        click.option("--disk", default=None, metavar="SIZE", help="Size cap of the writable layer and /tmp, e.g. 2g."),
     ]
     for option in reversed(options):
         fn = option(fn)
     return fn
 
 
-def make_sandbox(rootfs: str, user: str, workdir: str | None, env: Sequence[str], volumes: Sequence[str],
-                 network: str, id_mapping: str) -> Sandbox:
+def make_sandbox(rootfs: str, image: str | None, pull: str, platform: str | None, user: str | None,
+                 workdir: str | None, env: Sequence[str], volumes: Sequence[str], network: str,
+                 id_mapping: str, nested_userns: bool, memory: str | None = None, pids_limit: int | None = None,
+                 cpus: float | None = None, disk: str | None = None, publish: Sequence[str] = (),
+                 allow: Sequence[str] = ()) -> Sandbox:
     try:
-        return Sandbox(rootfs, user=user, workdir=workdir, env=_parse_env(env), mounts=_parse_binds(volumes),
-                       network=network, id_mapping=id_mapping)  # type: ignore[arg-type]
+        return Sandbox(spec=SandboxSpec(rootfs=rootfs, image=image, pull=pull, platform=platform,  # type: ignore[arg-type]
+                                        user=user, workdir=workdir, env=_parse_env(env),
+                                        mounts=tuple(_parse_binds(volumes)), network=network,  # type: ignore[arg-type]
+                                        ports=tuple(publish), allow=tuple(allow),
+                                        id_mapping=id_mapping, nested_userns=nested_userns, origin="cli",
+                                        memory=memory, pids_limit=pids_limit, cpus=cpus, disk=disk))  # type: ignore[arg-type]
     except ValueError as e:
         raise click.UsageError(str(e)) from None
 
@@ -109,20 +141,24 @@ def run(command: tuple[str, ...], timeout: float | None, detach: bool, **options
       nsbox run -- python3 -c 'print(42)'
       nsbox run --rootfs ./debian -v "$PWD:/work" -w /work -- make test
       nsbox run --detach -- python3 -m http.server
+      nsbox run --image python:3.12 -- python3 -V
 
-    Output streams as the command writes it; the exit status is the
-    command's (124 on timeout, 125 if nsbox itself failed). With --detach
+    Output streams as the command writes it, whole (never truncated, as
+    with `nsbox exec`); the exit status is the command's (124 on timeout, 125 if nsbox itself failed). With --detach
     the sandbox's id is printed and the sandbox lives on until `nsbox rm`.
+    With --image, COMMAND is run as `docker run` runs it (the image's
+    Entrypoint, then COMMAND or else its Cmd).
     """
-    if not command and not detach:
+    if not command and not detach and not options["image"]:
         raise click.UsageError("Missing argument 'COMMAND...' (or use --detach).")
     sandbox = make_sandbox(**options)
-    sandbox.origin = "cli"
+    argv: list[str] = list(command)
     if detach:
         async def start() -> str:
             await sandbox.start()
-            if command:
-                await sandbox.spawn(list(command))
+            argv[:] = sandbox.image_command(argv)
+            if argv:
+                await sandbox.spawn(argv)
             await sandbox.detach()
             return sandbox.id
 
@@ -134,21 +170,24 @@ def run(command: tuple[str, ...], timeout: float | None, detach: bool, **options
 
     async def go() -> int:
         async with sandbox:
-            return await sandbox.run_forwarded(list(command), stdin=0, timeout=timeout)
+            argv[:] = sandbox.image_command(argv)
+            if not argv:
+                raise NsboxError(f"the image {options['image']} has no Entrypoint or Cmd: give a COMMAND")
+            return await sandbox.run_forwarded(argv, stdin=0, timeout=timeout)
 
     try:
         code = run_async(go)
     except CommandTimeout as e:
         fail(str(e), EXIT_TIMEOUT)
     except PermissionError as e:
-        fail(f"{command[0]}: {e.strerror}", EXIT_CANNOT_RUN)
+        fail(f"{argv[0] if argv else 'command'}: {e.strerror}", EXIT_CANNOT_RUN)
     sys.exit(code)
 
 
 @main.command("import")
 @click.argument("tarball", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.argument("directory", type=click.Path(path_type=Path))
-@click.option("--id-mapping", type=click.Choice(["auto", "single"]), default="auto", show_default=True)
+@click.option("--id-mapping", type=click.Choice(["auto", "single", "host-root"]), default="auto", show_default=True)
 def import_(tarball: Path, directory: Path, id_mapping: str) -> None:
     """Unpack a root filesystem TARBALL into DIRECTORY, for --rootfs.
 
@@ -174,7 +213,13 @@ def import_(tarball: Path, directory: Path, id_mapping: str) -> None:
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def exec(sandbox_id: str, command: tuple[str, ...], user: str | None, workdir: str | None, env: Sequence[str],
          timeout: float | None) -> None:
-    """Run COMMAND in the running sandbox ID."""
+    """Run COMMAND in the running sandbox ID.
+
+    Output is copied here as the command writes it, whole: the output limit
+    (INSPECT_SANDBOX_MAX_EXEC_OUTPUT_SIZE) bounds only output nsbox holds in
+    memory (the Python API and the Inspect provider, which report what they
+    drop), so `nsbox exec` never truncates and prints no truncation note.
+    """
     if command[:1] == ("--",):  # click keeps "--" once a positional came first
         command = command[1:]
     if not command:
@@ -212,13 +257,11 @@ def shell(sandbox_id: str | None, **options: Any) -> None:
     async def go() -> int:
         if sandbox_id is None:
             sb = make_sandbox(**options)
-            sb.origin = "cli"
             async with sb:
                 return await interactive(sb)
         sb = await Sandbox.attach(manage.find(sandbox_id).id)
         try:
-            user = options["user"] if options["user"] != "root" else None
-            return await interactive(sb, user=user)
+            return await interactive(sb, user=options["user"])
         finally:
             await sb.close()
 
@@ -258,15 +301,18 @@ def rm(sandbox_ids: tuple[str, ...], all_: bool, force: bool) -> None:
     """Remove sandboxes: kill their processes, delete their writable layers."""
     if not sandbox_ids and not all_:
         raise click.UsageError("give sandbox ids, or --all")
-    infos = registry.entries() if all_ else [manage.find(i) for i in sandbox_ids]
+    targets: list[registry.SandboxInfo | str] = [*registry.entries()] if all_ else [*sandbox_ids]
     failed = False
-    for info in infos:
+    # One at a time: a sandbox that cannot be removed does not keep the others.
+    for target in targets:
         try:
+            info = manage.find(target) if isinstance(target, str) else target
             manage.remove(info, force=force)
-            click.echo(info.id)
-        except NsboxError as e:
-            click.echo(f"nsbox: {e}", err=True)
+        except Exception as e:
+            click.echo(f"nsbox: {manage.failure(target if isinstance(target, str) else target.id, e)}", err=True)
             failed = True
+        else:
+            click.echo(info.id)
     sys.exit(1 if failed else 0)
 
 
@@ -275,15 +321,26 @@ def rm(sandbox_ids: tuple[str, ...], all_: bool, force: bool) -> None:
 def gc(dry_run: bool) -> None:
     """Remove leftovers: sandboxes whose owner died without detaching them,
     and writable layers no sandbox uses."""
-    infos, layers = manage.garbage()
-    if not dry_run:
-        ids, layers = manage.gc(idmap.detect())
-    else:
+    failures: list[str] = []
+    if dry_run:
+        infos, layers = manage.garbage()
         ids = [i.id for i in infos]
+    else:
+        report = manage.gc(idmap.detect())
+        ids, layers, failures = report.sandboxes, report.layers, report.failures
     verb = "would remove" if dry_run else "removed"
     for i in ids:
         click.echo(f"{verb} sandbox {i}")
     for layer in layers:
         click.echo(f"{verb} layer {layer}")
-    if not ids and not layers:
+    for failure in failures:
+        click.echo(f"nsbox: {failure}", err=True)
+    if not ids and not layers and not failures:
         click.echo("nothing to remove")
+    sys.exit(1 if failures else 0)
+
+
+main.add_command(image_group)
+main.add_command(doctor)
+# `nsbox image prune` keeps the layers live sandboxes stack.
+image_cli.in_use_hook = lambda: [layer for info in registry.entries() if info.init_alive for layer in info.lowers]

@@ -102,6 +102,11 @@ class Poller:
         return {fd for fd, _ in p.poll(0)}
 
     async def _wait_generic(self) -> None:
+        if not self._read and not self._write:
+            # Nothing to wait for: block like the asyncio path does, rather
+            # than return no descriptor to a caller that loops on wait().
+            await anyio.sleep_forever()
+
         async def watch(fd: int, wait, scope: anyio.CancelScope) -> None:  # type: ignore[no-untyped-def]
             await wait(fd)
             self._ready.add(fd)

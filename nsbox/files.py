@@ -4,83 +4,31 @@ A path is never resolved on the host: an absolute symlink in the root
 filesystem would point at the host's own files. The init forks a child that
 takes the sandbox user's credentials, opens the path with
 openat2(RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS) from inside the sandbox's
-root, and passes the open descriptor back. The kernel checks permissions as
-the sandbox user, and the bytes then move over that descriptor directly.
+root, and passes the open descriptor back (InitClient.open). The kernel
+checks permissions as the sandbox user, and the bytes then move over that
+descriptor directly, only ever from or to a regular file.
 """
 
 from __future__ import annotations
 
 import errno
 import os
-import socket
 import stat
-from typing import Sequence
+from typing import Callable, TypeVar
 
 import anyio
 
 from . import protocol
-from .errors import OutputLimitExceeded, SandboxUnavailable
-from .exec import SendRequest
+from .client import InitClient
+from .errors import OutputLimitExceeded
 from .limits import human_size, read_file_limit
 
 # Above this size the copy runs in a worker thread, off the event loop.
 THREAD_THRESHOLD = 1024 * 1024
-
-_STAGE_WORDS = {
-    protocol.STAGE_MKDIRS: "creating its parent directories failed",
-    protocol.STAGE_CREDS: "switching to the sandbox user failed",
-    protocol.STAGE_SPAWN: "the sandbox could not fork",
-    protocol.STAGE_REQUEST: "the sandbox rejected the request",
-}
-
-
-async def open_path(send: SendRequest, creds: protocol.Creds, path: str, open_flags: int,
-                    *, mode: int = 0o666, mkdirs: bool = False) -> tuple[int, bool]:
-    """Opens `path` (absolute, inside the sandbox) as `creds`.
-
-    Returns the descriptor and whether it is a directory. Raises OSError
-    subclasses (FileNotFoundError, PermissionError, ...) naming the path.
-    """
-    message, memfd = protocol.encode(
-        protocol.OP_OPEN, creds, [os.fsencode(path)],
-        flags=protocol.F_MKDIRS if mkdirs else 0, open_flags=open_flags, mode=mode,
-    )
-    chan, chan_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        try:
-            fds: Sequence[int] = [chan_child.fileno()] + ([memfd] if memfd is not None else [])
-            await send(message, fds)
-        finally:
-            chan_child.close()
-            if memfd is not None:
-                os.close(memfd)
-        chan.setblocking(False)
-        data = b""
-        received: list[int] = []
-        while len(data) < protocol.REPLY.size:
-            await anyio.wait_readable(chan)
-            try:
-                chunk, fds_in, _, _ = socket.recv_fds(chan, protocol.REPLY.size - len(data), 1)
-            except BlockingIOError:
-                continue
-            received += fds_in
-            if not chunk:
-                break
-            data += chunk
-    finally:
-        chan.close()
-    if len(data) < protocol.REPLY.size:
-        for fd in received:
-            os.close(fd)
-        raise SandboxUnavailable("the sandbox stopped while opening a file")
-    reply = protocol.Reply(*protocol.REPLY.unpack(data))
-    if reply.kind == protocol.REPLY_FD and received:
-        return received[0], reply.code == 1
-    for fd in received:
-        os.close(fd)
-    err = reply.err or errno.EIO
-    words = _STAGE_WORDS.get(reply.stage)
-    raise OSError(err, os.strerror(err) + (f" ({words})" if words else ""), path)
+T = TypeVar("T")
+# Longest a copy may take: nothing the sandbox does may keep a host call
+# waiting forever (opening has its own bound, client.OPEN_TIMEOUT).
+COPY_TIMEOUT = 600.0
 
 
 def _read_all(fd: int, at_most: int) -> bytes:
@@ -101,6 +49,18 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
         view = view[os.write(fd, view) :]
 
 
+async def _copy(fn: Callable[..., T], *args: object, size: int, path: str) -> T:
+    """Runs a copy over a descriptor the sandbox handed us: small ones on
+    the event loop, large ones in a worker thread, none for longer than
+    COPY_TIMEOUT (a thread still blocked then is abandoned, not waited for)."""
+    if size <= THREAD_THRESHOLD:
+        return fn(*args)
+    with anyio.move_on_after(COPY_TIMEOUT) as scope:
+        return await anyio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
+    assert scope.cancelled_caught
+    raise TimeoutError(errno.ETIMEDOUT, f"copying the file took more than {COPY_TIMEOUT:g}s", path)
+
+
 def _too_large(path: str, limit: int) -> OutputLimitExceeded:
     # Inspect's wording, which its conformance checks look for.
     return OutputLimitExceeded(
@@ -108,8 +68,8 @@ def _too_large(path: str, limit: int) -> OutputLimitExceeded:
     )
 
 
-async def read_file(send: SendRequest, creds: protocol.Creds, path: str, text: bool) -> str | bytes:
-    fd, is_dir = await open_path(send, creds, path, os.O_RDONLY)
+async def read_file(client: InitClient, creds: protocol.Creds, path: str, text: bool) -> str | bytes:
+    fd, is_dir = await client.open(creds, path, os.O_RDONLY)
     try:
         if is_dir:
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
@@ -122,10 +82,7 @@ async def read_file(send: SendRequest, creds: protocol.Creds, path: str, text: b
         os.set_blocking(fd, True)
         # Files such as /proc entries report size 0; read to EOF, one byte
         # past the limit to notice an overrun.
-        if st.st_size > THREAD_THRESHOLD:
-            data = await anyio.to_thread.run_sync(_read_all, fd, limit + 1)
-        else:
-            data = _read_all(fd, limit + 1)
+        data = await _copy(_read_all, fd, limit + 1, size=st.st_size, path=path)
         if len(data) > limit:
             raise _too_large(path, limit)
     finally:
@@ -135,14 +92,15 @@ async def read_file(send: SendRequest, creds: protocol.Creds, path: str, text: b
     return data.decode("utf-8") if text else data
 
 
-async def write_file(send: SendRequest, creds: protocol.Creds, path: str, contents: str | bytes) -> None:
+async def write_file(client: InitClient, creds: protocol.Creds, path: str, contents: str | bytes) -> None:
     data = contents.encode("utf-8") if isinstance(contents, str) else contents
-    fd, _ = await open_path(send, creds, path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mkdirs=True)
+    fd, _ = await client.open(creds, path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mkdirs=True)
     try:
+        # The init checked the type; a descriptor from the sandbox is
+        # checked again before we block on it.
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "Not a regular file", path)
         os.set_blocking(fd, True)
-        if len(data) > THREAD_THRESHOLD:
-            await anyio.to_thread.run_sync(_write_all, fd, data)
-        else:
-            _write_all(fd, data)
+        await _copy(_write_all, fd, data, size=len(data), path=path)
     finally:
         os.close(fd)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import shlex
 import sys
@@ -17,7 +18,7 @@ from typing import Any, AsyncIterator, Iterator, Literal, Union, overload
 
 import anyio
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from inspect_ai.util import (
     ExecResult,
@@ -29,19 +30,32 @@ from inspect_ai.util import (
     SandboxUserUnsupportedError,
     sandboxenv,
 )
+from inspect_ai.util import (
+    ExecCompleted,
+    ExecOutput,
+    ExecRemoteAwaitableOptions,
+    ExecRemoteProcess,
+    ExecRemoteStreamingOptions,
+    ExecStderr,
+    ExecStdout,
+)
 
-from . import dirs, manage, native
+from . import dirs, manage
 from .errors import NsboxError, OutputLimitExceeded, SandboxUnavailable, UserUnsupported
 from .idmap import detect as detect_idmap
 from .images import import_tarball
-from .limits import human_size
+from .limits import exec_output_limit, human_size
 from .rootfs import Bind
-from .sandbox import DEFAULT_PATH, Sandbox
+from .sandbox import Sandbox
+from .streaming import Exit, Output, Process, decoder
+from .spec import SandboxSpec, parse_size
 
 CONFIG_FILES = ["nsbox.yaml", "nsbox.yml"]
 
+logger = logging.getLogger(__name__)
 
-class SandboxSpec(BaseModel):
+
+class SandboxSettings(BaseModel):
     """Settings of one sandbox."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -49,17 +63,49 @@ class SandboxSpec(BaseModel):
     rootfs: str = "host"
     """'host' (the built-in root composed from this host), a directory, or a
     root filesystem tarball (unpacked once, at task start)."""
-    user: str = "root"
-    """The default user of exec, read_file and write_file."""
+    image: str | None = None
+    """An OCI/Docker image instead of rootfs (pulled and unpacked once, at task start)."""
+    pull: Literal["missing", "always", "never"] = "missing"
+    platform: str | None = None
+    """The image's platform, e.g. linux/arm64 (default: this host's)."""
+    user: str | None = None
+    """The default user of exec, read_file and write_file (default: the image's USER, else root)."""
     workdir: str | None = None
     """Working directory; relative paths resolve against it (default: the user's home)."""
     env: dict[str, str] = {}
-    network: Literal["none", "host"] = "none"
-    """'none': a private network with loopback only; 'host': the host's network."""
+    network: Literal["none", "host", "nat", "proxy"] = "none"
+    """'none': a private network with loopback only; 'host': the host's network;
+    'nat': outbound access (pasta or slirp4netns), the host's loopback as
+    host.nsbox.internal; 'proxy': only the hosts `allow` names, through a proxy."""
+    allow: tuple[str, ...] = ()
+    """The proxy mode's allowlist: "example.com", "*.example.org", "host:443", "*"."""
+    ports: tuple[str, ...] = ()
+    """Published ports, "[IP:]HOSTPORT:PORT", on 127.0.0.1 unless IP is given."""
     mounts: tuple[str, ...] = ()
     """Host paths to bind in, as SOURCE:TARGET[:ro]."""
     timeout: int | None = None
     """Default timeout of exec, in seconds."""
+    nested_userns: bool = False
+    """Let commands create user namespaces and mount (to run a sandbox inside)."""
+    memory: int | str | None = None
+    """Memory limit of the sandbox, as in Docker: bytes, or "512m", "2g"."""
+    pids_limit: int | None = Field(default=None, ge=1)
+    """Most processes the sandbox may have at once."""
+    cpus: float | None = Field(default=None, ge=0.01)
+    """CPU time, in CPUs (1.5: one and a half)."""
+    disk: int | str | None = None
+    """Size cap of the writable layer (and /tmp): bytes, or "2g"."""
+
+    @field_validator("memory", "disk")
+    @classmethod
+    def _size(cls, v: int | str | None, info: ValidationInfo) -> int | None:
+        return None if v is None else parse_size(v, info.field_name or "size")
+
+    @model_validator(mode="after")
+    def _rootfs_or_image(self) -> "SandboxSettings":
+        if self.image is not None and self.rootfs != "host":
+            raise ValueError("give either rootfs or image, not both")
+        return self
 
     @field_validator("workdir")
     @classmethod
@@ -81,7 +127,7 @@ class SandboxSpec(BaseModel):
         return hash(self.model_dump_json())
 
 
-class NsboxConfig(SandboxSpec):
+class NsboxConfig(SandboxSettings):
     """Configuration of the nsbox provider (nsbox.yaml, or this model in Python).
 
     The top-level settings describe the "default" sandbox. `sandboxes` gives
@@ -92,14 +138,15 @@ class NsboxConfig(SandboxSpec):
     output_limit_mode: Literal["truncate", "raise"] = "truncate"
     """Output over the limit: 'truncate' keeps the last bytes; 'raise'
     raises OutputLimitExceededError (Inspect's older contract)."""
-    id_mapping: Literal["auto", "single"] = "auto"
-    sandboxes: dict[str, SandboxSpec] | None = None
+    id_mapping: Literal["auto", "single", "host-root"] = "auto"
+    """'single' maps only your uid; 'host-root' (real root only) maps host root."""
+    sandboxes: dict[str, SandboxSettings] | None = None
 
-    def specs(self) -> list[tuple[str, SandboxSpec]]:
-        base = self.model_dump(include=set(SandboxSpec.model_fields))
+    def specs(self) -> list[tuple[str, SandboxSettings]]:
+        base = self.model_dump(include=set(SandboxSettings.model_fields))
         if not self.sandboxes:
-            return [("default", SandboxSpec(**base))]
-        return [(name, SandboxSpec(**{**base, **spec.model_dump(exclude_unset=True)}))
+            return [("default", SandboxSettings(**base))]
+        return [(name, SandboxSettings(**{**base, **spec.model_dump(exclude_unset=True)}))
                 for name, spec in self.sandboxes.items()]
 
     def __hash__(self) -> int:
@@ -135,7 +182,7 @@ def _field_errors(e: ValidationError) -> str:
 
 
 def _absolute_paths(config: NsboxConfig, base: Path) -> NsboxConfig:
-    def fix(spec: SandboxSpec) -> dict[str, Any]:
+    def fix(spec: SandboxSettings) -> dict[str, Any]:
         changes: dict[str, Any] = {}
         if "rootfs" in spec.model_fields_set and spec.rootfs != "host":
             changes["rootfs"] = str((base / os.path.expanduser(spec.rootfs)).resolve())
@@ -151,7 +198,7 @@ def _absolute_paths(config: NsboxConfig, base: Path) -> NsboxConfig:
     return config.model_copy(update={**fix(config), "sandboxes": named})
 
 
-async def _resolve_rootfs(rootfs: str, id_mapping: Literal["auto", "single"]) -> str:
+async def _resolve_rootfs(rootfs: str, id_mapping: Literal["auto", "single", "host-root"]) -> str:
     """A directory for `rootfs`; a tarball is unpacked once per content and
     id mapping, into the data directory."""
     if rootfs == "host" or os.path.isdir(rootfs):
@@ -160,8 +207,8 @@ async def _resolve_rootfs(rootfs: str, id_mapping: Literal["auto", "single"]) ->
         raise NsboxError(f"rootfs {rootfs} does not exist",
                          hint="give 'host', a directory holding a root filesystem, or a tarball of one")
     digest = await anyio.to_thread.run_sync(_sha256, rootfs)
-    mode = detect_idmap(id_mapping).mode
-    dest = dirs.data_dir() / "images" / f"{digest[:24]}-{mode}"
+    mapping = detect_idmap(id_mapping).key
+    dest = dirs.data_dir() / "images" / f"{digest[:24]}-{mapping}"
     if not dest.exists():
         await import_tarball(rootfs, dest, id_mapping=id_mapping,
                              progress=lambda msg: print(f"nsbox: {msg}", file=sys.stderr))
@@ -215,6 +262,8 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
     _live: dict[NsboxConfig, set["NsboxSandboxEnvironment"]] = {}
     # Root filesystems resolved by task_init (tarballs unpacked), per configuration.
     _rootfs: dict[tuple[str, str], str] = {}
+    # Images task_init pulled (reference, platform): samples never pull again.
+    _pulled: set[tuple[str, str | None]] = set()
 
     def __init__(self, sandbox: Sandbox, config: NsboxConfig) -> None:
         super().__init__()
@@ -246,6 +295,14 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
         cfg = load_config(config)
         for _, spec in cfg.specs():
             cls._rootfs[(spec.rootfs, cfg.id_mapping)] = await _resolve_rootfs(spec.rootfs, cfg.id_mapping)
+            if spec.image is not None:
+                # Pulled and unpacked once per task, never per sample.
+                from .storage import Store
+                from .storage.progress import Progress
+
+                await Store().resolve(spec.image, id_mapping=cfg.id_mapping, pull=spec.pull, platform=spec.platform,
+                                      progress=Progress(sys.stderr, label=spec.image))
+                cls._pulled.add((spec.image, spec.platform))
         # Start and stop one sandbox now, so that a host that cannot run
         # them fails the task with a clear message before any sample starts.
         _, spec = cfg.specs()[0]
@@ -253,15 +310,18 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
             pass
 
     @classmethod
-    def _make(cls, cfg: NsboxConfig, spec: SandboxSpec, label: str) -> Sandbox:
-        rootfs = cls._rootfs.get((spec.rootfs, cfg.id_mapping), spec.rootfs)
-        sb = Sandbox(
-            rootfs, user=spec.user, workdir=spec.workdir, env=spec.env, network=spec.network,
-            output_limit_mode=cfg.output_limit_mode, id_mapping=cfg.id_mapping, timeout=spec.timeout,
-            mounts=[Bind.parse(m) for m in spec.mounts], label=label,
-        )
-        sb.origin = "inspect"
-        return sb
+    def _make(cls, cfg: NsboxConfig, settings: SandboxSettings, label: str) -> Sandbox:
+        rootfs = cls._rootfs.get((settings.rootfs, cfg.id_mapping), settings.rootfs)
+        pulled = (settings.image, settings.platform) in cls._pulled
+        return Sandbox(spec=SandboxSpec(
+            rootfs=rootfs, image=settings.image, pull="missing" if pulled else settings.pull,
+            platform=settings.platform, user=settings.user, workdir=settings.workdir, env=settings.env,
+            network=settings.network, allow=settings.allow, ports=settings.ports, output_limit_mode=cfg.output_limit_mode, id_mapping=cfg.id_mapping,
+            timeout=settings.timeout, mounts=tuple(Bind.parse(m) for m in settings.mounts), label=label,
+            nested_userns=settings.nested_userns, memory=settings.memory,  # type: ignore[arg-type]
+            pids_limit=settings.pids_limit, cpus=settings.cpus, disk=settings.disk,  # type: ignore[arg-type]
+            origin="inspect",
+        ))
 
     @classmethod
     async def sample_init(cls, task_name: str, config: SandboxEnvironmentConfigType | None,
@@ -352,6 +412,72 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
         async with _throttle(concurrency):
             with _as_inspect_errors():
                 r = await self.sandbox.exec(cmd, input=input, cwd=cwd, env=env, user=user, timeout=timeout)
+        if r.truncated:
+            self._note_truncation(cmd, r.stdout_truncated, r.stderr_truncated)
+        return ExecResult(success=r.success, returncode=r.returncode, stdout=r.stdout, stderr=r.stderr)
+
+    # Whether this environment (one per sample and name) has said that it
+    # truncated output: Inspect's ExecResult has no field for it, so it is
+    # logged, once, at WARNING (which Inspect records in the sample's log).
+    _truncation_noted = False
+
+    def _note_truncation(self, cmd: list[str], stdout_dropped: int, stderr_dropped: int) -> None:
+        dropped = " and ".join(f"{n} byte{'s' if n != 1 else ''} of {name}"
+                               for name, n in (("stdout", stdout_dropped), ("stderr", stderr_dropped)) if n)
+        command = shlex.join(cmd)
+        if len(command) > 120:
+            command = command[:117] + "..."
+        if self._truncation_noted:
+            logger.debug("nsbox sandbox %s: output truncated, %s dropped: %s", self.sandbox.id, dropped, command)
+            return
+        self._truncation_noted = True
+        logger.warning(
+            "nsbox sandbox %s: `%s` wrote more than the output limit of %s per stream: the first %s were "
+            "dropped, the last %s kept (SandboxEnvironmentLimits.MAX_EXEC_OUTPUT_SIZE or "
+            "INSPECT_SANDBOX_MAX_EXEC_OUTPUT_SIZE sets the limit). Later truncation in this sandbox is logged "
+            "at debug level only.", self.sandbox.id, command, human_size(exec_output_limit()), dropped,
+            human_size(exec_output_limit()))
+
+    @overload
+    async def exec_remote(self, cmd: list[str], options: ExecRemoteStreamingOptions | None = None, *,
+                          stream: Literal[True] = True) -> ExecRemoteProcess: ...
+
+    @overload
+    async def exec_remote(self, cmd: list[str], options: ExecRemoteAwaitableOptions | None = None, *,
+                          stream: Literal[False]) -> ExecResult[str]: ...
+
+    async def exec_remote(self, cmd: list[str],
+                          options: ExecRemoteStreamingOptions | ExecRemoteAwaitableOptions | None = None, *,
+                          stream: bool = True) -> ExecRemoteProcess | ExecResult[str]:
+        """Inspect's exec_remote, natively: the command runs on the init's
+        spawn server and its output reaches the caller as it is written,
+        with no tool injection and no polling (Sandbox.start_process).
+
+        Streaming (default): an ExecRemoteProcess whose events are
+        ExecStdout/ExecStderr as the command writes, then ExecCompleted; after
+        kill(), the output written before it and no ExecCompleted, as
+        Inspect's own. Awaitable (stream=False): an ExecResult (the last N
+        bytes per stream), TimeoutError after `timeout` with the process
+        tree killed. Cancelling either kills the tree. `concurrency`
+        throttles the start only: a long-running process holds no slot.
+        poll_interval and the poll_* options do not apply (nothing polls).
+        """
+        opts = options if options is not None else (ExecRemoteStreamingOptions() if stream
+                                                     else ExecRemoteAwaitableOptions())
+        stdin_open = isinstance(opts, ExecRemoteStreamingOptions) and opts.stdin_open
+        async with _throttle(opts.concurrency):
+            with _as_inspect_errors():
+                proc = await self.sandbox.start_process(cmd, input=opts.input, stdin_open=stdin_open, cwd=opts.cwd,
+                                                        env=opts.env, user=opts.user)
+        if stream:
+            return NsboxExecRemoteProcess(self, proc, opts, cmd)
+        timeout = opts.timeout if isinstance(opts, ExecRemoteAwaitableOptions) else None
+        with _as_inspect_errors():
+            async with proc:  # killed on timeout or cancellation
+                with anyio.fail_after(timeout):
+                    r = await proc.wait()
+        if r.truncated:
+            self._note_truncation(cmd, r.stdout_truncated, r.stderr_truncated)
         return ExecResult(success=r.success, returncode=r.returncode, stdout=r.stdout, stderr=r.stderr)
 
     async def write_file(self, file: str, contents: str | bytes) -> None:
@@ -371,47 +497,181 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
     async def connection(self, *, user: str | None = None) -> SandboxConnection:
         if not self.sandbox.running:
             raise ConnectionError(f"nsbox sandbox {self.sandbox.id} is not running")
-        return SandboxConnection(type="nsbox", command=await nsenter_command(self.sandbox, user),
+        return SandboxConnection(type="nsbox", command=await shell_command(self.sandbox, user),
                                  container=self.sandbox.id)
 
     def default_polling_interval(self) -> float:
         return 0.2
 
 
-async def nsenter_command(sb: Sandbox, user: str | None = None) -> str:
+async def shell_command(sb: Sandbox, user: str | None = None) -> str:
     """A command a person can paste into a terminal on this host, as the user
-    who created the sandbox, to get a login shell inside it, as `user`, in
-    its working directory."""
+    who created the sandbox, to get a login shell inside it as `user`, in
+    its working directory: `nsbox shell ID`.
+
+    What runs on the person's terminal is nsbox itself: it relays a
+    terminal that the sandbox's init opens inside the sandbox, and the shell
+    runs where every sandbox process runs (the nested user namespace, as
+    `user`). So nothing the sandbox can replace (its /bin/sh, its nsenter)
+    runs with more privilege than sandbox root, and no sandbox process
+    holds the person's own terminal (which TIOCSTI would let it type into).
+    """
     with _as_inspect_errors():
-        identity = await sb._identity_for(user)
-    if identity is None:
-        raise SandboxUserUnsupportedError(f"no user {user!r} in the sandbox's /etc/passwd")
-    pid = sb.pid
-    userns, mntns = native.lib.NSBOX_FD_USERNS, native.lib.NSBOX_FD_MNTNS
-    # The sandbox's network, IPC, UTS, cgroup and PID namespaces belong to
-    # the init's user namespace, and joining them takes capabilities there:
-    # so enter that one (--user), then the others and the locked mount
-    # namespace the init holds as a descriptor. A root session then moves
-    # into the nested user namespace sandbox processes run in (fd `userns`
-    # of PID 1, as the sandbox's /proc shows it), when the root filesystem
-    # has nsenter; another user simply switches ids (it has no capabilities).
-    # With a single mapped id setgroups is denied, which nsenter would call
-    # to become root; there our own uid already is the sandbox's root.
-    keep = ["--preserve-credentials"] if sb.idmap is not None and sb.idmap.mode == "single" else []
-    cmd = ["nsenter", f"--target={pid}", "--user", "--cgroup", "--ipc", "--uts", "--net", "--pid",
-           f"--mount=/proc/{pid}/fd/{mntns}", *keep]
-    if identity.uid != 0:
-        cmd += [f"--setuid={identity.uid}", f"--setgid={identity.gid}"]
-    login = (f"cd {shlex.quote(sb.workdir)} 2>/dev/null || cd {shlex.quote(identity.home)} 2>/dev/null || cd /; "
-             "if [ -x /bin/bash ]; then exec /bin/bash -l; else exec /bin/sh -l; fi")
-    q = shlex.quote
-    # A clean environment; TERM comes through nsenter from the person's terminal.
-    session = (f"/usr/bin/env -i {q('HOME=' + identity.home)} {q('PATH=' + DEFAULT_PATH)} "
-               f'"TERM=${{TERM:-xterm}}" /bin/sh -c {q(login)}')
-    if identity.uid == 0:
-        inner = f"nsenter --user=/proc/1/fd/{userns} {' '.join(keep)} -- {session}"
-        script = f"if command -v nsenter >/dev/null 2>&1; then exec {inner}; fi; exec {session}"
-    else:
-        script = f"exec {session}"
-    cmd += ["--", "/bin/sh", "-c", script]
-    return shlex.join(cmd)
+        await sb.identity(user)  # exists, and the id mapping can run it
+    script = Path(sys.executable).parent / "nsbox"
+    cli = [os.fspath(script)] if os.access(script, os.X_OK) else [sys.executable, "-m", "nsbox"]
+    # The sandbox is found in the registry under the state directory.
+    env = [f"NSBOX_STATE_DIR={os.environ['NSBOX_STATE_DIR']}"] if os.environ.get("NSBOX_STATE_DIR") else []
+    return shlex.join([*(["env", *env] if env else []), *cli, "shell", sb.id, *(["-u", user] if user else [])])
+
+
+class NsboxExecRemoteProcess(ExecRemoteProcess):
+    """Inspect's ExecRemoteProcess on an nsbox streaming Process: events come
+    as the command writes its output (no tool server, no polling).
+
+    Behaves as Inspect's own: iterable once; ExecStdout/ExecStderr, then
+    ExecCompleted; kill() ends iteration after the output written before it,
+    without ExecCompleted; cancelling the iteration kills the process;
+    write_stdin/close_stdin need stdin_open=True. `pid` is nsbox's number
+    for the process (the init does not report the command's pid).
+    """
+
+    def __init__(self, env: NsboxSandboxEnvironment, process: Process,
+                 options: ExecRemoteStreamingOptions | ExecRemoteAwaitableOptions, cmd: list[str]) -> None:
+        # Not ExecRemoteProcess.__init__: it sets up the JSON-RPC transport
+        # to the injected tool server that this class does without.
+        self._env = env
+        self._sandbox = env
+        self._process = process
+        self._options = options
+        self._cmd = cmd
+        self._pid = process.id
+        self._killed = False
+        self._completed = False
+        self._iteration_started = False
+        self._pending_events: list[ExecOutput] = []
+        self._decoders = {"stdout": decoder(), "stderr": decoder()}
+
+    @property
+    def pid(self) -> int:
+        return self._process.id
+
+    @property
+    def process(self) -> Process:
+        """The nsbox Process underneath (truncation counts, signal())."""
+        return self._process
+
+    def __aiter__(self) -> "NsboxExecRemoteProcess":
+        if self._iteration_started:
+            raise RuntimeError("ExecRemoteProcess can only be iterated once")
+        self._iteration_started = True
+        return self
+
+    def _convert(self, event: Output) -> ExecOutput | None:
+        if event.dropped:
+            p = self._process
+            self._env._note_truncation(self._cmd, p.stdout_truncated, p.stderr_truncated)
+        text = self._decoders[event.stream].decode(event.data)
+        if not text:
+            return None
+        return ExecStdout(data=text) if event.stream == "stdout" else ExecStderr(data=text)
+
+    def _flush(self) -> list[ExecOutput]:
+        """What the decoders held back (an incomplete character at the end)."""
+        out: list[ExecOutput] = []
+        for stream, dec in self._decoders.items():
+            text = dec.decode(b"", final=True)
+            if text:
+                out.append(ExecStdout(data=text) if stream == "stdout" else ExecStderr(data=text))
+        return out
+
+    async def __anext__(self) -> ExecOutput:
+        if self._pending_events:
+            return self._pending_events.pop(0)
+        if self._completed or self._killed:
+            raise StopAsyncIteration
+        try:
+            with _as_inspect_errors():
+                while True:
+                    event = await self._process.__anext__()
+                    if isinstance(event, Output):
+                        converted = self._convert(event)
+                        if converted is not None:
+                            return converted
+                        continue
+                    assert isinstance(event, Exit)
+                    if self._killed:  # kill() was called while we waited
+                        if self._pending_events:
+                            return self._pending_events.pop(0)
+                        raise StopAsyncIteration
+                    self._completed = True
+                    self._pending_events += [*self._flush(), ExecCompleted(exit_code=event.returncode)]
+                    return self._pending_events.pop(0)
+        except anyio.get_cancelled_exc_class():
+            with anyio.CancelScope(shield=True):
+                await self.kill()
+            raise
+
+    def _check_stdin(self) -> None:
+        if not (isinstance(self._options, ExecRemoteStreamingOptions) and self._options.stdin_open):
+            raise RuntimeError("write_stdin() requires stdin_open=True in ExecRemoteStreamingOptions")
+
+    async def write_stdin(self, data: str | bytes) -> None:
+        self._check_stdin()
+        if self._completed or self._killed:
+            raise RuntimeError("Cannot write to stdin: process has terminated")
+        try:
+            await self._process.write_stdin(data)
+        except BrokenPipeError:
+            raise RuntimeError("Cannot write to stdin: process has terminated") from None
+
+    async def close_stdin(self) -> None:
+        if not (isinstance(self._options, ExecRemoteStreamingOptions) and self._options.stdin_open):
+            raise RuntimeError("close_stdin() requires stdin_open=True in ExecRemoteStreamingOptions")
+        if self._completed or self._killed:
+            return
+        await self._process.close_stdin()
+
+    async def kill(self) -> None:
+        if self._completed or self._killed:
+            return
+        self._killed = True
+        await self._process.kill()
+        for event in self._process.take_output():
+            converted = self._convert(event)
+            if converted is not None:
+                self._pending_events.append(converted)
+        self._pending_events += self._flush()
+
+
+def _forward_exec_remote() -> None:
+    """Makes sample code reach NsboxSandboxEnvironment.exec_remote.
+
+    Inspect hands samples each environment wrapped in SandboxEnvironmentProxy
+    (which records exec events), and the proxy of this Inspect version does
+    not forward exec_remote: it runs the base class's, which injects Inspect's
+    tool server into the sandbox and polls it. For environments of this
+    provider only, the proxy's exec_remote now forwards to the native one;
+    every other provider keeps the original. Nothing is changed if the
+    proxy defines exec_remote itself (a later Inspect that forwards it).
+    """
+    try:
+        from inspect_ai.util._sandbox.events import SandboxEnvironmentProxy
+    except ImportError:
+        return
+    if "exec_remote" in vars(SandboxEnvironmentProxy):
+        return
+    original = SandboxEnvironment.exec_remote
+
+    async def exec_remote(self: Any, cmd: list[str], options: Any = None, *, stream: bool = True) -> Any:
+        inner = getattr(self, "_sandbox", None)
+        if isinstance(inner, NsboxSandboxEnvironment):
+            return await inner.exec_remote(cmd, options, stream=stream)  # type: ignore[call-overload]
+        return await original(self, cmd, options, stream=stream)  # type: ignore[call-overload]
+
+    exec_remote.__doc__ = original.__doc__
+    exec_remote.__nsbox_forward__ = True  # type: ignore[attr-defined]
+    SandboxEnvironmentProxy.exec_remote = exec_remote  # type: ignore[method-assign,assignment]
+
+
+_forward_exec_remote()

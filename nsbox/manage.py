@@ -3,7 +3,9 @@
 Used by `nsbox ps / rm / gc` and by `inspect sandbox cleanup nsbox`. A
 sandbox is found through the registry (nsbox/registry.py); it is removed by
 killing its init (which takes every process of the sandbox with it), then
-deleting its writable layer and its registry entry.
+deleting its writable layer and its registry entry. Each sandbox and layer
+is handled on its own: one that cannot be removed is reported, in one line,
+and the others are still removed.
 """
 
 from __future__ import annotations
@@ -12,18 +14,17 @@ import errno
 import os
 import select
 import signal
-import socket
-import struct
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import dirs, protocol, registry
+from . import client, dirs, registry, resources
 from .errors import NsboxError
 from .idmap import IdMap
 from .idmap import detect as detect_idmap
 from .registry import SandboxInfo
-from .rootfs import REUSE, remove_layer
+from .removal import remove_layer
+from .layers import REUSE
 
 # A layer directory without a registry entry may belong to a sandbox being
 # created right now; only older ones are garbage.
@@ -48,15 +49,7 @@ def state_of(info: SandboxInfo) -> str:
 
 def query_status(info: SandboxInfo) -> dict[str, int] | None:
     """Asks the init for its counters over the sandbox's socket."""
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
-            s.settimeout(1.0)
-            s.connect(os.fspath(registry.sandbox_dir(info.id) / registry.SOCKET))
-            s.send(protocol.REQUEST.pack(protocol.OP_STATUS, *[0] * 9))
-            _, running, execs, detached, _ = protocol.STATUS.unpack(s.recv(protocol.STATUS.size))
-            return {"running": running, "execs": execs, "detached": detached}
-    except (OSError, struct.error):
-        return None
+    return client.query_status(os.fspath(registry.sandbox_dir(info.id) / registry.SOCKET))
 
 
 def entries(with_status: bool = False) -> list[Entry]:
@@ -89,7 +82,10 @@ def _kill_init(info: SandboxInfo) -> None:
         if not info.init_alive:
             return
         signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-        if not select.select([pidfd], [], [], KILL_WAIT)[0]:
+        # poll, not select: select refuses descriptors above 1023.
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        if not poller.poll(KILL_WAIT * 1000):
             raise NsboxError(f"sandbox {info.id}: its init (pid {info.init_pid}) did not exit after SIGKILL")
     finally:
         os.close(pidfd)
@@ -119,9 +115,13 @@ def remove(info: SandboxInfo, *, force: bool = False) -> None:
         raise NsboxError(f"sandbox {info.id} belongs to the running process {info.owner_pid}",
                          hint="stop that process, or use --force")
     _kill_init(info)
+    resources.remove_cgroups(registry.sandbox_dir(info.id))
     layer = Path(info.layer)
-    if layer.exists():
+    try:
         remove_layer(layer, _mapping_of(info))
+    except Exception as e:  # whatever it is, say which layer and sandbox
+        # The entry stays, so that `nsbox ps` shows it and gc tries again.
+        raise NsboxError(f"cannot remove layer {layer} of sandbox {info.id}: {describe(e)}") from e
     run = registry.sandbox_dir(info.id)
     for name in (registry.INFO, registry.SOCKET, registry.INFO + ".tmp"):
         try:
@@ -135,29 +135,67 @@ def remove(info: SandboxInfo, *, force: bool = False) -> None:
             raise
 
 
+def describe(e: BaseException) -> str:
+    """An error in one line, for a person."""
+    if isinstance(e, NsboxError):
+        return str(e)
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror}: {e.filename}" if e.filename is not None else e.strerror
+    return f"{type(e).__name__}: {e}"
+
+
+def failure(sandbox_id: str, e: Exception) -> str:
+    """Why `sandbox_id` could not be removed, in one line."""
+    return describe(e) if isinstance(e, NsboxError) else f"cannot remove sandbox {sandbox_id}: {describe(e)}"
+
+
 def garbage() -> tuple[list[SandboxInfo], list[Path]]:
     """What gc would remove: sandboxes that are dead or whose owner is gone
     without detaching them, and layers no sandbox refers to."""
-    infos = [i for i in registry.entries() if state_of(i) in ("dead", "orphaned")]
-    known = {Path(i.layer) for i in registry.entries()}
+    recorded = registry.entries()
+    infos = [i for i in recorded if state_of(i) in ("dead", "orphaned")]
+    known = {Path(i.layer) for i in recorded}
     layers_dir = dirs.data_dir() / "sandboxes"
     orphans = []
-    if layers_dir.exists():
-        now = time.time()
-        for layer in layers_dir.iterdir():
-            if layer.name == REUSE:
-                orphans += list(layer.iterdir())  # kept for reuse: garbage to gc
-            elif layer not in known and now - layer.lstat().st_mtime > ORPHAN_LAYER_AGE:
-                orphans.append(layer)
+    now = time.time()
+    for layer in _listdir(layers_dir):
+        if layer.name == REUSE:
+            orphans += _listdir(layer)  # kept for reuse: garbage to gc
+            continue
+        try:
+            age = now - layer.lstat().st_mtime
+        except FileNotFoundError:
+            continue  # removed meanwhile
+        if layer not in known and age > ORPHAN_LAYER_AGE:
+            orphans.append(layer)
     return infos, orphans
 
 
-def gc(mapping: IdMap) -> tuple[list[str], list[Path]]:
-    """Removes the garbage; returns the sandbox ids and stray layers removed."""
+def _listdir(path: Path) -> list[Path]:
+    try:
+        return list(path.iterdir())
+    except FileNotFoundError:
+        return []
+
+
+@dataclass
+class GcReport:
+    sandboxes: list[str] = field(default_factory=list)  # ids of the sandboxes removed
+    layers: list[Path] = field(default_factory=list)  # stray layers removed
+    failures: list[str] = field(default_factory=list)  # one line each: what could not be removed, and why
+
+
+def gc(mapping: IdMap) -> GcReport:
+    """Removes the garbage, each piece on its own: one that cannot be
+    removed is reported and does not stop the others."""
+    report = GcReport()
     infos, orphans = garbage()
     for info in infos:
-        remove(info, force=True)
-    removed = []
+        try:
+            remove(info, force=True)
+            report.sandboxes.append(info.id)
+        except Exception as e:  # whatever it is, the rest is still collected
+            report.failures.append(failure(info.id, e))
     for layer in orphans:
         if layer.parent.name == REUSE:
             # Take it out of the pool first (atomically), so that a sandbox
@@ -168,6 +206,9 @@ def gc(mapping: IdMap) -> tuple[list[str], list[Path]]:
             except OSError:
                 continue  # a new sandbox took it
             layer = taken
-        remove_layer(layer, mapping)
-        removed.append(layer)
-    return [i.id for i in infos], removed
+        try:
+            remove_layer(layer, mapping)
+            report.layers.append(layer)
+        except Exception as e:
+            report.failures.append(f"cannot remove layer {layer}: {describe(e)}")
+    return report

@@ -1,61 +1,61 @@
-"""Sandbox: create, use, detach and destroy one sandbox.
+"""Sandbox: the lifecycle of one sandbox, and its public operations.
 
-A sandbox is a set of namespaces whose PID 1 is nsbox-init. This object owns
-the control connection to that init; the connection is also the init's
-lifeline, so the sandbox dies with the process that created it (unless it
-is detached on purpose).
+A sandbox is a set of namespaces whose PID 1 is nsbox-init. Creating one is
+nsbox/launch.py's (a plan from nsbox/plan.py and its contributors); talking
+to its init is nsbox/client.py's; running a command, nsbox/process.py's;
+files, nsbox/files.py's. This object ties them together: create or attach,
+close or detach, and exec, spawn, read_file, write_file.
+
+It owns the control connection to the init, which is also the init's
+lifeline: the sandbox dies with the process that created it (unless it is
+detached on purpose).
 """
 
 from __future__ import annotations
 
-import errno
 import os
 import posixpath
 import secrets
 import select
 import signal
-import socket
-import struct
-from dataclasses import dataclass
+import sys
 from pathlib import Path
-from typing import Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Literal, Mapping, Sequence
 
 import anyio
 
-from . import dirs, exec as exec_, files, hostcheck, idmap, native, protocol, registry, users
+from . import dirs, files, idmap, layers, mounts, netplan, procmask, process, protocol, registry, removal, resources, rlimits
+from . import users
+from . import plan as plan_mod
 from . import rootfs as rootfs_mod
-from .errors import (
-    CommandTimeout,
-    NsboxError,
-    OutputLimitExceeded,
-    SandboxSetupError,
-    SandboxUnavailable,
-    UserUnsupported,
-)
+from .capture import CappedBuffer, Forwarder
+from .client import DEFAULT_PATH, Command, ExecResult, InitClient, failed_start
+from .errors import CommandTimeout, OutputLimitExceeded, SandboxSetupError, SandboxUnavailable, UserUnsupported
+from .launch import Launched, launch
 from .limits import exec_output_limit, human_size
+from .spec import Network, OutputLimitMode, SandboxSpec
 
-DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-Network = Literal["none", "host"]
-OutputLimitMode = Literal["truncate", "raise"]
+if TYPE_CHECKING:
+    from . import streaming
+    from .storage import Image
+
+__all__ = ["DEFAULT_PATH", "ExecResult", "Sandbox"]
+
 # How long close() waits for the init to exit before killing it.
 CLOSE_WAIT = 2.0
-# How long the host waits for newuidmap and the setup child.
+# How long creating a sandbox may take (newuidmap, the setup child).
 SETUP_TIMEOUT = 30.0
 
-
-@dataclass(frozen=True)
-class ExecResult:
-    """The result of Sandbox.exec: as Inspect's ExecResult."""
-
-    success: bool
-    returncode: int
-    stdout: str
-    stderr: str
+_devnull = -1
 
 
-def _check_choice(name: str, value: str, choices: Sequence[str]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, not {value!r}")
+def _shared_devnull() -> int:
+    """This process's /dev/null, opened once: what commands without input
+    read and detached commands write to (one descriptor, not one per sandbox)."""
+    global _devnull
+    if _devnull < 0:
+        _devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
+    return _devnull
 
 
 class Sandbox:
@@ -66,68 +66,51 @@ class Sandbox:
         async with nsbox.Sandbox() as sb:
             result = await sb.exec(["python3", "-c", "print(42)"])
 
-    or call ``await sb.start()`` and ``await sb.close()`` yourself.
-
-    Args:
-        rootfs: "host" or None for the built-in host-composed root, or a
-            directory holding a root filesystem.
-        user: the default user of exec, read_file and write_file.
-        workdir: the working directory; relative paths resolve against it.
-            Defaults to the user's home directory (created if missing).
-        env: environment variables for every command.
-        network: "none" (a private network namespace with loopback only)
-            or "host" (the host's network).
-        hostname: defaults to the sandbox id.
-        output_limit_mode: when an output stream exceeds the limit,
-            "truncate" keeps its last bytes, "raise" raises
-            OutputLimitExceeded (Inspect's older contract).
-        id_mapping: "auto" picks the best mapping this user can have
-            (see nsbox.idmap); "single" maps only the invoking uid.
-        timeout: default timeout in seconds for exec (None: no timeout).
-        mounts: host files or directories to bind into the sandbox.
-        label: free text that `nsbox ps` shows for this sandbox.
+    or call ``await sb.start()`` and ``await sb.close()`` yourself. The
+    keyword arguments are those of nsbox.SandboxSpec (see there); a spec can
+    be given whole instead, as ``Sandbox(spec=...)``.
     """
 
     def __init__(
         self,
         rootfs: str | os.PathLike[str] | None = None,
         *,
-        user: str = "root",
+        image: str | None = None,
+        user: str | None = None,
         workdir: str | None = None,
         env: Mapping[str, str] | None = None,
         network: Network = "none",
+        allow: Sequence[str] = (),
+        ports: Sequence[str] = (),
         hostname: str | None = None,
         output_limit_mode: OutputLimitMode = "truncate",
-        id_mapping: Literal["auto", "single"] = "auto",
+        id_mapping: idmap.Requested = "auto",
         timeout: float | None = None,
         mounts: Sequence[rootfs_mod.Bind] = (),
         label: str = "",
+        nested_userns: bool = False,
+        memory: int | str | None = None,
+        pids_limit: int | None = None,
+        cpus: float | None = None,
+        disk: int | str | None = None,
+        spec: SandboxSpec | None = None,
     ) -> None:
-        _check_choice("network", network, ("none", "host"))
-        _check_choice("output_limit_mode", output_limit_mode, ("truncate", "raise"))
-        _check_choice("id_mapping", id_mapping, ("auto", "single"))
-        if workdir is not None and not posixpath.isabs(workdir):
-            raise ValueError(f"workdir must be an absolute path inside the sandbox, not {workdir!r}")
-        self.rootfs = rootfs_mod.resolve(rootfs)
-        self.user = user
-        self.env = dict(env or {})
-        self.network = network
-        self.output_limit_mode = output_limit_mode
-        self.timeout = timeout
-        self.mounts = tuple(mounts)
-        self.label = label
-        self.origin = "api"  # "cli" or "inspect" when those create it
-        self._requested_workdir = workdir
-        self._requested_hostname = hostname
-        self._id_mapping = id_mapping
+        if spec is None:
+            spec = SandboxSpec(
+                rootfs=os.fspath(rootfs) if rootfs is not None else "host", image=image, user=user, workdir=workdir,
+                env=dict(env or {}), network=network, allow=tuple(allow), ports=tuple(ports), hostname=hostname, mounts=tuple(mounts),
+                id_mapping=id_mapping, output_limit_mode=output_limit_mode, timeout=timeout, label=label,
+                nested_userns=nested_userns, memory=memory, pids_limit=pids_limit, cpus=cpus,  # type: ignore[arg-type]
+                disk=disk)  # type: ignore[arg-type]
+        self.spec = spec
+        self.rootfs: rootfs_mod.Rootfs = rootfs_mod.resolve(spec.rootfs)
+        self.image: Image | None = None  # the resolved image, once started
         self.id = ""
         self.hostname = ""
-        self.workdir = workdir or ""
+        self.workdir = spec.workdir or ""
         self.idmap: idmap.IdMap | None = None
-        self.pid = 0
-        self._pidfd = -1
-        self._ctl: socket.socket | None = None
-        self._devnull = -1
+        self._launched = Launched()
+        self._client: InitClient | None = None
         self._layer: Path | None = None
         self._rundir: Path | None = None
         self._identity: users.Identity = users.ROOT
@@ -135,8 +118,22 @@ class Sandbox:
         self._detached = False
         self._attached = False  # connected to a sandbox another process owns
         self._user_cache: dict[str, tuple[bytes, bytes, users.Identity | None]] = {}
+        self._net: netplan.Attached | None = None  # what this process serves for nat, proxy and ports
 
-    # ---- lifecycle ---------------------------------------------------
+    # What the spec says, under the names this class always had.
+    user = property(lambda self: self.spec.user or "root")
+    env = property(lambda self: self.spec.env)
+    network = property(lambda self: self.spec.network)
+    output_limit_mode = property(lambda self: self.spec.output_limit_mode)
+    timeout = property(lambda self: self.spec.timeout)
+    mounts = property(lambda self: self.spec.mounts)
+    label = property(lambda self: self.spec.label)
+    origin = property(lambda self: self.spec.origin)
+
+    @property
+    def pid(self) -> int:
+        """The init's pid on the host (0 when not running)."""
+        return self._launched.pid
 
     @classmethod
     async def create(cls, rootfs: str | os.PathLike[str] | None = None, **options: object) -> "Sandbox":
@@ -151,13 +148,24 @@ class Sandbox:
 
     @property
     def running(self) -> bool:
-        return self._state == "running" and not _exited(self._pidfd)
+        return self._state == "running" and not _exited(self._launched.pidfd)
+
+    @property
+    def client(self) -> InitClient:
+        """The connection to the init (raises SandboxUnavailable if there is none)."""
+        self._require_running()
+        assert self._client is not None
+        return self._client
+
+    # ---- lifecycle ---------------------------------------------------
 
     async def start(self) -> "Sandbox":
         if self._state != "new":
             raise RuntimeError("a Sandbox can only be started once")
         self._state = "starting"
         try:
+            if self.spec.image is not None:
+                await self._use_image(self.spec.image)
             with anyio.fail_after(SETUP_TIMEOUT):
                 await self._create()
             await self._settle_identity()
@@ -170,100 +178,81 @@ class Sandbox:
         self._state = "running"
         return self
 
+    async def _use_image(self, ref: str) -> None:
+        """Resolves (pulls, unpacks) the image and lets its config fill in
+        what the sandbox's own settings leave open, as `docker run` does."""
+        from .storage import Store
+        from .storage.progress import Progress
+
+        mapping = idmap.detect(self.spec.id_mapping)  # type: ignore[arg-type]
+        self.image = await Store().resolve(ref, id_mapping=self.spec.id_mapping,  # type: ignore[arg-type]
+                                           pull=self.spec.pull, platform=self.spec.platform,
+                                           progress=Progress(sys.stderr))
+        config = self.image.config
+        user, note = config.effective_user(mapping, self.spec.user)
+        if note:
+            _note_once(note)
+        self.rootfs = rootfs_mod.ImageRootfs.of(self.image)
+        self.spec = self.spec.replace(user=user, env=config.merge_env(self.spec.env),
+                                      workdir=self.spec.workdir or config.workdir)
+
+    def image_command(self, args: Sequence[str] = ()) -> list[str]:
+        """What `docker run IMAGE ARGS` runs: the image's Entrypoint with ARGS,
+        or with its Cmd when there are none (empty without an image)."""
+        if self.image is None:
+            return list(args)
+        return self.image.config.command_for(list(args))
+
+    def _plan(self) -> plan_mod.Plan:
+        assert self.idmap is not None and self._layer is not None
+        plan = plan_mod.Plan(self.idmap, root="")
+        mount_dir = layers.mount_point(self.idmap.host_root)
+        assert self._rundir is not None
+        resources.contribute(plan, resources.Limits.of(self.spec), self.id, self._rundir, mount_dir)  # before mounts
+        mounts.contribute(plan, self.rootfs, self._layer, mount_dir, self.mounts)
+        plan_mod.contribute_hostname(plan, self.hostname)
+        plan_mod.contribute_network(plan, self.network)
+        plan_mod.contribute_seccomp(plan, self.spec.nested_userns)
+        procmask.contribute(plan)
+        return plan
+
     async def _create(self) -> None:
-        self.idmap = idmap.detect(self._id_mapping)
+        rlimits.raise_nofile_limit()  # once per process: soft NOFILE up to the hard limit
+        self.idmap = idmap.detect(self.spec.id_mapping)  # type: ignore[arg-type]
         self.id = secrets.token_hex(6)
-        self.hostname = self._requested_hostname or self.id
-        self._layer = rootfs_mod.layers_dir() / self.id
+        self.hostname = self.spec.hostname or self.id
+        netplan.check(self.spec)  # nat without a usable tun device: one line, before anything exists
+        if netplan.environment(self.spec):
+            self.spec = self.spec.replace(env={**netplan.environment(self.spec), **self.spec.env})
+        self._layer = layers.layers_dir() / self.id
         self._rundir = dirs.runtime_dir() / self.id
         self._rundir.mkdir(mode=0o700)
-        steps = rootfs_mod.plan(self.rootfs, self._layer, rootfs_mod.mount_point(), idmap=self.idmap,
-                                hostname=self.hostname, private_network=self.network == "none",
-                                binds=self.mounts)
-        err_r, err_w = os.pipe()
-        try:
-            try:
-                await self._clone(steps, err_w)
-            finally:
-                os.close(err_w)
-            # Known now or later: record the sandbox while its setup runs.
-            self.workdir = self._requested_workdir or self._known_default_home() or ""
-            self._register()
-            await anyio.wait_readable(err_r)
-            report = os.read(err_r, 64)
-        finally:
-            os.close(err_r)
-        if report:
-            step, err = struct.unpack("=ii", report[:8])
-            raise self._setup_error(steps, step, err)
-        if _exited(self._pidfd):
+        self.rootfs.prepare(self._layer, self.hostname, self.idmap.host_root)
+        etc_written = netplan.prepare_layer(self.spec, self.rootfs, self._layer, self.hostname, self.idmap.host_root)
+        plan = self._plan()
+        # Known now or later: record the sandbox while its setup runs.
+        self.workdir = self.spec.workdir or self._known_default_home() or ""
+        await launch(plan, self._launched, sandbox_id=self.id, socket_path=self._rundir / registry.SOCKET,
+                     layer=self._layer, on_cloned=self._register)
+        if _exited(self._launched.pidfd):
             raise SandboxSetupError("the sandbox's init exited right after starting")
-        self._ctl.setblocking(False)
-        self._devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
+        assert self._launched.ctl is not None
+        self._client = InitClient(self._launched.ctl, self.id)
+        if netplan.private(self.spec):
+            self._net = await netplan.attach(self.spec, self.pid, self._launched.pidfd)
+            for path, text in ({} if etc_written else netplan.etc_files(self.spec, self.hostname)).items():
+                await files.write_file(self._client, _creds(users.ROOT), path, text)
 
-    async def _clone(self, steps: Sequence[native.Step], err_w: int) -> None:
-        """Has the zygote clone the sandbox's first process and write its id
-        maps; sets pid, pidfd and the control connection."""
-        assert self.idmap is not None and self._layer is not None and self._rundir is not None
-        self._ctl, ctl_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        init_fd = -1
-        try:
-            try:
-                listener.bind(os.fspath(self._rundir / registry.SOCKET))
-            except OSError as e:
-                raise SandboxSetupError(f"cannot create the sandbox's socket in {self._rundir}: {e.strerror}",
-                                        hint="set NSBOX_STATE_DIR to a shorter path") from None
-            listener.listen(64)
-            init_fd = os.open(native.INIT_BINARY, os.O_RDONLY | os.O_CLOEXEC)
-            # The zygote lets the child go as soon as its id maps are written.
-            self.rootfs.prepare(self._layer, self.hostname)
-            flags = (native.CLONE_NEWUSER | native.CLONE_NEWNS | native.CLONE_NEWPID | native.CLONE_NEWIPC
-                     | native.CLONE_NEWUTS | native.CLONE_NEWCGROUP
-                     | (native.CLONE_NEWNET if self.network == "none" else 0))
-            try:
-                reply = native.request_spawn(
-                    clone_flags=flags, steps=steps, idmaps=self.idmap.how_to_write(), error_fd=err_w,
-                    # fds 3..6 of the init: control, listener, and the
-                    # locked user and mount namespaces (NSBOX_FD_*).
-                    keep_fds=[ctl_child.fileno(), listener.fileno(), -1, -1], exec_fd=init_fd,
-                    argv=["nsbox-init", self.id], envp=[], keep_stdio=False, new_session=True,
-                    lock_maps=self.idmap.nested_identity(), lock_slot=native.lib.NSBOX_FD_USERNS - 3,
-                )
-                with reply:
-                    await anyio.wait_readable(reply)
-                    self.pid, self._pidfd = native.read_spawn_reply(reply)
-            except native.IdMapError as e:
-                self.pid = int(e.filename)  # killed by the zygote; reaped by _teardown
-                raise SandboxSetupError(
-                    f"writing the id maps of the sandbox failed: {e.message or e.strerror}",
-                    hint="check your /etc/subuid and /etc/subgid entries, or use id_mapping='single'",
-                ) from None
-            except OSError as e:
-                raise hostcheck.clone_failed(e.errno) from None
-        finally:
-            if init_fd >= 0:
-                os.close(init_fd)
-            ctl_child.close()
-            listener.close()
+    @property
+    def host_ports(self) -> list[int]:
+        """The host port of each published port, in the order of `ports`
+        (the port bound when HOSTPORT was 0)."""
+        return list(self._net.host_ports) if self._net is not None else []
 
     def _known_default_home(self) -> str | None:
         known = self.rootfs.identity_files()
         identity = users.lookup(self.user, known["passwd"], known["group"]) if known else None
         return identity.home if identity else None
-
-    def _setup_error(self, steps: Sequence[native.Step], step: int, err: int) -> NsboxError:
-        if 0 <= step < len(steps):
-            return hostcheck.step_failed(steps[step], err, os.fspath(self._layer))
-        stage = {
-            native.lib.NSBOX_SETUP_SYNC: "waiting for the id maps",
-            native.lib.NSBOX_SETUP_FDS: "arranging descriptors",
-            native.lib.NSBOX_SETUP_EXEC: "starting nsbox-init",
-            native.lib.NSBOX_SETUP_IDS: "becoming root in the user namespace",
-            native.lib.NSBOX_SETUP_LOCK: "creating the nested namespaces that lock the mounts",
-        }.get(step, f"step {step}")
-        hint = hostcheck.userns_hint() if err in (errno.EPERM, errno.EACCES) else None
-        return SandboxSetupError(f"sandbox setup failed: {stage}: {os.strerror(err)}", hint)
 
     def _register(self) -> None:
         assert self.idmap is not None and self._layer is not None
@@ -272,6 +261,7 @@ class Sandbox:
             init_pid=self.pid, init_start=registry.process_start_time(self.pid), rootfs=str(self.rootfs),
             layer=os.fspath(self._layer), hostname=self.hostname, user=self.user, workdir=self.workdir,
             idmap=self.idmap.to_dict(), origin=self.origin, label=self.label,
+            lowers=[os.fspath(p) for p in (self.image.layers if self.image else ())],
         ))
 
     async def _settle_identity(self) -> None:
@@ -288,7 +278,7 @@ class Sandbox:
             identity = users.ROOT
         self._check_mapped(identity, self.user)
         self._identity = identity
-        workdir = self._requested_workdir or identity.home
+        workdir = self.spec.workdir or identity.home
         if workdir != self.workdir and not self._attached:
             self.workdir = workdir
             self._register()  # the home directory was not known at creation
@@ -296,12 +286,18 @@ class Sandbox:
         if self.workdir in self.rootfs.known_dirs() and not self._attached:
             return
         try:
-            fd, is_dir = await files.open_path(self._send, self._creds(identity), self.workdir, os.O_RDONLY)
+            fd, is_dir = await self._setup_client().open(_creds(identity), self.workdir, os.O_RDONLY)
             os.close(fd)
             if not is_dir:
                 raise SandboxSetupError(f"the working directory {self.workdir} is not a directory")
         except FileNotFoundError:
             await self._make_workdir(identity)
+
+    def _setup_client(self) -> InitClient:
+        """The client, while the sandbox is still starting."""
+        if self._client is None:
+            raise SandboxUnavailable(f"sandbox {self.id} is not running")
+        return self._client
 
     async def _make_workdir(self, identity: users.Identity) -> None:
         # Created by root, like a Dockerfile's WORKDIR, then given to the user.
@@ -309,7 +305,7 @@ class Sandbox:
         if identity.uid != 0:
             commands.append(["chown", f"{identity.uid}:{identity.gid}", "--", self.workdir])
         for cmd in commands:
-            r = await self._run(cmd, users.ROOT, cwd="/")
+            r = await self._run(self._setup_client(), cmd, users.ROOT, cwd="/")
             if not r.success:
                 raise SandboxSetupError(f"creating the working directory {self.workdir} failed: "
                                         f"{(r.stderr or r.stdout).strip()}")
@@ -324,21 +320,20 @@ class Sandbox:
         if not info.init_alive:
             raise SandboxUnavailable(f"sandbox {sandbox_id} is not running any more",
                                      hint=f"run `nsbox rm {sandbox_id}` to remove what is left of it")
-        sb = cls(None if info.rootfs == "host" else info.rootfs, user=info.user, workdir=info.workdir or None)
-        sb.id, sb.hostname, sb.label, sb.origin = info.id, info.hostname, info.label, info.origin
+        spec = SandboxSpec(rootfs=info.rootfs if os.path.isdir(info.rootfs) else "host", user=info.user,
+                           workdir=info.workdir or None, label=info.label, origin=info.origin)
+        sb = cls(spec=spec)
+        sb.id, sb.hostname = info.id, info.hostname
         sb.idmap = idmap.IdMap.from_dict(info.idmap)
-        sb.pid = info.init_pid
+        sb._launched.pid = info.init_pid
         sb._attached = True
         sb._detached = info.detached
         sb._state = "starting"
         try:
-            sb._pidfd = os.pidfd_open(info.init_pid)
+            sb._launched.pidfd = os.pidfd_open(info.init_pid)
             if not info.init_alive:  # the pid was recycled between the checks
                 raise SandboxUnavailable(f"sandbox {sandbox_id} is not running any more")
-            sb._ctl = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            sb._ctl.connect(os.fspath(registry.sandbox_dir(info.id) / registry.SOCKET))
-            sb._ctl.setblocking(False)
-            sb._devnull = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
+            sb._client = InitClient.connect(os.fspath(registry.sandbox_dir(info.id) / registry.SOCKET), info.id)
             await sb._settle_identity()
         except BaseException as e:
             await sb._teardown()
@@ -359,33 +354,36 @@ class Sandbox:
 
     async def _teardown(self) -> None:
         self._state = "closed"
+        client, self._client = self._client, None
+        ctl, self._launched.ctl = self._launched.ctl, None
         if self._attached:
-            for fd in (self._pidfd, self._devnull):
-                if fd >= 0:
-                    os.close(fd)
-            self._pidfd = self._devnull = -1
-            if self._ctl is not None:
-                self._ctl.close()
-                self._ctl = None
+            if self._launched.pidfd >= 0:
+                os.close(self._launched.pidfd)
+                self._launched.pidfd = -1
+            if client is not None:
+                client.close()
             return
-        if self._ctl is not None:
-            if self._detached:
-                try:
-                    protocol.send(self._ctl, protocol.REQUEST.pack(protocol.OP_SHUTDOWN, *[0] * 9), [])
-                except OSError:
-                    pass
-            self._ctl.close()  # the lifeline: the init kills everything and exits
-            self._ctl = None
+        if self._net is not None and not self._detached:  # a detached sandbox's ends with this process
+            net, self._net = self._net, None
+            await net.stop()
+        if client is not None and self._detached:
+            client.shutdown()
+        if client is not None:
+            client.close()  # the lifeline: the init kills everything and exits
+        elif ctl is not None:
+            ctl.close()
         if self.pid:
             await self._reap()
-        if self._devnull >= 0:
-            os.close(self._devnull)
-            self._devnull = -1
+        for cleanup in self._launched.cleanups:  # the init is gone (its cgroups are empty)
+            cleanup()
+        self._launched.cleanups.clear()
         if self._layer is not None:
+            assert self.idmap is not None
             # An untouched layer goes with a few syscalls; anything the
             # sandbox wrote may take long, so it is deleted off the event loop.
-            if not self.rootfs.release_layer(self._layer) and not rootfs_mod.remove_untouched_layer(self._layer):
-                await anyio.to_thread.run_sync(rootfs_mod.remove_layer, self._layer, self.idmap)
+            if (not self.rootfs.release_layer(self._layer, self.idmap.host_root)
+                    and not removal.remove_untouched_layer(self._layer)):
+                await anyio.to_thread.run_sync(removal.remove_layer, self._layer, self.idmap)
             self._layer = None
         if self._rundir is not None:
             for name in (registry.INFO, registry.SOCKET):
@@ -400,28 +398,26 @@ class Sandbox:
             self._rundir = None
 
     async def _reap(self) -> None:
-        if self._pidfd >= 0:
+        pidfd = self._launched.pidfd
+        if pidfd >= 0:
             with anyio.move_on_after(CLOSE_WAIT) as scope:
-                await anyio.wait_readable(self._pidfd)
+                await anyio.wait_readable(pidfd)
             if scope.cancelled_caught:
-                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
-                await anyio.wait_readable(self._pidfd)
-            os.close(self._pidfd)
-            self._pidfd = -1
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                await anyio.wait_readable(pidfd)
+            os.close(pidfd)
+            self._launched.pidfd = -1
         try:
             os.waitpid(self.pid, 0)
         except ChildProcessError:
             pass
-        self.pid = 0
+        self._launched.pid = 0
 
     async def detach(self) -> registry.SandboxInfo:
         """Lets the sandbox outlive this process; `nsbox rm` ends it later."""
-        self._require_running()
-        assert self._ctl is not None
-        await self._send(protocol.REQUEST.pack(protocol.OP_DETACH, *[0] * 9), [])
-        await anyio.wait_readable(self._ctl)
-        self._ctl.recv(protocol.STATUS.size)
+        await self.client.detach()
         self._detached = True
+        netplan.warn_detached(self.spec)
         info = registry.read(self.id)
         assert info is not None
         info.detached = True
@@ -432,29 +428,12 @@ class Sandbox:
     def __repr__(self) -> str:
         return f"<nsbox.Sandbox {self.id or '(not started)'} {self._state} rootfs={self.rootfs}>"
 
-    # ---- requests -----------------------------------------------------
+    # ---- users -------------------------------------------------------
 
     def _require_running(self) -> None:
-        if self._state != "running" or self._ctl is None:
+        if self._state != "running" or self._client is None:
             raise SandboxUnavailable(f"sandbox {self.id or '(not started)'} is not running "
                                      f"({'closed' if self._state == 'closed' else 'not started'})")
-
-    async def _send(self, message: bytes, fds: Sequence[int]) -> None:
-        if self._ctl is None:
-            raise SandboxUnavailable(f"sandbox {self.id} is not running")
-        while True:
-            try:
-                protocol.send(self._ctl, message, fds)
-                return
-            except BlockingIOError:
-                await anyio.wait_writable(self._ctl)
-            except OSError as e:
-                if e.errno in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.EBADF):
-                    raise SandboxUnavailable(f"sandbox {self.id} is not running (its init has exited)") from None
-                raise
-
-    def _creds(self, identity: users.Identity) -> protocol.Creds:
-        return protocol.Creds(identity.uid, identity.gid, identity.groups)
 
     def _check_mapped(self, identity: users.Identity, asked: str) -> None:
         assert self.idmap is not None
@@ -472,22 +451,29 @@ class Sandbox:
 
     async def _read_as_root(self, path: str) -> bytes:
         try:
-            data = await files.read_file(self._send, self._creds(users.ROOT), path, text=False)
+            data = await files.read_file(self._setup_client(), _creds(users.ROOT), path, text=False)
         except FileNotFoundError:
             return b""
         assert isinstance(data, bytes)
         return data
 
     async def _lookup_user(self, user: str) -> users.Identity | None:
-        found: dict[str, bytes] = {}
+        found: dict[str, bytes | Exception] = {}
 
         async def read(path: str) -> None:
-            found[path] = await self._read_as_root(path)
+            try:
+                found[path] = await self._read_as_root(path)
+            except Exception as e:  # raised below as itself, not in a group
+                found[path] = e
 
         async with anyio.create_task_group() as tg:
             for path in ("/etc/passwd", "/etc/group"):
                 tg.start_soon(read, path)
         passwd, group = found["/etc/passwd"], found["/etc/group"]
+        for result in (passwd, group):
+            if isinstance(result, Exception):
+                raise result
+        assert isinstance(passwd, bytes) and isinstance(group, bytes)
         cached = self._user_cache.get(user)
         if cached is not None and cached[0] == passwd and cached[1] == group:
             return cached[2]
@@ -495,15 +481,30 @@ class Sandbox:
         self._user_cache[user] = (passwd, group, identity)
         return identity
 
-    async def _identity_for(self, user: str | None) -> users.Identity | None:
-        """The identity to run as (None: no such user); raises UserUnsupported
-        when the id mapping cannot represent it."""
+    async def identity(self, user: str | None = None) -> users.Identity:
+        """Who `user` (default: the sandbox's user) is in this sandbox.
+
+        Raises UserUnsupported if there is no such user, or if the id
+        mapping cannot represent it."""
         if user is None:
             return self._identity
         found = await self._lookup_user(str(user))
-        if found is not None:
-            self._check_mapped(found, str(user))
+        if found is None:
+            raise UserUnsupported(f"unable to find user {user}: no matching entries in passwd file")
+        self._check_mapped(found, str(user))
         return found
+
+    def command(self, argv: Sequence[str], identity: users.Identity, cwd: str | None = None,
+                env: Mapping[str, str] | None = None) -> Command:
+        """`argv` as the init runs it: working directory, environment and
+        credentials resolved."""
+        if isinstance(argv, (str, bytes)) or not argv:
+            raise ValueError("cmd must be a non-empty list of strings")
+        workdir = posixpath.join(self.workdir, cwd) if cwd else self.workdir
+        full_env = {"PATH": DEFAULT_PATH, "HOME": identity.home, **self.env, **(env or {})}
+        return Command(list(argv), full_env, workdir, _creds(identity))
+
+    # ---- commands ----------------------------------------------------
 
     async def exec(
         self,
@@ -527,45 +528,56 @@ class Sandbox:
             UserUnsupported: this sandbox's id mapping cannot run `user`.
             SandboxUnavailable: the sandbox is not running.
         """
-        self._require_running()
+        client = self.client
+        identity = await self._identity_for_command(cmd, user)
+        if isinstance(identity, ExecResult):
+            return identity
+        timeout = self.timeout if timeout is None else timeout
+        return await self._run(client, list(cmd), identity, cwd=cwd, env=env, input=input, timeout=timeout)
+
+    async def _identity_for_command(self, cmd: Sequence[str], user: str | None) -> users.Identity | ExecResult:
+        """Who runs `cmd`; for a user the sandbox does not have, the result
+        exec gives (126 and a message, as docker exec)."""
         if isinstance(cmd, (str, bytes)) or not cmd:
             raise ValueError("cmd must be a non-empty list of strings")
-        identity = await self._identity_for(user)
-        if identity is None:
-            return ExecResult(False, 126, "", f"unable to find user {user}: no matching entries in passwd file\n")
-        timeout = self.timeout if timeout is None else timeout
-        return await self._run(list(cmd), identity, cwd=cwd, env=env, input=input, timeout=timeout)
+        try:
+            return await self.identity(user)
+        except UserUnsupported as e:
+            if "unable to find user" not in str(e):
+                raise
+            return ExecResult(False, 126, "", f"{e}\n")
 
-    async def _run(
-        self,
-        cmd: list[str],
-        identity: users.Identity,
-        *,
-        cwd: str | None = None,
-        env: Mapping[str, str] | None = None,
-        input: str | bytes | None = None,
-        timeout: float | None = None,
-    ) -> ExecResult:
-        message, memfd, workdir = self._exec_request(cmd, identity, cwd, env)
+    async def _run(self, client: InitClient, cmd: list[str], identity: users.Identity, *, cwd: str | None = None,
+                   env: Mapping[str, str] | None = None, input: str | bytes | None = None,
+                   timeout: float | None = None) -> ExecResult:
+        command = self.command(cmd, identity, cwd, env)
         data = input.encode("utf-8") if isinstance(input, str) else input
         limit = exec_output_limit()
-        out, err = exec_.CappedBuffer(limit), exec_.CappedBuffer(limit)
-        outcome = await exec_.run(
-            self._send, message, memfd, input=data, timeout=timeout, stdout=out, stderr=err,
-            stop_on_overflow=self.output_limit_mode == "raise", stdin_fd=self._devnull,
+        out, err = CappedBuffer(limit), CappedBuffer(limit)
+        outcome = await process.run(
+            client, command, input=data, timeout=timeout, stdout=out, stderr=err,
+            stop_on_overflow=self.output_limit_mode == "raise", stdin_fd=_shared_devnull(),
         )
         stdout, stderr = out.take_text(), err.take_text()
+        return self._result(outcome, command, timeout, stdout, stderr, limit)
+
+    def _result(self, outcome: process.Outcome, command: Command, timeout: float | None, stdout: str, stderr: str,
+                limit: int) -> ExecResult:
+        """What a command's outcome means to the caller: a result, or the
+        exception the contract names."""
+        name = command.argv[0]
         if outcome.channel_lost:
-            raise SandboxUnavailable(f"sandbox {self.id} stopped while running {cmd[0]!r}")
+            raise SandboxUnavailable(f"sandbox {self.id} stopped while running {name!r}")
         if outcome.timed_out:
-            raise CommandTimeout(f"command timed out after {timeout:g}s: {cmd[0]}", stdout, stderr)
+            raise CommandTimeout(f"command timed out after {timeout:g}s: {name}", stdout, stderr)
         if outcome.overflowed:
             raise OutputLimitExceeded(
                 f"The sandbox output stream limit of {human_size(limit)} was exceeded.", limit, stdout, stderr)
         if outcome.failure is not None:
-            return _failed_start(outcome.failure, cmd[0], workdir)
+            return failed_start(outcome.failure, name, command.cwd)
         assert outcome.returncode is not None
-        return ExecResult(outcome.returncode == 0, outcome.returncode, stdout, stderr)
+        return ExecResult(outcome.returncode == 0, outcome.returncode, stdout, stderr,
+                          outcome.stdout.dropped, outcome.stderr.dropped)
 
     async def run_forwarded(
         self,
@@ -586,67 +598,52 @@ class Sandbox:
         a sandboxed process holding the host's terminal could type into it
         (TIOCSTI), so a terminal stdin is replaced by /dev/null.
         """
-        self._require_running()
-        identity = await self._identity_for(user)
-        if identity is None:
-            raise UserUnsupported(f"unable to find user {user}: no matching entries in passwd file")
+        client = self.client
+        command = self.command(cmd, await self.identity(user), cwd, env)
         timeout = self.timeout if timeout is None else timeout
-        stdin_fd = self._devnull if stdin is None or os.isatty(stdin) else stdin
-        message, memfd, workdir = self._exec_request(list(cmd), identity, cwd, env)
-        outcome = await exec_.run(
-            self._send, message, memfd, input=None, timeout=timeout, stdout=exec_.Forwarder(stdout),
-            stderr=exec_.Forwarder(stderr), stop_on_overflow=False, stdin_fd=stdin_fd,
+        stdin_fd = _shared_devnull() if stdin is None or os.isatty(stdin) else stdin
+        outcome = await process.run(
+            client, command, input=None, timeout=timeout, stdout=Forwarder(stdout), stderr=Forwarder(stderr),
+            stop_on_overflow=False, stdin_fd=stdin_fd,
         )
-        if outcome.channel_lost:
-            raise SandboxUnavailable(f"sandbox {self.id} stopped while running {cmd[0]!r}")
-        if outcome.timed_out:
-            raise CommandTimeout(f"command timed out after {timeout:g}s: {cmd[0]}", "", "")
+        result = self._result(outcome, command, timeout, "", "", 0)
         if outcome.failure is not None:
-            result = _failed_start(outcome.failure, cmd[0], workdir)
             os.write(stderr, result.stderr.encode())
-            return result.returncode
-        assert outcome.returncode is not None
-        return outcome.returncode
+        return result.returncode
 
     async def spawn(self, cmd: Sequence[str], *, cwd: str | None = None, env: Mapping[str, str] | None = None,
                     user: str | None = None) -> None:
         """Starts `cmd` in the background, its stdio on /dev/null; it runs on
-        its own, like a command started with `&`. A command that cannot be
-        started raises as exec would; a later exit is not reported."""
-        self._require_running()
-        identity = await self._identity_for(user)
-        if identity is None:
-            raise UserUnsupported(f"unable to find user {user}: no matching entries in passwd file")
-        message, memfd, workdir = self._exec_request(list(cmd), identity, cwd, env, flags=protocol.F_DETACHED)
-        chan, chan_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        with chan:
-            try:
-                fds = [chan_child.fileno(), self._devnull, self._devnull, self._devnull]
-                await self._send(message, fds + ([memfd] if memfd is not None else []))
-            finally:
-                chan_child.close()
-                if memfd is not None:
-                    os.close(memfd)
-            # A failure to start comes back at once; a started command stays quiet.
-            chan.setblocking(False)
-            with anyio.move_on_after(0.3):
-                await anyio.wait_readable(chan)
-                data = chan.recv(protocol.REPLY.size)
-                if len(data) == protocol.REPLY.size:
-                    reply = protocol.Reply(*protocol.REPLY.unpack(data))
-                    if reply.kind == protocol.REPLY_FAIL:
-                        result = _failed_start(reply, cmd[0], workdir)
-                        raise NsboxError(result.stderr.strip())
+        its own, like a command started with `&`. Returns once it runs; a
+        command that cannot be started raises as exec would; a later exit
+        is not reported."""
+        client = self.client
+        await client.spawn(self.command(cmd, await self.identity(user), cwd, env), _shared_devnull())
 
-    def _exec_request(self, cmd: list[str], identity: users.Identity, cwd: str | None,
-                      env: Mapping[str, str] | None, flags: int = 0) -> tuple[bytes, int | None, str]:
-        workdir = posixpath.join(self.workdir, cwd) if cwd else self.workdir
-        full_env = {"PATH": DEFAULT_PATH, "HOME": identity.home, **self.env, **(env or {})}
-        strings = [os.fsencode(workdir), *map(os.fsencode, cmd),
-                   *(os.fsencode(f"{k}={v}") for k, v in full_env.items())]
-        message, memfd = protocol.encode(protocol.OP_EXEC, self._creds(identity), strings,
-                                         argc=len(cmd), envc=len(full_env), flags=flags)
-        return message, memfd, workdir
+    async def start_process(self, cmd: Sequence[str], *, input: str | bytes | None = None, stdin_open: bool = False,
+                            cwd: str | None = None, env: Mapping[str, str] | None = None,
+                            user: str | None = None) -> "streaming.Process":
+        """Starts `cmd` and returns a Process whose output streams to the
+        host as the command writes it (see nsbox/streaming.py): iterate it
+        for Output and Exit events, write_stdin/close_stdin (stdin_open=True),
+        kill(), or wait() for an ExecResult. Returns once the command runs.
+
+        `input` is written to stdin first; stdin is then closed unless
+        `stdin_open`. Output waiting for the consumer keeps its last N bytes
+        per stream (N from nsbox.limits; the sandbox's timeout and "raise"
+        mode do not apply: the process runs until it exits or is killed).
+        Start failures are reported as exec reports them."""
+        from . import streaming
+
+        client = self.client
+        identity = await self._identity_for_command(cmd, user)
+        if isinstance(identity, ExecResult):
+            return streaming.finished(identity, self.command(cmd, self._identity, cwd, env), self.id)
+        data = input.encode("utf-8") if isinstance(input, str) else input
+        return await streaming.start(client, self.command(cmd, identity, cwd, env), input=data, stdin_open=stdin_open,
+                                     limit=exec_output_limit(), devnull=_shared_devnull(), sandbox_id=self.id)
+
+    # ---- files -------------------------------------------------------
 
     async def read_file(self, file: str, text: bool = True) -> str | bytes:
         """Reads a file of the sandbox as the default user.
@@ -654,14 +651,12 @@ class Sandbox:
         Raises FileNotFoundError, PermissionError, IsADirectoryError,
         UnicodeDecodeError (text mode) and OutputLimitExceeded.
         """
-        self._require_running()
-        return await files.read_file(self._send, self._creds(self._identity), self._path(file), text)
+        return await files.read_file(self.client, _creds(self._identity), self._path(file), text)
 
     async def write_file(self, file: str, contents: str | bytes) -> None:
         """Writes a file of the sandbox as the default user, creating parent
         directories. Raises PermissionError and IsADirectoryError."""
-        self._require_running()
-        await files.write_file(self._send, self._creds(self._identity), self._path(file), contents)
+        await files.write_file(self.client, _creds(self._identity), self._path(file), contents)
 
     def _path(self, file: str) -> str:
         if not file:
@@ -670,35 +665,27 @@ class Sandbox:
 
     async def status(self) -> dict[str, int]:
         """The init's counters: execs served and commands running."""
-        self._require_running()
-        assert self._ctl is not None
-        await self._send(protocol.REQUEST.pack(protocol.OP_STATUS, *[0] * 9), [])
-        await anyio.wait_readable(self._ctl)
-        version, running, execs, detached, _ = protocol.STATUS.unpack(self._ctl.recv(protocol.STATUS.size))
-        return {"running": running, "execs": execs, "detached": detached}
+        return await self.client.status()
 
 
-def _failed_start(failure: protocol.Reply, command: str, workdir: str) -> ExecResult:
-    """The result (or exception) for a command the init could not start."""
-    err = failure.err
-    reason = os.strerror(err)
-    if failure.stage == protocol.STAGE_EXEC:
-        if err == errno.EACCES:
-            raise PermissionError(err, f"{reason}: cannot execute", command)
-        if err in (errno.ENOENT, errno.ENOTDIR):
-            text = "command not found" if "/" not in command else reason
-            return ExecResult(False, 127, "", f"nsbox: {command}: {text}\n")
-        return ExecResult(False, 126, "", f"nsbox: {command}: {reason}\n")
-    if failure.stage == protocol.STAGE_CWD:
-        if err == errno.EACCES:
-            raise PermissionError(err, f"{reason}: cannot change to the working directory", workdir)
-        return ExecResult(False, 126, "", f"nsbox: cannot change to the working directory {workdir}: {reason}\n")
-    if failure.stage == protocol.STAGE_CREDS:
-        raise UserUnsupported(f"switching to the requested user failed: {reason}")
-    raise NsboxError(f"the sandbox could not start {command!r}: {reason}")
+_noted: set[str] = set()
+
+
+def _note_once(text: str) -> None:
+    """Says something a person should know, once per process."""
+    if text not in _noted:
+        _noted.add(text)
+        print(f"nsbox: note: {text}", file=sys.stderr)
+
+
+def _creds(identity: users.Identity) -> protocol.Creds:
+    return protocol.Creds(identity.uid, identity.gid, identity.groups)
 
 
 def _exited(pidfd: int) -> bool:
     if pidfd < 0:
         return True
-    return bool(select.select([pidfd], [], [], 0)[0])
+    # poll, not select: the descriptor may be above 1024.
+    p = select.poll()
+    p.register(pidfd, select.POLLIN)
+    return bool(p.poll(0))

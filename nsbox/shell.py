@@ -14,21 +14,26 @@ import asyncio
 import contextlib
 import errno
 import fcntl
+import math
 import os
 import signal
-import socket
 import struct
 import termios
 import tty
 from typing import Iterator, Sequence
 
-from . import files, protocol
-from .errors import SandboxUnavailable, UserUnsupported
+import anyio
+
+from . import protocol
+from .client import Channel, Command, failed_start
+from .errors import SandboxUnavailable
 from .fdwait import Poller
-from .sandbox import Sandbox, _failed_start
+from .sandbox import Sandbox
+from .users import Identity
 
 TIOCGPTPEER = 0x5441  # open the slave of a master without a path lookup
 TIOCSPTLCK = 0x40045431  # unlockpt
+EOF_RETRY = 0.3  # seconds of silence after our input ended before another ^D
 
 
 @contextlib.contextmanager
@@ -50,12 +55,10 @@ def _copy_window_size(src: int, dst: int) -> None:
         fcntl.ioctl(dst, termios.TIOCSWINSZ, size)
 
 
-async def open_pty(sb: Sandbox, user: str | None) -> tuple[int, int]:
-    """A new pty of the sandbox's devpts, owned by `user`: (master, slave)."""
-    identity = await sb._identity_for(user)
-    if identity is None:
-        raise UserUnsupported(f"unable to find user {user}: no matching entries in passwd file")
-    master, _ = await files.open_path(sb._send, sb._creds(identity), "/dev/ptmx", os.O_RDWR | os.O_NOCTTY)
+async def open_pty(sb: Sandbox, identity: Identity) -> tuple[int, int]:
+    """A new pty of the sandbox's devpts, owned by `identity`: (master, slave)."""
+    creds = protocol.Creds(identity.uid, identity.gid, identity.groups)
+    master, _ = await sb.client.open(creds, "/dev/ptmx", os.O_RDWR | os.O_NOCTTY, regular=False)
     try:
         fcntl.ioctl(master, TIOCSPTLCK, struct.pack("i", 0))
         slave = fcntl.ioctl(master, TIOCGPTPEER, os.O_RDWR | os.O_NOCTTY)
@@ -65,30 +68,33 @@ async def open_pty(sb: Sandbox, user: str | None) -> tuple[int, int]:
     return master, slave
 
 
+def _login_shell(shell: str | None) -> str:
+    """The user's shell, or /bin/sh for accounts whose shell refuses logins
+    (nologin, false), as `docker exec -it -u nobody C sh` would give."""
+    if not shell or os.path.basename(shell) in ("nologin", "false"):
+        return "/bin/sh"
+    return shell
+
+
 async def interactive(sb: Sandbox, cmd: Sequence[str] | None = None, *, user: str | None = None,
                       stdin: int = 0, stdout: int = 1) -> int:
     """Runs `cmd` (default: the user's login shell) on a pty; returns its status."""
-    identity = await sb._identity_for(user)
-    if identity is None:
-        raise UserUnsupported(f"unable to find user {user}: no matching entries in passwd file")
-    argv = list(cmd) if cmd else [identity.shell or "/bin/sh", "-l"]
-    master, slave = await open_pty(sb, user)
-    env = {"TERM": os.environ.get("TERM", "xterm")}
-    message, memfd, workdir = sb._exec_request(argv, identity, None, env, flags=protocol.F_SETCTTY)
-    chan, chan_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    identity = await sb.identity(user)
+    command = sb.command(list(cmd) if cmd else [_login_shell(identity.shell), "-l"], identity,
+                         env={"TERM": os.environ.get("TERM", "xterm")})
+    master, slave = await open_pty(sb, identity)
+    chan: Channel | None = None
     try:
         _copy_window_size(stdin, master)
         try:
-            await sb._send(message, [chan_child.fileno(), slave, slave, slave] + ([memfd] if memfd is not None else []))
+            chan = await sb.client.start(command, (slave, slave, slave), flags=protocol.F_SETCTTY)
         finally:
-            chan_child.close()
             os.close(slave)
-            if memfd is not None:
-                os.close(memfd)
         with _raw_terminal(stdin):
-            return await _relay(sb, chan, master, stdin, stdout, argv[0], workdir)
+            return await _relay(sb, chan, master, stdin, stdout, command)
     finally:
-        chan.close()
+        if chan is not None:
+            chan.close()
         os.close(master)
 
 
@@ -108,27 +114,33 @@ def _drain(master: int, stdout: int) -> bool:
         os.write(stdout, data)
 
 
-async def _relay(sb: Sandbox, chan: socket.socket, master: int, stdin: int, stdout: int,
-                 command: str, workdir: str) -> int:
+async def _relay(sb: Sandbox, chan: Channel, master: int, stdin: int, stdout: int, command: Command) -> int:
     os.set_blocking(master, False)
-    chan.setblocking(False)
     poller = Poller()
     loop = asyncio.get_running_loop()
     resizable = os.isatty(stdin)
     if resizable:
         loop.add_signal_handler(signal.SIGWINCH, _copy_window_size, stdin, master)
-    replies = bytearray()
     code: int | None = None
     failure: protocol.Reply | None = None
     pending = b""  # input the pty has not taken yet (a large paste, say)
     stdin_open = master_open = True
+    # After our input ends, a shell that has gone quiet waits for more: an
+    # end of file typed while it switched its terminal modes may have been
+    # lost, so it gets another, a few times at most.
+    eofs_left = 5
     try:
         poller.watch(chan.fileno(), read=True)
         while code is None:
             # Read more input only once the pty has taken what we have.
             poller.watch(stdin, read=stdin_open and not pending)
             poller.watch(master, read=master_open, write=bool(pending))
-            ready = await poller.wait()
+            ready: set[int] = set()
+            with anyio.move_on_after(math.inf if stdin_open or not eofs_left else EOF_RETRY):
+                ready = await poller.wait()
+            if not ready and not pending:
+                eofs_left -= 1
+                pending = b"\x04"
             if stdin in ready:
                 data = os.read(stdin, 4096)
                 if not data:  # our input ended: end of file (^D) for the shell
@@ -142,25 +154,21 @@ async def _relay(sb: Sandbox, chan: socket.socket, master: int, stdin: int, stdo
             if master in ready and master_open:
                 master_open = _drain(master, stdout)
             if chan.fileno() in ready:
-                try:
-                    got = chan.recv(4096)
-                except BlockingIOError:
-                    continue
-                if not got:
-                    raise SandboxUnavailable(f"sandbox {sb.id} stopped during the session")
-                replies += got
-                for r in protocol.parse_replies(replies):
+                replies, closed = chan.read_replies()
+                for r in replies:
                     if r.kind == protocol.REPLY_EXIT:
                         code = r.code
                     elif r.kind == protocol.REPLY_FAIL:
                         failure = r
+                if closed and code is None:
+                    raise SandboxUnavailable(f"sandbox {sb.id} stopped during the session")
         _drain(master, stdout)  # what the shell printed last
     finally:
         poller.close()
         if resizable:
             loop.remove_signal_handler(signal.SIGWINCH)
     if failure is not None:
-        result = _failed_start(failure, command, workdir)
+        result = failed_start(failure, command.argv[0], command.cwd)
         os.write(2, result.stderr.encode())
         return result.returncode
     return code

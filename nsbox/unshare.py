@@ -13,7 +13,7 @@ import struct
 import subprocess
 from typing import Sequence
 
-from . import native
+from . import native, steps
 from .errors import NsboxError
 from .idmap import IdMap
 
@@ -25,7 +25,7 @@ def run_in_userns(mapping: IdMap, argv: Sequence[str], *, check: bool = True) ->
     try:
         try:
             pid, pidfd = native.spawn(
-                clone_flags=native.CLONE_NEWUSER, steps=[], idmaps=mapping.how_to_write(), error_fd=err_w,
+                clone_flags=native.CLONE_NEWUSER, steps=[steps.become_root()], idmaps=mapping.how_to_write(), error_fd=err_w,
                 keep_fds=[], exec_fd=-1, argv=list(argv), envp=[f"{k}={v}" for k, v in os.environ.items()],
                 keep_stdio=True, new_session=False,
             )

@@ -30,11 +30,19 @@ def _rows(text: str, fields: int) -> list[list[str]]:
 
 
 def lookup(user: str, passwd: str, group: str) -> Identity | None:
-    """Resolves a user name or numeric uid; None if the name is unknown.
+    """Resolves a user name or numeric uid, optionally with ":GROUP" (a
+    name or gid, as Docker's USER takes it); None if a name is unknown.
 
     A numeric uid without a passwd entry is allowed, as with docker exec:
     it runs with gid 0 and HOME=/.
     """
+    if ":" in user:
+        user, _, grp = user.partition(":")
+        base = lookup(user, passwd, group)
+        gid = _group_id(grp, group)
+        if base is None or gid is None:
+            return None
+        return Identity(base.name, base.uid, gid, (gid,), base.home, base.shell)
     entry = None
     for row in _rows(passwd, 7):
         if (user.isdigit() and row[2] == user) or row[0] == user:
@@ -59,3 +67,15 @@ def lookup(user: str, passwd: str, group: str) -> Identity | None:
             if g not in groups:
                 groups.append(g)
     return Identity(name, uid, gid, tuple(groups), home, shell)
+
+
+def _group_id(name: str, group: str) -> int | None:
+    if name.isdigit():
+        return int(name)
+    for row in _rows(group, 4):
+        if row[0] == name:
+            try:
+                return int(row[2])
+            except ValueError:
+                return None
+    return None

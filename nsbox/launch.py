@@ -1,0 +1,125 @@
+"""Launching a sandbox: its plan carried out through the zygote, up to a
+running init.
+
+1. The zygote (nsbox/native.py) clones the first process into the plan's
+   namespaces and writes its id maps; the process waits.
+2. The host runs the plan's hooks (network, cgroup) while it waits, then
+   writes the "go" byte.
+3. The process runs its steps and execs nsbox-init, which finds its control
+   connection, its listening socket and the locked namespaces at fds 3-6
+   (NSBOX_FD_* in csrc/protocol.h). A failed step is reported on the error
+   pipe, whose EOF without a report means the init runs.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import anyio
+
+from . import hostcheck, native
+from .errors import NsboxError, SandboxSetupError
+from .plan import Plan
+
+
+@dataclass
+class Launched:
+    """What launch() leaves to its caller, who owns all of it."""
+
+    pid: int = 0
+    pidfd: int = -1
+    ctl: socket.socket | None = None  # the control connection, also the lifeline
+    cleanups: list[Callable[[], None]] = field(default_factory=list)  # the plan's, for after the init exits
+
+
+async def launch(plan: Plan, launched: Launched, *, sandbox_id: str, socket_path: Path, layer: Path,
+                 on_cloned: Callable[[], None] | None = None) -> None:
+    """Creates the sandbox `plan` describes; fills `launched` as it goes, so
+    that a caller can tear down what exists whatever fails. `on_cloned` runs
+    once the pid is known, while the setup steps run."""
+    launched.cleanups.extend(plan.cleanups)  # whatever fails from here, the caller runs them
+    err_r, err_w = os.pipe2(os.O_CLOEXEC)
+    go_r, go_w = os.pipe2(os.O_CLOEXEC)
+    try:
+        try:
+            reply = _request(plan, launched, sandbox_id, socket_path, err_w, go_r)
+        finally:
+            os.close(err_w)
+            os.close(go_r)
+        with reply:
+            await anyio.wait_readable(reply)
+            try:
+                launched.pid, launched.pidfd = native.read_spawn_reply(reply)
+            except native.IdMapError as e:
+                launched.pid = int(e.filename)  # killed by the zygote; the caller reaps it
+                raise SandboxSetupError(
+                    f"writing the id maps of the sandbox failed: {e.message or e.strerror}",
+                    hint="check your /etc/subuid and /etc/subgid entries, or use id_mapping='single'",
+                ) from None
+            except OSError as e:
+                raise hostcheck.clone_failed(e.errno) from None
+        await plan.run_hooks(launched.pid)
+        native.go(go_w)
+        if on_cloned is not None:
+            on_cloned()
+        await anyio.wait_readable(err_r)
+        report = os.read(err_r, 64)
+    finally:
+        os.close(go_w)
+        os.close(err_r)
+    if report:
+        step, err = struct.unpack("=ii", report[:8])
+        raise setup_error(plan, step, err, layer)
+
+
+def _request(plan: Plan, launched: Launched, sandbox_id: str, socket_path: Path, err_w: int,
+             go_r: int) -> socket.socket:
+    launched.ctl, ctl_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    init_fd = -1
+    try:
+        try:
+            listener.bind(os.fspath(socket_path))
+        except OSError as e:
+            raise SandboxSetupError(f"cannot create the sandbox's socket {socket_path}: {e.strerror}",
+                                    hint="set NSBOX_STATE_DIR to a shorter path") from None
+        listener.listen(64)
+        init_fd = os.open(native.INIT_BINARY, os.O_RDONLY | os.O_CLOEXEC)
+        return native.request_spawn(
+            clone_flags=native.clone_flags(plan.namespaces), steps=plan.steps(), idmaps=plan.idmap.how_to_write(),
+            error_fd=err_w, sync_fd=go_r,
+            # fds 3..6 of the init: control, listener, and the locked user
+            # and mount namespaces (NSBOX_FD_*).
+            keep_fds=[ctl_child.fileno(), listener.fileno(), -1, -1], exec_fd=init_fd,
+            argv=["nsbox-init", sandbox_id, *plan.init_args], envp=[], keep_stdio=False, new_session=True,
+            lock_maps=plan.idmap.nested_identity(), lock_slot=native.lib.NSBOX_FD_USERNS - 3,
+        )
+    finally:
+        if init_fd >= 0:
+            os.close(init_fd)
+        ctl_child.close()
+        listener.close()
+
+
+def setup_error(plan: Plan, step: int, err: int, layer: Path) -> NsboxError:
+    """The error for a setup step (or stage) the child reported failed."""
+    steps = plan.steps()
+    if 0 <= step < len(steps):
+        return hostcheck.step_failed(steps[step], err, os.fspath(layer))
+    stage = {
+        native.lib.NSBOX_SETUP_SYNC: "waiting for the host's go",
+        native.lib.NSBOX_SETUP_FDS: "arranging descriptors",
+        native.lib.NSBOX_SETUP_EXEC: "starting nsbox-init",
+        native.lib.NSBOX_SETUP_LOCK: "creating the nested namespaces that lock the mounts",
+        native.lib.NSBOX_SETUP_SESSION: "starting a session",
+        native.lib.NSBOX_SETUP_SIGNALS: "blocking signals during the setup",
+    }.get(step, f"step {step}")
+    hint = hostcheck.userns_hint() if err in (errno.EPERM, errno.EACCES) else None
+    return SandboxSetupError(f"sandbox setup failed: {stage}: {os.strerror(err)}", hint)
+

@@ -1,0 +1,99 @@
+"""The filesystem contributor of a sandbox's plan (see nsbox/plan.py): the
+root filesystem, binds, a fresh /proc, a minimal /dev and a tmpfs /tmp.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+from . import procmask, steps as s
+from .plan import Phase, Plan
+
+if TYPE_CHECKING:
+    from .rootfs import Bind, Rootfs
+
+# Host device nodes the sandbox gets, bind-mounted into a fresh /dev.
+DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+NOSUID_NODEV = ("MS_NOSUID", "MS_NODEV")
+
+
+def contribute(plan: Plan, rootfs: Rootfs, layer: Path, mount_dir: Path, binds: Sequence[Bind]) -> None:
+    """The root is mounted on mount_dir/root, a directory of sandbox root's
+    (see nsbox/layers.py mount_point())."""
+    # Nothing we mount may propagate back to the host's mount namespace.
+    plan.add(Phase.HOST, s.mount(None, "/", None, ("MS_REC", "MS_PRIVATE"), None, "make all mounts private"))
+    # Device nodes cannot be created in a user namespace: take the host's.
+    for dev in DEVICES:
+        plan.add(Phase.HOST, s.tree_clone(f"/dev/{dev}", plan.slot(f"/dev/{dev}"), f"take the host's /dev/{dev}"))
+    for i, bind in enumerate(binds):
+        plan.add(Phase.HOST, s.tree_clone(bind.source, plan.slot(f"bind{i}"), f"take a copy of {bind.source}",
+                                          recursive=True, readonly=bind.readonly))
+    # Crossing into the root once it is mounted needs a path through a
+    # directory sandbox root may search: mount_dir is its own.
+    plan.root = f"{plan.host_dir(mount_dir)}/root"
+    rootfs.contribute(plan, layer)
+    # The kernel mounts a new procfs only while a fully visible one exists
+    # in the namespace, so /proc is mounted before the host's goes away.
+    proc = f"{plan.root}/proc"
+    plan.add(Phase.MOUNT, s.mkdir(proc, 0o555))
+    procmask.mount_proc(plan, proc)  # or, where the host's /proc is masked, a bind of it
+    # From here on every path is inside the sandbox: a symlink in the root
+    # filesystem can only lead somewhere else inside it.
+    _dev_tmp(plan)
+    for i, bind in enumerate(binds):
+        _attach_bind(plan, bind, plan.slot(f"bind{i}"))
+
+
+def _dev_tmp(plan: Plan) -> None:
+    tmp = "mode=1777" + (f",size={plan.writable.size}" if plan.writable else "")  # the disk cap, if any
+    plan.add(Phase.INSIDE, s.mkdir("/dev"),
+             s.mount("tmpfs", "/dev", "tmpfs", ("MS_NOSUID", "MS_NOEXEC"), "mode=755,size=1m", "mount a tmpfs on /dev"))
+    for dev in DEVICES:
+        plan.add(Phase.INSIDE, s.mkfile(f"/dev/{dev}"),
+                 s.tree_attach(plan.slot(f"/dev/{dev}"), f"/dev/{dev}", f"attach /dev/{dev}"))
+    # A private devpts instance; group tty (5) owns ptys when it is mapped.
+    pts = "newinstance,ptmxmode=0666,mode=620" + (",gid=5" if plan.idmap.size > 5 else "")
+    plan.add(
+        Phase.INSIDE,
+        s.mkdir("/dev/pts"),
+        s.mount("devpts", "/dev/pts", "devpts", ("MS_NOSUID", "MS_NOEXEC"), pts, "mount a private devpts"),
+        s.symlink("pts/ptmx", "/dev/ptmx"),
+        s.mkdir("/dev/shm"),
+        s.mount("tmpfs", "/dev/shm", "tmpfs", NOSUID_NODEV, "mode=1777", "mount a tmpfs on /dev/shm"),
+        s.symlink("/proc/self/fd", "/dev/fd"),
+        s.symlink("/proc/self/fd/0", "/dev/stdin"),
+        s.symlink("/proc/self/fd/1", "/dev/stdout"),
+        s.symlink("/proc/self/fd/2", "/dev/stderr"),
+        s.mkdir("/tmp"),
+        s.mount("tmpfs", "/tmp", "tmpfs", NOSUID_NODEV, tmp, "mount a tmpfs on /tmp"),
+    )
+
+
+def _attach_bind(plan: Plan, bind: Bind, slot: int) -> None:
+    """Creates the mount point (and missing parents) and attaches the bind."""
+    parts = bind.target.strip("/").split("/")
+    for i in range(1, len(parts)):
+        plan.add(Phase.INSIDE, s.mkdir("/" + "/".join(parts[:i])))
+    target = "/" + "/".join(parts)
+    plan.add(Phase.INSIDE, s.mkdir(target) if Path(bind.source).is_dir() else s.mkfile(target),
+             s.tree_attach(slot, target, f"attach {bind.source} at {target}"))
+
+
+def overlay(plan: Plan, lowers: Sequence[Path], upper: Path, work: Path, target: str, what: str) -> None:
+    """An overlayfs on `target` (MOUNT phase), its layers named through
+    plan.host_dir. userxattr: overlayfs mounted inside a user namespace
+    must keep its metadata in user.* xattrs; without it directory renames
+    fail with EIO."""
+    if plan.writable is None:
+        upper_dir, work_dir = plan.host_dir(upper), plan.host_dir(work)
+    else:
+        # The upper layer is on a size-capped tmpfs (nsbox/resources.py);
+        # what prepare() wrote into the layer directory is the top lower one.
+        if any(upper.iterdir()):
+            lowers = [upper, *lowers]
+        upper_dir, work_dir = f"{plan.writable.path}/{upper.name}", f"{plan.writable.path}/{work.name}"
+        plan.add(Phase.MOUNT, s.mkdir(upper_dir), s.mkdir(work_dir))
+    data = (f"lowerdir={':'.join(plan.host_dir(p) for p in lowers)},upperdir={upper_dir},"
+            f"workdir={work_dir},userxattr")
+    plan.add(Phase.MOUNT, s.mount("overlay", target, "overlay", (), data, what))

@@ -1,0 +1,130 @@
+"""A sandbox's plan: what its first process does between clone and the exec
+of its init, and what the host does meanwhile.
+
+Each concern contributes to the plan on its own (in the style of nsjail's
+modules): namespaces to clone, setup steps for the child, and hooks the host
+runs between clone and the "go" byte, while the child waits. The id maps
+are written there (by the zygote); attaching a network or a cgroup belongs
+there too. Contributors: mounts (nsbox/mounts.py: the root filesystem,
+binds, /dev, /proc), ids, hostname and network (below).
+
+Steps run in phases, in this order:
+
+- HOST: host paths are looked up, with the invoking user's credentials
+  (devices and binds are cloned, layer directories opened);
+- the child becomes sandbox root (for real root a subordinate id);
+- MOUNT: mounts onto the new root, still before pivot_root;
+- pivot_root into the new root;
+- INSIDE: every path is inside the sandbox.
+
+The plan is plain data (nsbox/steps.py): it can be built and checked
+without the compiled extension.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from enum import IntEnum
+from pathlib import Path
+from typing import Awaitable, Callable
+
+from . import steps
+from .idmap import IdMap
+from .steps import Step
+
+# Host hooks run between clone and go; they get the child's host pid.
+ParentHook = Callable[[int], Awaitable[None]]
+
+# Namespaces every sandbox gets; contributors add the others.
+BASE_NAMESPACES = frozenset({"CLONE_NEWUSER", "CLONE_NEWNS", "CLONE_NEWPID", "CLONE_NEWIPC", "CLONE_NEWCGROUP"})
+
+
+# Host cleanups run once the sandbox's init is gone (removing its cgroups).
+Cleanup = Callable[[], None]
+
+
+@dataclass(frozen=True)
+class Writable:
+    """A size-capped tmpfs that holds the sandbox's upper layers instead of
+    its layer directory (nsbox/resources.py): `path` names it as the child
+    does in the MOUNT phase; /tmp gets the same cap."""
+
+    path: str
+    size: int
+
+
+class Phase(IntEnum):
+    HOST = 0
+    MOUNT = 1
+    INSIDE = 2
+
+
+@dataclass
+class Plan:
+    """Everything the zygote, the child and the host's hooks do for one sandbox."""
+
+    idmap: IdMap
+    root: str  # where the child mounts the new root, as it names it
+    namespaces: set[str] = field(default_factory=lambda: set(BASE_NAMESPACES))
+    hooks: list[ParentHook] = field(default_factory=list)
+    init_args: list[str] = field(default_factory=list)  # nsbox-init's argv after the sandbox id
+    cleanups: list[Cleanup] = field(default_factory=list)  # run by the host after the init exits
+    writable: Writable | None = None  # where upper layers go, if not in the layer directory
+    _steps: dict[Phase, list[Step]] = field(default_factory=lambda: {p: [] for p in Phase})
+    _host_dirs: list[str] = field(default_factory=list)
+    _slots: dict[str, int] = field(default_factory=dict)
+
+    def add(self, phase: Phase, *new: Step) -> None:
+        self._steps[phase].extend(new)
+
+    def host_dir(self, path: Path | str) -> str:
+        """How steps after HOST name a host directory: the child opens it
+        (O_PATH) in the HOST phase, with the invoking user's credentials,
+        and later steps say /proc/self/fd/N. For real root this matters:
+        overlayfs refuses a mounter whose ids are not mapped in its
+        namespace, while sandbox root (a subordinate id) may not search
+        root's own 0700 directories where the layers live. The options of
+        the sandbox's mounts then name no host path either."""
+        slot = len(self._host_dirs)
+        self._host_dirs.append(os.fspath(path))
+        self.add(Phase.HOST, steps.path_fd(os.fspath(path), slot))
+        return f"{steps.PROC_FD}/{steps.PATH_FD_BASE + slot}"
+
+    def slot(self, name: str) -> int:
+        """A slot number for a mount tree detached under `name` (a tree
+        cloned in one phase and attached in a later one)."""
+        if name not in self._slots:
+            self._slots[name] = len(self._slots)
+        return self._slots[name]
+
+    def steps(self) -> list[Step]:
+        """Every step, in the order the child runs them."""
+        return [*self._steps[Phase.HOST], steps.become_root(), *self._steps[Phase.MOUNT],
+                steps.pivot(self.root), *self._steps[Phase.INSIDE]]
+
+    async def run_hooks(self, pid: int) -> None:
+        for hook in self.hooks:
+            await hook(pid)
+
+
+def contribute_hostname(plan: Plan, hostname: str) -> None:
+    plan.namespaces.add("CLONE_NEWUTS")
+    plan.add(Phase.INSIDE, steps.hostname(hostname))
+
+
+def contribute_seccomp(plan: Plan, nested_userns: bool) -> None:
+    """Every command runs under nsbox's seccomp filter (csrc/seccomp.c, set
+    up by the init); nested_userns lets commands create namespaces (and
+    mount), for tasks that run a sandbox inside the sandbox."""
+    if nested_userns:
+        plan.init_args.append("--nested-userns")
+
+
+def contribute_network(plan: Plan, network: str) -> None:
+    """"none": a network namespace of its own with loopback up; "host": the
+    host's network namespace."""
+    if network == "host":
+        return
+    plan.namespaces.add("CLONE_NEWNET")
+    plan.add(Phase.INSIDE, steps.loopback_up())

@@ -1,0 +1,178 @@
+"""SandboxSpec: one validated description of a sandbox.
+
+The Python API (Sandbox(...)), the command line, nsbox.yaml and the Inspect
+provider all produce one, so each option is declared and checked here, once.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+from dataclasses import dataclass, field, replace
+from typing import Literal, Mapping, Sequence
+
+from .idmap import REQUESTS
+from .rootfs import Bind
+
+Network = Literal["none", "host", "nat", "proxy"]
+OutputLimitMode = Literal["truncate", "raise"]
+PullPolicy = Literal["missing", "always", "never"]
+PULL_POLICIES = ("missing", "always", "never")
+NETWORKS = ("none", "host", "nat", "proxy")
+OUTPUT_LIMIT_MODES = ("truncate", "raise")
+_HOSTNAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,62})?")
+_ENV_NAME = re.compile(r"[^=\0]+")
+
+
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)i?b?\s*", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(value: str | int | float, name: str = "size") -> int:
+    """Bytes, from a number or a size as Docker writes it: "512m", "2g",
+    "0.5gb", "1.5GiB", "100k", "4096" (units of 1024; b, k, m, g, t)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be a size such as 512m or 2g, not {value!r}")
+    if isinstance(value, (int, float)):
+        size = int(value)
+    else:
+        m = _SIZE.fullmatch(str(value))
+        if m is None:
+            raise ValueError(f"{name} must be a size such as 512m or 2g, not {value!r}")
+        size = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if size <= 0:
+        raise ValueError(f"{name} must be positive, not {value!r}")
+    return size
+
+
+def _check_network(spec: "SandboxSpec") -> None:
+    from .net.ports import PortSpec
+    from .net.proxy import Allowlist
+
+    for name in ("allow", "ports"):
+        value = getattr(spec, name)
+        if isinstance(value, str):
+            value = (value,)
+        object.__setattr__(spec, name, tuple(value))
+    if spec.allow and spec.network != "proxy":
+        raise ValueError(f"allow applies to the proxy network mode, not to {spec.network!r}")
+    Allowlist(spec.allow)  # raises ValueError naming a bad entry
+    ports = tuple(str(PortSpec.parse(p)) for p in spec.ports)
+    if ports and spec.network == "host":
+        raise ValueError("ports cannot be published with network 'host': the sandbox already uses the host's ports")
+    object.__setattr__(spec, "ports", ports)
+
+
+def _choice(name: str, value: str, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, not {value!r}")
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """What a sandbox is made of and how its commands run.
+
+    rootfs: "host" (the built-in root composed from this host) or a
+        directory holding a root filesystem.
+    image: an OCI or Docker image instead (a reference such as
+        "python:3.12", or the name an import gave it); pulled if missing
+        (`pull`: "missing", "always" or "never"), for `platform` if given.
+        Its Env, WorkingDir and User apply unless the settings here say
+        otherwise.
+    user: the default user of exec, read_file and write_file (default:
+        the image's USER, else root).
+    workdir: the working directory (absolute); relative paths resolve
+        against it. Default: the image's WorkingDir, else the user's home
+        directory (created if missing).
+    env: environment variables of every command (over the image's).
+    network: "none" (a network namespace with loopback only), "host",
+        "nat" (outbound through pasta or slirp4netns; the host's loopback
+        as host.nsbox.internal) or "proxy" (loopback only, plus an HTTP and
+        SOCKS5 proxy that lets through only the hosts `allow` names).
+    allow: the proxy mode's allowlist ("example.com", "*.example.org",
+        "host:443", an IP address, "*").
+    ports: published ports, "[ADDRESS:]HOSTPORT:PORT" (ADDRESS defaults to
+        127.0.0.1), as Docker's -p.
+    hostname: default: the sandbox's id.
+    mounts: host files or directories bound into the sandbox.
+    id_mapping: "auto", "single" or "host-root" (see nsbox/idmap.py).
+    nested_userns: let commands create user namespaces and mount (to run
+        a sandbox inside); denied by default, as in Docker.
+    output_limit_mode: "truncate" keeps the last bytes of a long output
+        stream; "raise" raises OutputLimitExceeded.
+    timeout: default exec timeout in seconds (None: none).
+    memory: memory limit of the whole sandbox, in bytes or as "512m", "2g"
+        (Docker's --memory); a process that exceeds it is killed (exit 137).
+    pids_limit: most processes the sandbox may have at once.
+    cpus: CPU time, in CPUs (1.5: one and a half CPUs' worth).
+    disk: size cap of the writable layer (and of /tmp), in bytes or as "2g".
+        Limits are enforced by a cgroup where the host offers one, else
+        approximated (see nsbox/resources.py and `nsbox doctor`).
+    label, origin: what `nsbox ps` shows (origin: "api", "cli", "inspect").
+    """
+
+    rootfs: str = "host"
+    image: str | None = None
+    pull: PullPolicy = "missing"
+    platform: str | None = None
+    user: str | None = None
+    workdir: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    network: Network = "none"
+    allow: tuple[str, ...] = ()
+    ports: tuple[str, ...] = ()
+    hostname: str | None = None
+    mounts: tuple[Bind, ...] = ()
+    id_mapping: str = "auto"
+    nested_userns: bool = False
+    output_limit_mode: OutputLimitMode = "truncate"
+    timeout: float | None = None
+    memory: int | None = None
+    pids_limit: int | None = None
+    cpus: float | None = None
+    disk: int | None = None
+    label: str = ""
+    origin: str = "api"
+
+    def __post_init__(self) -> None:
+        _choice("network", self.network, NETWORKS)
+        _check_network(self)
+        _choice("output_limit_mode", self.output_limit_mode, OUTPUT_LIMIT_MODES)
+        _choice("id_mapping", self.id_mapping, REQUESTS)
+        _choice("pull", self.pull, PULL_POLICIES)
+        if self.user == "":
+            raise ValueError("user must not be empty")
+        if self.image is not None and str(self.rootfs or "host") != "host":
+            raise ValueError("give either rootfs or image, not both")
+        if self.image == "":
+            raise ValueError("image must not be empty")
+        if self.workdir is not None and not posixpath.isabs(self.workdir):
+            raise ValueError(f"workdir must be an absolute path inside the sandbox, not {self.workdir!r}")
+        if self.hostname is not None and not _HOSTNAME.fullmatch(self.hostname):
+            raise ValueError(f"hostname must be 1-64 letters, digits, '.' or '-', not {self.hostname!r}")
+        for name, value in self.env.items():
+            if not _ENV_NAME.fullmatch(name) or "\0" in str(value):
+                raise ValueError(f"invalid environment variable {name!r}")
+        if self.timeout is not None and self.timeout <= 0:
+            raise ValueError(f"timeout must be positive, not {self.timeout!r}")
+        # Frozen: normalise through object.__setattr__.
+        for name in ("memory", "disk"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, parse_size(value, name))  # type: ignore[arg-type]
+        if self.memory is not None and self.memory < 6 << 20:
+            raise ValueError(f"memory must be at least 6m (as in Docker), not {self.memory}")
+        if self.pids_limit is not None:
+            if isinstance(self.pids_limit, bool) or int(self.pids_limit) != self.pids_limit or self.pids_limit < 1:
+                raise ValueError(f"pids_limit must be a positive whole number, not {self.pids_limit!r}")
+            object.__setattr__(self, "pids_limit", int(self.pids_limit))
+        if self.cpus is not None:
+            if isinstance(self.cpus, bool) or not isinstance(self.cpus, (int, float)) or not self.cpus >= 0.01:
+                raise ValueError(f"cpus must be a number of CPUs of at least 0.01, not {self.cpus!r}")
+            object.__setattr__(self, "cpus", float(self.cpus))
+        object.__setattr__(self, "rootfs", str(self.rootfs or "host"))
+        object.__setattr__(self, "env", dict(self.env))
+        object.__setattr__(self, "mounts", tuple(m if isinstance(m, Bind) else Bind.parse(m) for m in self.mounts))
+
+    def replace(self, **changes: object) -> "SandboxSpec":
+        return replace(self, **changes)  # type: ignore[arg-type]
