@@ -20,6 +20,7 @@ test:
 
 bench:
 	$(PYTHON) bench/bench.py
+	$(PYTHON) bench/netmodes.py
 
 clean:
 	rm -rf build dist *.egg-info nsbox/_native*.so nsbox/_native.c nsbox/nsbox-init nsbox/nsbox-create rootfs/build

@@ -18,19 +18,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
 import os
 import platform
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 import anyio
 
 import nsbox
+from nsbox.removal import remove_layer
 
 try:
     from inspect_ai.util._sandbox.local import LocalSandboxEnvironment
@@ -47,6 +52,12 @@ BWRAP_ARGS = [
     "--symlink", "usr/bin", "/bin", "--proc", "/proc", "--dev", "/dev", "true",
 ]
 UNSHARE_CMD = ["unshare", "-Urmpf", "--mount-proc", "true"]
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The debian fixture as an OCI image (rootfs/images.sh, run by `make bench`).
+OCI_LAYOUT = os.path.join(REPO, "rootfs", "build", "oci")
+OCI_TAG = "debian"
+BENCH_IMAGE = "nsbox-bench/debian:12"  # kept in this user's image store between runs
+PODMAN_PUBLISHED = (0.200, 0.280)  # `podman run --rm IMG true`, published figures (s)
 
 Op = Callable[[], Awaitable[Any]]
 
@@ -210,6 +221,193 @@ async def bench_create(n: int, warmup: int, notes: list[str]) -> list[Row]:
     return rows
 
 
+def tool(name: str) -> str | None:
+    return shutil.which(name) or shutil.which(name, path="/usr/sbin:/usr/bin")
+
+
+async def bench_image_create(n: int, warmup: int, notes: list[str]) -> list[Row]:
+    """create + exec true + close from a cached image, interleaved with the
+    same on the host root (and `podman run --rm` when installed)."""
+    op = "image: create+exec true+destroy"
+    podman = tool("podman")
+    podman_text = "podman run --rm IMG true" if podman else (
+        f"podman (not installed): published {PODMAN_PUBLISHED[0] * 1000:.0f}-{PODMAN_PUBLISHED[1] * 1000:.0f} ms, "
+        "low end")
+    if not os.path.isfile(os.path.join(OCI_LAYOUT, "index.json")):
+        why = f"n/a: {OCI_LAYOUT} missing (rootfs/images.sh)"
+        return [Row(op, 0, None, f"host rootfs ({why})", None, "ms", "<= +1 ms vs host"),
+                Row(op, 0, None, podman_text, None, "ms", "report")]
+    from nsbox.storage import Store
+    from nsbox.storage.archive import import_image
+
+    store = Store()
+    try:
+        await store.resolve(BENCH_IMAGE, pull="never")
+    except Exception:  # not there yet, or not unpacked: import the layout
+        await import_image(store, OCI_LAYOUT, name=BENCH_IMAGE, tag=OCI_TAG)
+    parts: dict[str, list[float]] = {}
+
+    def timed(kind: str, **options: Any) -> Op:
+        async def run() -> None:
+            t0 = time.perf_counter()
+            sb = await nsbox.Sandbox.create(**options)
+            t1 = time.perf_counter()
+            r = await sb.exec(["true"])
+            assert r.returncode == 0, r
+            t2 = time.perf_counter()
+            await sb.close()
+            for part, v in (("create", t1 - t0), ("exec", t2 - t1), ("close", time.perf_counter() - t2)):
+                parts.setdefault(f"{kind} {part}", []).append(v)
+        return run
+
+    variants: dict[str, Op] = {"image": timed("image", image=BENCH_IMAGE), "host": timed("host")}
+    podman_ref = ""
+    if podman:
+        # podman's own store: copied in once, outside the timing.
+        podman_ref = "localhost/nsbox-bench-debian:12"
+        r = subprocess.run([podman, "pull", "-q", f"oci:{OCI_LAYOUT}:{OCI_TAG}"], capture_output=True, text=True)
+        if r.returncode == 0:
+            subprocess.run([podman, "tag", r.stdout.strip().splitlines()[-1], podman_ref], capture_output=True)
+            variants["podman"] = sync_op([podman, "run", "--rm", "--network", "none", podman_ref, "true"])
+        else:
+            podman_text = f"podman run --rm (pull failed: {r.stderr.strip()[-80:]})"
+    s = await interleaved(variants, n, warmup)
+    for k in parts:
+        parts[k] = parts[k][warmup:]
+    med = {k: statistics.median(v) for k, v in s.items()}
+    diff = med["image"] - med["host"]
+    notes.append("image create+exec+destroy: " + ", ".join(
+        f"{k} {statistics.median(v) * 1000:.2f}" for k, v in parts.items()) + " ms (medians); "
+        + "; ".join(f"{k} {ms_spread(v)}" for k, v in s.items()))
+    base_podman = med.get("podman", PODMAN_PUBLISHED[0] if not podman else None)
+    return [
+        Row(op, n, med["image"], "same on the host rootfs", med["host"], "ms", f"<= +1 ms ({diff * 1000:+.2f} ms)",
+            lambda _v, _r: diff <= 0.001),
+        Row(op, n, med["image"], podman_text, base_podman, "ms", "report"),
+    ]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class LoopbackRegistry:
+    """Debian's docker-registry on 127.0.0.1:<free port> (as tests/imagekit.py)."""
+
+    def __init__(self, binary: str, workdir: str) -> None:
+        self.port = free_port()
+        self.host = f"127.0.0.1:{self.port}"
+        config = os.path.join(workdir, "config.yml")
+        with open(config, "w") as f:
+            f.write("version: 0.1\nlog:\n  level: error\n  accesslog:\n    disabled: true\n"
+                    f"storage:\n  filesystem:\n    rootdirectory: {workdir}/storage\n"
+                    f"http:\n  addr: 127.0.0.1:{self.port}\n  secret: nsbox-bench\n")
+        self.log = open(os.path.join(workdir, "registry.log"), "wb")
+        self.proc = subprocess.Popen([binary, "serve", config], stdout=self.log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 15
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"docker-registry exited (see {workdir}/registry.log)")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("docker-registry did not listen in 15 s") from None
+                time.sleep(0.02)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+async def bench_pull(n: int, notes: list[str]) -> list[Row]:
+    """Pull + unpack of the debian fixture image (~75 MB unpacked) from a
+    registry on 127.0.0.1, each time into an empty store, against `skopeo
+    copy` to an OCI layout plus GNU tar of its layers into one directory."""
+    op = "image: pull+unpack (loopback registry)"
+    baseline = "skopeo copy to oci: + GNU tar -x of the layers"
+    missing = [t for t in ("docker-registry", "skopeo") if tool(t) is None]
+    if not os.path.isfile(os.path.join(OCI_LAYOUT, "index.json")):
+        missing.append(f"{OCI_LAYOUT} (rootfs/images.sh)")
+    if missing:
+        return [Row(op, 0, None, f"{baseline} (n/a: missing {', '.join(missing)})", None, "ms", "ratio <= 1.50")]
+    from nsbox import idmap
+    from nsbox.storage import Store
+    from nsbox.storage.registry import pull
+
+    mapping = idmap.detect()
+    work = tempfile.mkdtemp(prefix="nsbox-bench-pull-", dir=os.environ.get("TMPDIR", "/var/tmp"))
+    registry = LoopbackRegistry(tool("docker-registry") or "", work)
+    try:
+        ref = f"{registry.host}/bench/debian:12"
+        r = subprocess.run([tool("skopeo") or "", "copy", "-q", "--dest-tls-verify=false",
+                            f"oci:{OCI_LAYOUT}:{OCI_TAG}", f"docker://{ref}"], capture_output=True, text=True)
+        if r.returncode != 0:
+            return [Row(op, 0, None, f"{baseline} (n/a: skopeo push failed: {r.stderr.strip()[-80:]})", None,
+                        "ms", "ratio <= 1.50")]
+        size = 0
+
+        async def ns(dest: str) -> None:
+            nonlocal size
+            image = await pull(Store(Path(dest)), ref)
+            size = sum(e.stat(follow_symlinks=False).st_size for layer in image.layers
+                       for e in _walk(os.fspath(layer))) if not size else size
+
+        async def base(dest: str) -> None:
+            layout = os.path.join(dest, "oci")
+            subprocess.run([tool("skopeo") or "", "copy", "-q", "--src-tls-verify=false", f"docker://{ref}",
+                            f"oci:{layout}:debian"], check=True, capture_output=True)
+            with open(os.path.join(layout, "index.json")) as f:
+                manifest_digest = json.load(f)["manifests"][0]["digest"]
+            with open(os.path.join(layout, "blobs", *manifest_digest.split(":"))) as f:
+                layers = json.load(f)["layers"]
+            root = os.path.join(dest, "rootfs")
+            os.mkdir(root)
+            for layer in layers:  # GNU tar detects the compression itself
+                subprocess.run(["tar", "--numeric-owner", "-xf", os.path.join(layout, "blobs", *layer["digest"].split(":")),
+                                "-C", root], check=True, stdin=subprocess.DEVNULL)
+
+        variants = {"nsbox": ns, "skopeo+tar": base}
+        samples: dict[str, list[float]] = {k: [] for k in variants}
+        items = list(variants.items())
+        for i in range(n + 1):  # the first round warms the registry's and the page cache
+            for name, fn in (items if i % 2 == 0 else items[::-1]):
+                dest = tempfile.mkdtemp(prefix=f"{name.replace('+', '-')}-", dir=work)
+                t0 = time.perf_counter()
+                await fn(dest)
+                elapsed = time.perf_counter() - t0
+                if i:
+                    samples[name].append(elapsed)
+                await anyio.to_thread.run_sync(remove_layer, Path(dest), mapping)
+    finally:
+        registry.close()
+        await anyio.to_thread.run_sync(remove_layer, Path(work), mapping)
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    notes.append(f"pull+unpack: {size / MiB:.0f} MiB unpacked; " + "; ".join(
+        f"{k} p10 {pct(v, 0.1):.2f} / p90 {pct(v, 0.9):.2f} s" for k, v in samples.items()))
+    return [Row(op, n, med["nsbox"], baseline, med["skopeo+tar"], "ms", "ratio <= 1.50", lambda _v, r: r <= 1.5)]
+
+
+def _walk(top: str) -> list[os.DirEntry[str]]:
+    out, stack = [], [top]
+    while stack:
+        with os.scandir(stack.pop()) as it:
+            for e in it:
+                out.append(e)
+                if e.is_dir(follow_symlinks=False):
+                    stack.append(e.path)
+    return out
+
+
 async def bench_output(sb: nsbox.Sandbox, local: Any, n: int, warmup: int, notes: list[str]) -> list[Row]:
     cmd = ["head", "-c", str(OUT_BYTES), "/dev/zero"]
 
@@ -369,10 +567,12 @@ async def amain(args: argparse.Namespace) -> int:
         return max(3, round(base * args.scale))
 
     n_exec, n_create, n_out, n_file = iters(200), iters(50), iters(20), iters(10)
+    n_image, n_pull = iters(50), iters(5)
     for line in machine():
         print(line)
     print(f"iterations: exec {n_exec}, create+destroy {n_create}, 10 MiB exec {n_out}, "
-          f"50 MiB files {n_file}, RSS {RSS_SANDBOXES} sandboxes; medians after a warm-up, variants interleaved")
+          f"50 MiB files {n_file}, image create {n_image}, pull {n_pull}, RSS {RSS_SANDBOXES} sandboxes; "
+          "medians after a warm-up, variants interleaved")
     t_start = time.perf_counter()
     rows: list[Row] = []
     notes: list[str] = []
@@ -390,6 +590,8 @@ async def amain(args: argparse.Namespace) -> int:
             rows += await bench_output(sb, local, n_out, 3, notes)
             rows += await bench_files(sb, local, n_file, 2, notes)
         rows += await bench_create(n_create, 5, notes)
+        rows += await bench_image_create(n_image, 5, notes)
+        rows += await bench_pull(n_pull, notes)
         rows += await bench_rss(RSS_SANDBOXES, notes)
     finally:
         if envs is not None:

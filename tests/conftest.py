@@ -19,7 +19,7 @@ import pytest
 import nsbox
 from nsbox import dirs, idmap
 from nsbox.images import import_tarball
-from nsbox.rootfs import remove_layer
+from nsbox.removal import remove_layer
 
 FIXTURES = Path(os.environ.get("NSBOX_TEST_FIXTURES") or Path(__file__).resolve().parent.parent / "rootfs" / "build")
 MODE = idmap.detect()
@@ -56,7 +56,7 @@ def _imported_rootfs(name: str) -> Path:
     st = tar.stat()
     cache = dirs.cache_dir() / "test-rootfs"
     cache.mkdir(exist_ok=True)
-    dest = cache / f"{name}-{st.st_size}-{st.st_mtime_ns}-{MODE.mode}"
+    dest = cache / f"{name}-{st.st_size}-{st.st_mtime_ns}-{MODE.key}"
     if not dest.exists():
         for old in cache.glob(f"{name}-*"):
             remove_layer(old, MODE)

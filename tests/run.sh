@@ -45,7 +45,7 @@ fi
 "$stage/venv/bin/python" -m pip install -q --force-reinstall --no-deps "$repo"
 rm -rf "$stage/src" "$stage/fixtures"
 mkdir -p "$stage/src" "$stage/fixtures"
-cp -r tests pyproject.toml "$stage/src/"
+cp -r tests pyproject.toml csrc "$stage/src/"  # csrc: the spec parser is fuzzed under sanitizers
 cp rootfs/build/*.tar "$stage/fixtures/"
 chmod -R a+rX "$stage"
 

@@ -8,7 +8,7 @@ import random
 import pytest
 
 import nsbox
-from nsbox.exec import READ_CHUNK, CappedBuffer
+from nsbox.capture import READ_CHUNK, CappedBuffer
 
 
 def drain(buf: CappedBuffer, fd: int) -> None:

@@ -20,6 +20,13 @@ def test_run_prints_and_exits_with_the_command() -> None:
     assert (r.returncode, r.stdout, r.stderr) == (3, "piped in\n", "err\n")
 
 
+def test_run_forwards_large_output_whole() -> None:
+    # A first read that fills the read buffer makes nsbox grow the pipe:
+    # with output forwarded (not captured) that path must work too.
+    r = subprocess.run([*NSBOX, "run", "--", "head", "-c", "3000000", "/dev/zero"], capture_output=True, timeout=120)
+    assert (r.returncode, len(r.stdout), r.stderr) == (0, 3000000, b"")
+
+
 def test_run_options(tmp_path: Path) -> None:
     (tmp_path / "data").write_text("bound\n")
     tmp_path.chmod(0o755)

@@ -12,6 +12,8 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 import nsbox
 from nsbox.rootfs import Bind
 
@@ -34,10 +36,16 @@ for path in ("/proc/1/fd/3", "/proc/1/root", "/proc/1/environ"):
 """
 
 
-async def test_readonly_mounts_stay_readonly(tmp_path: Path) -> None:
+# With nested_userns the seccomp filter lets mount(2) through: then the
+# mount lock alone must hold.
+NESTED = pytest.mark.parametrize("nested_userns", [False, True], ids=["filtered", "nested-userns"])
+
+
+@NESTED
+async def test_readonly_mounts_stay_readonly(tmp_path: Path, nested_userns: bool) -> None:
     (tmp_path / "f").write_text("original\n")
     os.chmod(tmp_path, 0o755)
-    async with nsbox.Sandbox(mounts=[Bind(str(tmp_path), "/data", readonly=True)]) as sb:
+    async with nsbox.Sandbox(mounts=[Bind(str(tmp_path), "/data", readonly=True)], nested_userns=nested_userns) as sb:
         for target in ("/data", "/usr"):
             r = await sb.exec(["mount", "-o", "remount,rw,bind", target])
             assert not r.success, f"sandbox root remounted {target} read-write"
@@ -48,12 +56,14 @@ async def test_readonly_mounts_stay_readonly(tmp_path: Path) -> None:
     assert not Path("/usr/nsbox-probe").exists()
 
 
-async def test_mounts_cannot_be_uncovered(sandbox: nsbox.Sandbox) -> None:
+@NESTED
+async def test_mounts_cannot_be_uncovered(nested_userns: bool) -> None:
     # Unmounting a bind or the /proc over the root would reveal what is under it.
-    for target in ("/dev/null", "/usr", "/proc", "/dev"):
-        r = await sandbox.exec(["umount", "-l", target])
-        assert not r.success, f"sandbox root unmounted {target}"
-    assert (await sandbox.exec(["python3", "-c", "print(1)"])).stdout == "1\n"
+    async with nsbox.Sandbox(nested_userns=nested_userns) as sandbox:
+        for target in ("/dev/null", "/usr", "/proc", "/dev"):
+            r = await sandbox.exec(["umount", "-l", target])
+            assert not r.success, f"sandbox root unmounted {target}"
+        assert (await sandbox.exec(["python3", "-c", "print(1)"])).stdout == "1\n"
 
 
 async def test_init_is_out_of_reach(sandbox: nsbox.Sandbox) -> None:

@@ -21,10 +21,14 @@ async def test_sandbox_root_is_the_invoking_user(sandbox: nsbox.Sandbox) -> None
     await sandbox.write_file("/var/tmp/owned", "x")
     r = await sandbox.exec(["stat", "-c", "%u", "/var/tmp/owned"])
     assert r.stdout == "0\n"
-    # The init's user namespace maps sandbox root onto us...
+    # The init's user namespace maps sandbox root onto us (real root: onto
+    # a subordinate id, never onto host root)...
     with open(f"/proc/{sandbox.pid}/uid_map") as f:
         uid_map = f.read().split()
-    assert uid_map[:3] == ["0", str(os.geteuid()), "1" if os.geteuid() else str(idmap.ROOT_RANGE)]
+    assert sandbox.idmap is not None
+    outside = os.geteuid() or sandbox.idmap.host_root[0]
+    assert outside != 0
+    assert uid_map[:3] == ["0", str(outside), "1" if os.geteuid() else str(idmap.ROOT_RANGE)]
     # ...and sandbox processes live in a nested one that maps ids to themselves.
     nested = (await sandbox.read_file("/proc/self/uid_map")).split()
     assert nested[:2] == ["0", "0"]
@@ -90,3 +94,21 @@ async def test_inspect_root_probe_verdict(mode: str) -> None:
         await NsboxSandboxEnvironment.sample_cleanup("probe", cfg, envs, False)
     # With one mapped id, setgroups must be denied: "unusable" is right then.
     assert verdict.state == ("unusable" if mode == "single" else "usable"), verdict.reason
+
+
+def test_no_new_privs_falls_back_to_single(mode: str) -> None:
+    # Under no_new_privs (Kubernetes' allowPrivilegeEscalation: false) the
+    # setuid newuidmap cannot write maps: a user with a subuid range gets
+    # the single-uid mode, saying why, instead of a failed sandbox.
+    import subprocess
+    import sys
+
+    probe = "from nsbox import idmap; m = idmap.detect(); print(m.mode); print(m.reason)"
+    r = subprocess.run(["setpriv", "--no-new-privs", sys.executable, "-c", probe], capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode == 0, r.stderr
+    got, reason = r.stdout.splitlines()[:2]
+    if mode == "subuid":
+        assert got == "single" and "no_new_privs" in reason
+    else:
+        assert got == mode  # root writes its maps itself; single has nothing to lose

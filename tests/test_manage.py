@@ -345,21 +345,22 @@ async def inspect_env() -> Iterator[NsboxSandboxEnvironment]:  # type: ignore[mi
         await NsboxSandboxEnvironment.sample_cleanup("conn", None, envs, False)
 
 
-def paste(command: str, typed: str) -> subprocess.CompletedProcess[str]:
-    """Runs a connection command as a person pasting it into a shell, with
-    `typed` as what they type into the session."""
-    return subprocess.run(["/bin/sh", "-c", command], input=typed, capture_output=True, text=True, timeout=30)
-
-
 async def test_connection_logs_in_as_the_default_user(inspect_env: NsboxSandboxEnvironment) -> None:
     sb = inspect_env.sandbox
     conn = await inspect_env.connection()
     assert conn.type == "nsbox" and conn.container == sb.id
-    r = paste(conn.command, "echo $(id -u) $(pwd) $(hostname) $(cat /proc/1/comm) $(readlink /proc/self/ns/user)\n")
-    # The session lives in the user namespace sandbox processes run in (the
-    # nested one the init holds as a descriptor).
-    nested = os.readlink(f"/proc/{sb.pid}/fd/{native.lib.NSBOX_FD_USERNS}")
-    assert (r.returncode, r.stdout) == (0, f"0 {sb.workdir} {sb.hostname} nsbox-init {nested}\n"), r.stderr
+    # Pasted into a terminal, as a person would.
+    with terminal(["/bin/sh", "-c", conn.command], cols=200) as t:
+        probe = "echo $(id -u) $(pwd) $(hostname) $(cat /proc/1/comm) $(readlink /proc/self/ns/user)"
+        found = t.run(probe, r"(\d+) (\S+) (\S+) (\S+) (user:\S+)").groups()
+        # The session lives in the user namespace sandbox processes run in
+        # (the nested one the init holds as a descriptor), on a terminal of
+        # the sandbox's own.
+        nested = os.readlink(f"/proc/{sb.pid}/fd/{native.lib.NSBOX_FD_USERNS}")
+        assert found == ("0", sb.workdir, sb.hostname, "nsbox-init", nested)
+        t.run("tty", r"/dev/pts/\d+")
+        t.type("exit 4\n")
+        assert t.wait() == 4
 
 
 async def test_connection_as_another_user(inspect_env: NsboxSandboxEnvironment, mode: str) -> None:
@@ -369,8 +370,10 @@ async def test_connection_as_another_user(inspect_env: NsboxSandboxEnvironment, 
             await inspect_env.connection(user="nobody")
         return
     conn = await inspect_env.connection(user="nobody")
-    r = paste(conn.command, "id -u\n")
-    assert (r.returncode, r.stdout) == (0, "65534\n"), r.stderr
+    with terminal(["/bin/sh", "-c", conn.command]) as t:
+        t.run("id -u", r"\b65534\b")
+        t.type("exit\n")
+        assert t.wait() == 0
 
 
 async def test_connection_after_cleanup() -> None:

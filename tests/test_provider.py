@@ -67,7 +67,7 @@ async def test_tarball_rootfs_and_named_sandboxes(tmp_path: Path) -> None:
     # The tarball was unpacked once, under its content hash and id mapping,
     # and a later task reuses it.
     digest = hashlib.sha256(tarball.read_bytes()).hexdigest()[:24]
-    image = dirs.data_dir() / "images" / f"{digest}-{idmap.detect().mode}"
+    image = dirs.data_dir() / "images" / f"{digest}-{idmap.detect().key}"
     assert (image / "bin" / "busybox").is_file()
     stamp = image.stat().st_mtime_ns
     NsboxSandboxEnvironment._rootfs.clear()

@@ -10,6 +10,8 @@ import pytest
 import nsbox
 from nsbox.rootfs import Bind
 
+from .conftest import MODE
+
 
 async def test_host_root_shares_usr_read_only(sandbox: nsbox.Sandbox) -> None:
     r = await sandbox.exec(["touch", "/usr/nsbox-test"])
@@ -93,6 +95,9 @@ async def test_bind_mounts(tmp_path: Path) -> None:
     (tmp_path / "ro").mkdir()
     (tmp_path / "ro" / "f").write_text("from host\n")
     (tmp_path / "rw").mkdir()
+    # A writable bind must belong to sandbox root's host ids (for real root a
+    # subordinate id, as in rootless podman), or sandbox root cannot write.
+    os.chown(tmp_path / "rw", *MODE.host_root)
     os.chmod(tmp_path, 0o755)
     binds = [Bind(str(tmp_path / "ro"), "/mnt/in", readonly=True), Bind(str(tmp_path / "rw"), "/data/out")]
     async with nsbox.Sandbox(mounts=binds) as sb:
