@@ -123,6 +123,11 @@ enum nsbox_setup_stage {
  * EINVAL and NSBOX_ZYGOTE_REQUEST, or not at all if it carried no
  * descriptor to answer on; replies never wait for room on the socket.
  * EOF on its socket (the Python process exited) ends it.
+ *
+ * A message whose byte is 'j' asks instead for a sub-zygote inside another
+ * sandbox's user and network namespaces (see enter() in create/main.c); it
+ * carries the reply socket, the sub-zygote's socket and the two namespace
+ * descriptors, and is answered with the sub-zygote's pid and pidfd.
  */
 #define NSBOX_ZYGOTE_SOCKET 3
 #define NSBOX_ZYGOTE_MSG_MAX 1024
@@ -132,6 +137,7 @@ enum nsbox_zygote_stage {
     NSBOX_ZYGOTE_REQUEST = 1, /* the request was malformed */
     NSBOX_ZYGOTE_CLONE = 2,   /* clone3 failed */
     NSBOX_ZYGOTE_IDMAP = 3,   /* writing the id maps failed */
+    NSBOX_ZYGOTE_JOIN = 4,    /* a sub-zygote could not enter the namespaces given */
 };
 
 struct nsbox_zygote_reply {

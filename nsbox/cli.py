@@ -69,10 +69,12 @@ def sandbox_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("-e", "--env", "env", multiple=True, metavar="KEY=VALUE", help="Set an environment variable."),
         click.option("-v", "--volume", "volumes", multiple=True, metavar="SRC:DST[:ro]",
                      help="Bind a host file or directory into the sandbox."),
-        click.option("--network", type=click.Choice(["none", "host", "nat", "proxy"]), default="none",
-                     show_default=True,
+        click.option("--network", default="none", show_default=True, metavar="none|host|nat|proxy|container:ID",
                      help="'none': loopback only; 'host': the host's network; 'nat': outbound access, the host's "
-                          "loopback as host.nsbox.internal; 'proxy': only the hosts --allow names, through a proxy."),
+                          "loopback as host.nsbox.internal; 'proxy': only the hosts --allow names, through a proxy; "
+                          "'container:ID': the network of the running sandbox ID."),
+        click.option("--add-host", "add_hosts", multiple=True, metavar="NAME:IP",
+                     help="An extra /etc/hosts entry."),
         click.option("-p", "--publish", "publish", multiple=True, metavar="[IP:]HOSTPORT:PORT",
                      help="Publish a TCP port of the sandbox on the host (on 127.0.0.1 unless IP is given)."),
         click.option("--allow", "allow", multiple=True, metavar="HOST",
@@ -99,12 +101,18 @@ def make_sandbox(rootfs: str, image: str | None, pull: str, platform: str | None
                  workdir: str | None, env: Sequence[str], volumes: Sequence[str], network: str,
                  id_mapping: str, nested_userns: bool, memory: str | None = None, pids_limit: int | None = None,
                  cpus: float | None = None, disk: str | None = None, publish: Sequence[str] = (),
-                 allow: Sequence[str] = ()) -> Sandbox:
+                 allow: Sequence[str] = (), add_hosts: Sequence[str] = ()) -> Sandbox:
     try:
+        hosts = {}
+        for item in add_hosts:
+            name, sep, address = item.partition(":")
+            if not sep:
+                raise ValueError(f"--add-host takes NAME:IP, not {item!r}")
+            hosts[name] = address
         return Sandbox(spec=SandboxSpec(rootfs=rootfs, image=image, pull=pull, platform=platform,  # type: ignore[arg-type]
                                         user=user, workdir=workdir, env=_parse_env(env),
                                         mounts=tuple(_parse_binds(volumes)), network=network,  # type: ignore[arg-type]
-                                        ports=tuple(publish), allow=tuple(allow),
+                                        ports=tuple(publish), allow=tuple(allow), hosts=hosts,
                                         id_mapping=id_mapping, nested_userns=nested_userns, origin="cli",
                                         memory=memory, pids_limit=pids_limit, cpus=cpus, disk=disk))  # type: ignore[arg-type]
     except ValueError as e:

@@ -46,9 +46,15 @@ async def launch(plan: Plan, launched: Launched, *, sandbox_id: str, socket_path
     launched.cleanups.extend(plan.cleanups)  # whatever fails from here, the caller runs them
     err_r, err_w = os.pipe2(os.O_CLOEXEC)
     go_r, go_w = os.pipe2(os.O_CLOEXEC)
+    via: native.SubZygote | None = None
     try:
         try:
-            reply = _request(plan, launched, sandbox_id, socket_path, err_w, go_r)
+            if plan.join is not None:
+                try:
+                    via = native.SubZygote(*plan.join)
+                except OSError as e:
+                    raise SandboxSetupError(f"cannot join the other sandbox's network: {e.strerror}") from None
+            reply = _request(plan, launched, sandbox_id, socket_path, err_w, go_r, via)
         finally:
             os.close(err_w)
             os.close(go_r)
@@ -64,6 +70,9 @@ async def launch(plan: Plan, launched: Launched, *, sandbox_id: str, socket_path
                 ) from None
             except OSError as e:
                 raise hostcheck.clone_failed(e.errno) from None
+            finally:
+                if via is not None:
+                    via.close()  # one sandbox per sub-zygote: it exits at EOF
         await plan.run_hooks(launched.pid)
         native.go(go_w)
         if on_cloned is not None:
@@ -73,13 +82,15 @@ async def launch(plan: Plan, launched: Launched, *, sandbox_id: str, socket_path
     finally:
         os.close(go_w)
         os.close(err_r)
+        if via is not None:
+            via.close()
     if report:
         step, err = struct.unpack("=ii", report[:8])
         raise setup_error(plan, step, err, layer)
 
 
 def _request(plan: Plan, launched: Launched, sandbox_id: str, socket_path: Path, err_w: int,
-             go_r: int) -> socket.socket:
+             go_r: int, via: native.SubZygote | None) -> socket.socket:
     launched.ctl, ctl_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     init_fd = -1
@@ -98,7 +109,7 @@ def _request(plan: Plan, launched: Launched, sandbox_id: str, socket_path: Path,
             # and mount namespaces (NSBOX_FD_*).
             keep_fds=[ctl_child.fileno(), listener.fileno(), -1, -1], exec_fd=init_fd,
             argv=["nsbox-init", sandbox_id, *plan.init_args], envp=[], keep_stdio=False, new_session=True,
-            lock_maps=plan.idmap.nested_identity(), lock_slot=native.lib.NSBOX_FD_USERNS - 3,
+            lock_maps=plan.idmap.nested_identity(), lock_slot=native.lib.NSBOX_FD_USERNS - 3, via=via,
         )
     finally:
         if init_fd >= 0:

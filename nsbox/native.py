@@ -192,6 +192,62 @@ def _zygote_socket(restart: bool = False) -> socket.socket:
         return _zygote.sock
 
 
+class SubZygote:
+    """A zygote inside another sandbox's user and network namespaces (see
+    enter() in csrc/create/main.c): the sandboxes it creates share both.
+    Owned by the caller: close() ends and reaps it."""
+
+    def __init__(self, userns_fd: int, netns_fd: int) -> None:
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        ours, reply = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                    array.array("i", [reply.fileno(), theirs.fileno(), userns_fd, netns_fd]))]
+            _send(b"j", anc)
+        except BaseException:
+            self.sock.close()
+            raise
+        finally:
+            theirs.close()
+            reply.close()
+        with ours:
+            data, fds, _, _ = socket.recv_fds(ours, REPLY.size, 1)
+        for fd in fds:
+            os.close(fd)
+        if len(data) < REPLY.size:
+            self.sock.close()
+            raise OSError(errno.EIO, "nsbox-create stopped before answering")
+        self.pid, err, _, _ = REPLY.unpack_from(data)
+        if err:
+            self.sock.close()
+            if self.pid > 0:
+                os.waitpid(self.pid, 0)
+            raise OSError(err, f"entering the namespaces of another sandbox: {os.strerror(err)}")
+
+    def close(self) -> None:
+        if self.sock.fileno() >= 0:
+            self.sock.close()  # EOF: it exits
+            try:
+                os.waitpid(self.pid, 0)
+            except ChildProcessError:
+                pass
+
+
+def _send(byte: bytes, anc: list[tuple[int, int, array.array[int]]], sock: socket.socket | None = None) -> None:
+    """Sends one request to `sock`, or to this process's zygote (started,
+    or restarted once if it died)."""
+    if sock is not None:
+        sock.sendmsg([byte], anc)
+        return
+    for attempt in (0, 1):
+        try:
+            _zygote_socket(restart=attempt > 0).sendmsg([byte], anc)
+            return
+        except (BrokenPipeError, ConnectionResetError):
+            if attempt:
+                raise  # a fresh zygote died at once
+
+
 def request_spawn(
     *,
     clone_flags: int,
@@ -207,6 +263,7 @@ def request_spawn(
     new_session: bool,
     lock_maps: tuple[str, str] | None = None,
     lock_slot: int = 0,
+    via: SubZygote | None = None,
 ) -> socket.socket:
     """Asks the zygote to clone the process described; returns the socket
     its reply arrives on (read it with read_spawn_reply). The process waits
@@ -219,13 +276,7 @@ def request_spawn(
         fds = [theirs.fileno(), memfd, error_fd, sync_fd] + ([exec_fd] if exec_fd >= 0 else [])
         fds += [fd for fd in keep_fds if fd >= 0]
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
-        for attempt in (0, 1):
-            try:
-                _zygote_socket(restart=attempt > 0).sendmsg([b"s"], anc)
-                break
-            except (BrokenPipeError, ConnectionResetError):
-                if attempt:
-                    raise  # a fresh zygote died at once
+        _send(b"s", anc, via.sock if via is not None else None)
     except BaseException:
         ours.close()
         raise

@@ -42,16 +42,22 @@ from anyio.from_thread import BlockingPortal
 
 from .net import hosts as hosts_mod
 from .net import usernet
-from .net.client import Namespaces, NetHelper, listen_in
+from .net.client import Namespaces, NetError, NetHelper, listen_in
 from .net.ports import PortSpec, PublishedPort
 from .net.proxy import DEFAULT_PORT, ProxyServer, proxy_env
+from . import registry
+from .idmap import IdMap
 from .layers import write_file
-from .spec import SandboxSpec
+from .spec import CONTAINER, SandboxSpec
 
 PROXY_PORT = DEFAULT_PORT
 # Names the proxy resolves itself, to addresses it trusts (even loopback):
 # "name=address,name=address". For sites with internal services, and tests.
 PROXY_HOSTS_ENV = "NSBOX_PROXY_HOSTS"
+
+
+def needs_etc(spec: SandboxSpec) -> bool:
+    return spec.network == "nat" or bool(spec.hosts)
 
 
 def private(spec: SandboxSpec) -> bool:
@@ -66,16 +72,51 @@ def check(spec: SandboxSpec) -> None:
         usernet.find_tool()
 
 
+def open_join(spec: SandboxSpec, mapping: IdMap) -> tuple[int, int] | None:
+    """For network "container:ID": descriptors of sandbox ID's user and
+    network namespaces (its init's), to create the new sandbox in; None
+    for any other mode. Fails in one line if ID is not a running sandbox
+    of this user with the same id mapping."""
+    if not spec.network.startswith(CONTAINER):
+        return None
+    target = spec.network[len(CONTAINER):]
+    info = registry.read(target)
+    if info is None or not info.init_alive:
+        raise NetError(f"network {spec.network}: no running sandbox {target}")
+    proc = f"/proc/{info.init_pid}"
+    fds: list[int] = []
+    try:
+        with open(f"{proc}/uid_map") as f:
+            theirs = [tuple(int(x) for x in line.split()) for line in f if line.strip()]
+        if theirs != [tuple(line) for line in mapping.uid_map]:
+            raise NetError(f"network {spec.network}: sandbox {target} has another id mapping "
+                           f"(create both with the same id_mapping)")
+        for ns in ("user", "net"):
+            fds.append(os.open(f"{proc}/ns/{ns}", os.O_RDONLY | os.O_CLOEXEC))
+        if not registry.process_alive(info.init_pid, info.init_start):
+            raise NetError(f"network {spec.network}: sandbox {target} stopped")  # the pid was reused
+    except OSError as e:
+        for fd in fds:
+            os.close(fd)
+        raise NetError(f"network {spec.network}: cannot open sandbox {target}'s namespaces: {e.strerror}") from None
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return fds[0], fds[1]
+
+
 def environment(spec: SandboxSpec) -> dict[str, str]:
     """What the mode adds to every command's environment (under the sandbox's own env)."""
     return proxy_env(PROXY_PORT) if spec.network == "proxy" else {}
 
 
 def etc_files(spec: SandboxSpec, hostname: str) -> dict[str, str]:
-    """The /etc files the mode needs written into the sandbox once it runs."""
+    """The /etc files the mode (and extra hosts) need written into the sandbox once it runs."""
+    peers = [(address, [name]) for name, address in spec.hosts.items()]
     if spec.network != "nat":
-        return {}
-    return {"/etc/hosts": hosts_mod.render_hosts(hostname, host_address=usernet.GATEWAY),
+        return {"/etc/hosts": hosts_mod.render_hosts(hostname, peers)} if peers else {}
+    return {"/etc/hosts": hosts_mod.render_hosts(hostname, peers, host_address=usernet.GATEWAY),
             "/etc/resolv.conf": hosts_mod.render_resolv_conf(usernet.DNS)}
 
 

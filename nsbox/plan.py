@@ -71,6 +71,7 @@ class Plan:
     init_args: list[str] = field(default_factory=list)  # nsbox-init's argv after the sandbox id
     cleanups: list[Cleanup] = field(default_factory=list)  # run by the host after the init exits
     writable: Writable | None = None  # where upper layers go, if not in the layer directory
+    join: tuple[int, int] | None = None  # user and network namespace to create the sandbox in (network container:ID)
     _steps: dict[Phase, list[Step]] = field(default_factory=lambda: {p: [] for p in Phase})
     _host_dirs: list[str] = field(default_factory=list)
     _slots: dict[str, int] = field(default_factory=dict)
@@ -125,6 +126,11 @@ def contribute_network(plan: Plan, network: str) -> None:
     """"none": a network namespace of its own with loopback up; "host": the
     host's network namespace."""
     if network == "host":
+        return
+    if network.startswith("container:"):
+        # Created inside the other sandbox's user namespace (plan.join), in
+        # its network namespace, whose loopback is up already.
+        plan.namespaces.discard("CLONE_NEWUSER")
         return
     plan.namespaces.add("CLONE_NEWNET")
     plan.add(Phase.INSIDE, steps.loopback_up())

@@ -82,6 +82,7 @@ class Sandbox:
         network: Network = "none",
         allow: Sequence[str] = (),
         ports: Sequence[str] = (),
+        hosts: Mapping[str, str] | None = None,
         hostname: str | None = None,
         output_limit_mode: OutputLimitMode = "truncate",
         id_mapping: idmap.Requested = "auto",
@@ -98,7 +99,8 @@ class Sandbox:
         if spec is None:
             spec = SandboxSpec(
                 rootfs=os.fspath(rootfs) if rootfs is not None else "host", image=image, user=user, workdir=workdir,
-                env=dict(env or {}), network=network, allow=tuple(allow), ports=tuple(ports), hostname=hostname, mounts=tuple(mounts),
+                env=dict(env or {}), network=network, allow=tuple(allow), ports=tuple(ports), hosts=dict(hosts or {}), hostname=hostname,
+                mounts=tuple(mounts),
                 id_mapping=id_mapping, output_limit_mode=output_limit_mode, timeout=timeout, label=label,
                 nested_userns=nested_userns, memory=memory, pids_limit=pids_limit, cpus=cpus,  # type: ignore[arg-type]
                 disk=disk)  # type: ignore[arg-type]
@@ -232,15 +234,21 @@ class Sandbox:
         plan = self._plan()
         # Known now or later: record the sandbox while its setup runs.
         self.workdir = self.spec.workdir or self._known_default_home() or ""
-        await launch(plan, self._launched, sandbox_id=self.id, socket_path=self._rundir / registry.SOCKET,
-                     layer=self._layer, on_cloned=self._register)
+        plan.join = netplan.open_join(self.spec, self.idmap)
+        try:
+            await launch(plan, self._launched, sandbox_id=self.id, socket_path=self._rundir / registry.SOCKET,
+                         layer=self._layer, on_cloned=self._register)
+        finally:
+            for fd in plan.join or ():
+                os.close(fd)
         if _exited(self._launched.pidfd):
             raise SandboxSetupError("the sandbox's init exited right after starting")
         assert self._launched.ctl is not None
         self._client = InitClient(self._launched.ctl, self.id)
         if netplan.private(self.spec):
             self._net = await netplan.attach(self.spec, self.pid, self._launched.pidfd)
-            for path, text in ({} if etc_written else netplan.etc_files(self.spec, self.hostname)).items():
+        if netplan.needs_etc(self.spec) and not etc_written:
+            for path, text in netplan.etc_files(self.spec, self.hostname).items():
                 await files.write_file(self._client, _creds(users.ROOT), path, text)
 
     @property

@@ -6,6 +6,7 @@ provider all produce one, so each option is declared and checked here, once.
 
 from __future__ import annotations
 
+import ipaddress
 import posixpath
 import re
 from dataclasses import dataclass, field, replace
@@ -19,6 +20,8 @@ OutputLimitMode = Literal["truncate", "raise"]
 PullPolicy = Literal["missing", "always", "never"]
 PULL_POLICIES = ("missing", "always", "never")
 NETWORKS = ("none", "host", "nat", "proxy")
+CONTAINER = "container:"  # network "container:ID": join sandbox ID's network namespace
+_SANDBOX_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 OUTPUT_LIMIT_MODES = ("truncate", "raise")
 _HOSTNAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,62})?")
 _ENV_NAME = re.compile(r"[^=\0]+")
@@ -54,6 +57,18 @@ def _check_network(spec: "SandboxSpec") -> None:
         if isinstance(value, str):
             value = (value,)
         object.__setattr__(spec, name, tuple(value))
+    if spec.network.startswith(CONTAINER):
+        if not _SANDBOX_ID.fullmatch(spec.network[len(CONTAINER):]):
+            raise ValueError(f"network {spec.network!r}: expected container:ID, the id of a running sandbox")
+        if spec.ports:
+            raise ValueError("ports cannot be published by a sandbox that joins another's network: "
+                             "publish them on that sandbox")
+    from .net.hosts import check_name
+
+    hosts = {}
+    for name, address in dict(spec.hosts).items():
+        hosts[check_name(name)] = str(ipaddress.ip_address(address))
+    object.__setattr__(spec, "hosts", hosts)
     if spec.allow and spec.network != "proxy":
         raise ValueError(f"allow applies to the proxy network mode, not to {spec.network!r}")
     Allowlist(spec.allow)  # raises ValueError naming a bad entry
@@ -88,7 +103,12 @@ class SandboxSpec:
     network: "none" (a network namespace with loopback only), "host",
         "nat" (outbound through pasta or slirp4netns; the host's loopback
         as host.nsbox.internal) or "proxy" (loopback only, plus an HTTP and
-        SOCKS5 proxy that lets through only the hosts `allow` names).
+        SOCKS5 proxy that lets through only the hosts `allow` names), or
+        "container:ID" to share the network namespace of the running
+        sandbox ID (Docker's --network container:ID; both must have the
+        same owner and id mapping): the two reach each other on 127.0.0.1,
+        as the containers of a pod do.
+    hosts: extra /etc/hosts entries, name -> address (Docker's --add-host).
     allow: the proxy mode's allowlist ("example.com", "*.example.org",
         "host:443", an IP address, "*").
     ports: published ports, "[ADDRESS:]HOSTPORT:PORT" (ADDRESS defaults to
@@ -121,6 +141,7 @@ class SandboxSpec:
     network: Network = "none"
     allow: tuple[str, ...] = ()
     ports: tuple[str, ...] = ()
+    hosts: Mapping[str, str] = field(default_factory=dict)
     hostname: str | None = None
     mounts: tuple[Bind, ...] = ()
     id_mapping: str = "auto"
@@ -135,7 +156,8 @@ class SandboxSpec:
     origin: str = "api"
 
     def __post_init__(self) -> None:
-        _choice("network", self.network, NETWORKS)
+        if not self.network.startswith(CONTAINER):
+            _choice("network", self.network, NETWORKS)
         _check_network(self)
         _choice("output_limit_mode", self.output_limit_mode, OUTPUT_LIMIT_MODES)
         _choice("id_mapping", self.id_mapping, REQUESTS)

@@ -26,6 +26,7 @@
 #include <net/if.h>
 #include <signal.h>
 #include <spawn.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -52,6 +53,10 @@ static void reply(int sock, int pid, int err, int stage, int pidfd, const char *
 }
 
 #define MAX_FDS 12
+
+/* Set in a sub-zygote (see enter() below): it lives in another sandbox's
+ * user and network namespaces, so the children it clones share both. */
+static bool joined;
 
 /* Serves one creation request; fds[0] is the reply socket, fds[1] the spec. */
 static void serve(int *fds, int nfds)
@@ -86,7 +91,10 @@ static void serve(int *fds, int nfds)
     memset(&args, 0, sizeof args);
     /* With CLONE_PARENT the child's exit signal is ours (SIGCHLD); clone3
      * requires exit_signal to be 0 then. */
-    args.flags = spec.clone_flags | CLONE_PARENT | CLONE_PIDFD;
+    /* Joined: the user and network namespaces are ours already; their id
+     * maps were written when they were made. */
+    unsigned long ns = joined ? spec.clone_flags & ~(unsigned long)(CLONE_NEWUSER | CLONE_NEWNET) : spec.clone_flags;
+    args.flags = ns | CLONE_PARENT | CLONE_PIDFD;
     args.pidfd = (uint64_t)(uintptr_t)&pidfd;
     long pid = syscall(SYS_clone3, &args, sizeof args);
     if (pid == 0)
@@ -97,7 +105,7 @@ static void serve(int *fds, int nfds)
     }
     char msg[NSBOX_ZYGOTE_MSG_MAX];
     int msglen = 0;
-    int err = write_id_maps(&spec, (pid_t)pid, msg, &msglen);
+    int err = joined ? 0 : write_id_maps(&spec, (pid_t)pid, msg, &msglen);
     if (err) {
         /* The child never started: it is ours to stop (our parent reaps it). */
         syscall(SYS_pidfd_send_signal, pidfd, SIGKILL, NULL, 0);
@@ -111,6 +119,72 @@ static void serve(int *fds, int nfds)
 out:
     nsbox_spec_free(&spec); /* unpack left it zeroed if it refused it */
     free(buf);
+    for (int i = 0; i < nfds; i++)
+        close(fds[i]);
+}
+
+/*
+ * Serves a join request: fds are the reply socket, the sub-zygote's socket,
+ * and descriptors of a user namespace and a network namespace (another
+ * sandbox's, as its init sees them). Clones a sub-zygote (CLONE_PARENT: a
+ * child of the Python process, which reaps it) that enters both and then
+ * serves creation requests on its socket like this zygote, until EOF. Its
+ * children are cloned inside that user namespace, so they need no id maps,
+ * and share that network namespace: services of one sample reach each
+ * other on its loopback, as the containers of a pod do.
+ *
+ * Entering needs CAP_SYS_ADMIN over the user namespace: we have it as its
+ * owner (our uid created it, from our namespace); a user namespace owned
+ * by anyone else is refused by the kernel (EPERM).
+ */
+static void enter(int *fds, int nfds)
+{
+    if (nfds < 1)
+        return;
+    if (nfds != 4 || joined) {
+        reply(fds[0], -1, EINVAL, NSBOX_ZYGOTE_REQUEST, -1, NULL, 0);
+        goto out;
+    }
+    int pidfd = -1;
+    struct clone_args args;
+    memset(&args, 0, sizeof args);
+    args.flags = CLONE_PARENT | CLONE_PIDFD;
+    args.pidfd = (uint64_t)(uintptr_t)&pidfd;
+    /* The sub-zygote reports a failure to enter by exiting before it
+     * answers anything: report it here instead, from a pipe it writes the
+     * errno to. */
+    int status[2];
+    if (pipe2(status, O_CLOEXEC) < 0) {
+        reply(fds[0], -1, errno, NSBOX_ZYGOTE_CLONE, -1, NULL, 0);
+        goto out;
+    }
+    long pid = syscall(SYS_clone3, &args, sizeof args);
+    if (pid == 0) {
+        close(status[0]);
+        int err = 0;
+        if (setns(fds[2], CLONE_NEWUSER) < 0 || setns(fds[3], CLONE_NEWNET) < 0 ||
+            dup2(fds[1], NSBOX_ZYGOTE_SOCKET) < 0 || fcntl(NSBOX_ZYGOTE_SOCKET, F_SETFD, FD_CLOEXEC) < 0)
+            err = errno;
+        ssize_t w = write(status[1], &err, sizeof err);
+        (void)w;
+        if (err)
+            _exit(1);
+        /* Keep only the socket (0-2 are /dev/null, as in the zygote). */
+        syscall(SYS_close_range, NSBOX_ZYGOTE_SOCKET + 1, ~0U, 0);
+        joined = true;
+        return; /* back to the serving loop, on the new socket */
+    }
+    close(status[1]);
+    int err = pid < 0 ? errno : 0;
+    if (pid > 0 && read(status[0], &err, sizeof err) != (ssize_t)sizeof err)
+        err = ECHILD;
+    close(status[0]);
+    if (pid > 0 && err)
+        syscall(SYS_pidfd_send_signal, pidfd, SIGKILL, NULL, 0); /* exiting already; the owner reaps it */
+    reply(fds[0], pid > 0 ? (int)pid : -1, err, err ? NSBOX_ZYGOTE_JOIN : 0, pidfd, NULL, 0);
+    if (pidfd >= 0)
+        close(pidfd);
+out:
     for (int i = 0; i < nfds; i++)
         close(fds[i]);
 }
@@ -158,6 +232,9 @@ int main(void)
                 close(fds[i]);
             continue;
         }
-        serve(fds, nfds);
+        if (byte == 'j')
+            enter(fds, nfds);
+        else
+            serve(fds, nfds);
     }
 }
