@@ -25,6 +25,7 @@ class ImageConfig:
     volumes: list[str] = field(default_factory=list)
     labels: dict[str, str] = field(default_factory=dict)
     stop_signal: str | None = None
+    healthcheck: dict[str, Any] | None = None  # Docker's Healthcheck: Test, Interval (ns), Timeout, Retries, ...
     os: str = "linux"
     architecture: str = ""
     variant: str | None = None
@@ -50,6 +51,7 @@ class ImageConfig:
             volumes=sorted(c.get("Volumes") or {}),
             labels=dict(c.get("Labels") or {}),
             stop_signal=c.get("StopSignal") or None,
+            healthcheck=dict(c["Healthcheck"]) if isinstance(c.get("Healthcheck"), dict) else None,
             os=doc.get("os") or "linux",
             architecture=doc.get("architecture") or "",
             variant=doc.get("variant") or None,

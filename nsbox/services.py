@@ -1,0 +1,249 @@
+"""The services of one compose sample, running: one sandbox per service.
+
+- Order: dependencies first (depends_on), else the project's order, whose
+  first service is the default one.
+- Network: the first sandbox created owns the sample's network namespace
+  (network "none", "nat" or "host"); every other one joins it (network
+  "container:ID", nsbox/plan.py). So the services of a sample reach each
+  other by name on 127.0.0.1, as the containers of a pod do, and samples
+  never see each other: each sample has its own namespace. Two services
+  of one sample cannot listen on the same port.
+- Each service's main process (its command, or the image's
+  Entrypoint/Cmd) runs in the background, as a container's does; nsbox's
+  init is PID 1 and reaps.
+- depends_on conditions: service_started (the sandbox runs),
+  service_healthy (its healthcheck passed), service_completed_successfully
+  (its main process exited 0). Waiting has a deadline and fails naming the
+  service and what its last probe said, as `docker compose up --wait`.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import anyio
+
+from .errors import NsboxError
+from . import streaming
+from .sandbox import Sandbox
+from .spec import SandboxSpec
+
+# Docker's healthcheck defaults (seconds).
+INTERVAL, TIMEOUT, RETRIES = 30.0, 30.0, 3
+# How often a probe runs while a dependent waits: Docker waits a whole
+# interval before the first probe; a sample should come up in milliseconds.
+FAST_PROBE = 0.1
+WAIT_LIMIT = 300.0  # default deadline for every dependency of a sample
+
+
+class ServicesError(NsboxError):
+    pass
+
+
+@dataclass(frozen=True)
+class Healthcheck:
+    test: list[str]  # argv to run
+    interval: float = INTERVAL
+    timeout: float = TIMEOUT
+    retries: int = RETRIES
+    start_period: float = 0.0
+
+    @classmethod
+    def from_test(cls, test: Sequence[str] | str, **timing: float) -> "Healthcheck | None":
+        """From Docker's forms: ["CMD", arg...], ["CMD-SHELL", "cmd"], a bare
+        string (shell), or ["NONE"] (None: no healthcheck)."""
+        if isinstance(test, str):
+            return cls(["/bin/sh", "-c", test], **timing)  # type: ignore[arg-type]
+        test = list(test)
+        if not test or test[0] == "NONE":
+            return None
+        if test[0] == "CMD":
+            return cls(test[1:], **timing)  # type: ignore[arg-type]
+        if test[0] == "CMD-SHELL":
+            return cls(["/bin/sh", "-c", " ".join(test[1:])], **timing)  # type: ignore[arg-type]
+        raise ServicesError(f"healthcheck test must start with CMD, CMD-SHELL or NONE, not {test[0]!r}")
+
+    @classmethod
+    def from_image(cls, doc: Mapping[str, object] | None) -> "Healthcheck | None":
+        """From an image config's Healthcheck (durations in nanoseconds)."""
+        if not doc or not doc.get("Test"):
+            return None
+        ns = 1e-9
+
+        def seconds(key: str, default: float) -> float:
+            value = doc.get(key)
+            return float(value) * ns if isinstance(value, (int, float)) and value > 0 else default
+
+        retries = doc.get("Retries")
+        return cls.from_test(doc["Test"], interval=seconds("Interval", INTERVAL),  # type: ignore[arg-type]
+                             timeout=seconds("Timeout", TIMEOUT),
+                             retries=int(retries) if isinstance(retries, int) and retries > 0 else RETRIES,
+                             start_period=seconds("StartPeriod", 0.0))
+
+
+@dataclass
+class ServiceSpec:
+    """One service, as the runtime needs it."""
+
+    name: str
+    spec: SandboxSpec
+    command: list[str] | None = None  # None: the image's Entrypoint/Cmd
+    depends_on: dict[str, str] = field(default_factory=dict)  # name -> condition
+    healthcheck: Healthcheck | None = None  # None: the image's, if any
+    names: list[str] = field(default_factory=list)  # what it answers to besides its name (aliases)
+
+
+def start_order(services: Sequence[ServiceSpec]) -> list[ServiceSpec]:
+    """Dependencies first; otherwise the given order. A cycle or an unknown
+    dependency is an error naming it."""
+    by_name = {s.name: s for s in services}
+    for s in services:
+        for dep in s.depends_on:
+            if dep not in by_name:
+                raise ServicesError(f"service {s.name} depends on {dep}, which is not a service of this project")
+    done: list[ServiceSpec] = []
+    placed: set[str] = set()
+    while len(done) < len(services):
+        ready = [s for s in services if s.name not in placed and all(d in placed for d in s.depends_on)]
+        if not ready:
+            cycle = sorted(s.name for s in services if s.name not in placed)
+            raise ServicesError(f"services depend on each other in a cycle: {', '.join(cycle)}")
+        done.append(ready[0])
+        placed.add(ready[0].name)
+    return done
+
+
+class Services:
+    """The running sandboxes of one sample; `await start()`, then `close()`."""
+
+    def __init__(self, services: Sequence[ServiceSpec], *, network: str = "none",
+                 wait_limit: float = WAIT_LIMIT) -> None:
+        self.order = start_order(services)
+        self.network = network
+        self.wait_limit = wait_limit
+        self.sandboxes: dict[str, Sandbox] = {}
+        self._healthy: set[str] = set()
+        self._main: dict[str, "streaming.Process"] = {}  # main processes whose exit is awaited
+        self._given = [s.name for s in services]
+
+    def _hosts(self) -> dict[str, str]:
+        return {n: "127.0.0.1" for s in self.order for n in (s.name, *s.names)}
+
+    async def start(self) -> dict[str, Sandbox]:
+        """Creates every service's sandbox; on failure closes those made and raises."""
+        try:
+            deadline = anyio.current_time() + self.wait_limit
+            for service in self.order:
+                for dep, condition in service.depends_on.items():
+                    await self._wait_for(dep, condition, deadline)
+                await self._start_one(service)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self.close()
+            raise
+        # The project's order (the default service first), as Inspect wants it.
+        return {name: self.sandboxes[name] for name in self._given}
+
+    async def _start_one(self, service: ServiceSpec) -> None:
+        spec = service.spec
+        owner = next(iter(self.sandboxes.values()), None)
+        hosts = {**self._hosts(), **spec.hosts}
+        if owner is None or self.network == "host":
+            spec = spec.replace(network=self.network, hosts=hosts)
+        else:
+            if spec.ports:
+                raise ServicesError(f"service {service.name}: ports are published by the first service of the "
+                                    f"sample ({self.order[0].name}); list them there")
+            spec = spec.replace(network=f"container:{owner.id}", hosts=hosts)
+        sb = Sandbox(spec=spec)
+        try:
+            await sb.start()
+        except NsboxError as e:
+            await sb.close()
+            raise ServicesError(f"service {service.name}: {e}") from None
+        self.sandboxes[service.name] = sb
+        command = service.command if service.command is not None else sb.image_command()
+        if not command:
+            return
+        awaited = any(s.depends_on.get(service.name) == "service_completed_successfully" for s in self.order)
+        try:
+            if awaited:  # its exit status is wanted: keep a handle on it
+                self._main[service.name] = await sb.start_process(command)
+            else:
+                await sb.spawn(command)
+        except (NsboxError, OSError) as e:
+            raise ServicesError(f"service {service.name}: its command {shlex.join(command)} "
+                                f"could not start: {e}") from None
+
+    def _service(self, name: str) -> ServiceSpec:
+        return next(s for s in self.order if s.name == name)
+
+    async def _wait_for(self, name: str, condition: str, deadline: float) -> None:
+        if condition == "service_started":
+            return
+        sb = self.sandboxes[name]
+        if condition == "service_completed_successfully":
+            await self._wait_completed(name, sb, deadline)
+        elif condition == "service_healthy":
+            await self._wait_healthy(name, sb, deadline)
+        else:
+            raise ServicesError(f"depends_on {name}: unknown condition {condition!r}")
+
+    async def _wait_completed(self, name: str, sb: Sandbox, deadline: float) -> None:
+        process = self._main.get(name)
+        if process is None:
+            raise ServicesError(f"service {name} has no command to complete (depends_on: "
+                                f"service_completed_successfully)")
+        result = None
+        with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
+            result = await process.wait()
+        if result is None:
+            raise ServicesError(f"service {name} did not complete within {self.wait_limit:g}s "
+                                f"(depends_on: service_completed_successfully)")
+        if not result.success:
+            tail = (result.stderr or result.stdout).strip()[-200:]
+            raise ServicesError(f"service {name} did not complete successfully (exit status "
+                                f"{result.returncode}){': ' + tail if tail else ''}")
+
+    async def _wait_healthy(self, name: str, sb: Sandbox, deadline: float) -> None:
+        if name in self._healthy:
+            return
+        check = self._service(name).healthcheck
+        if check is None and sb.image is not None:
+            check = Healthcheck.from_image(sb.image.config.healthcheck)
+        if check is None:
+            raise ServicesError(f"service {name} has no healthcheck, but another service depends on it with "
+                                f"condition service_healthy")
+        # Healthy at the first passing probe; unhealthy once the start
+        # period and `retries` intervals passed without one (Docker's worst
+        # case), or at the sample's deadline. Probes run often meanwhile.
+        started = anyio.current_time()
+        last, delay = "", FAST_PROBE
+        give_up = min(deadline, started + check.start_period + check.retries * check.interval)
+        while True:
+            try:
+                r = await sb.exec(check.test, timeout=check.timeout)
+                if r.success:
+                    self._healthy.add(name)
+                    return
+                last = f"exit status {r.returncode}: {(r.stderr or r.stdout).strip()[-200:]}"
+            except TimeoutError:
+                last = f"the probe timed out after {check.timeout:g}s"
+            except NsboxError as e:
+                last = str(e)
+            now = anyio.current_time()
+            if now >= give_up:
+                raise ServicesError(f"service {name} is unhealthy after {now - started:.1f}s: "
+                                    f"{shlex.join(check.test)} failed ({last})")
+            await anyio.sleep(min(delay, give_up - now))
+            delay = min(delay * 1.5, max(check.interval, FAST_PROBE))
+
+    async def close(self) -> None:
+        """Closes every sandbox: the joiners first, the network's owner last."""
+        for name in reversed(list(self.sandboxes)):
+            sb = self.sandboxes.pop(name)
+            with anyio.CancelScope(shield=True):
+                await sb.close()
+

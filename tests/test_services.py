@@ -1,0 +1,91 @@
+"""The services of one sample (nsbox/services.py), on real sandboxes:
+dependency order, the shared network by service name, healthchecks,
+completion, and failures that leave nothing behind."""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+
+import nsbox
+from nsbox import registry
+from nsbox.services import Healthcheck, ServiceSpec, Services, ServicesError, start_order
+
+pytestmark = pytest.mark.timeout(90)
+
+SERVER = ["python3", "-c", "import http.server as h, time; time.sleep(0.5); "
+          "h.HTTPServer(('127.0.0.1', 8000), h.SimpleHTTPRequestHandler).serve_forever()"]
+GET = "import urllib.request as u; print(u.urlopen('http://{}:8000/', timeout=5).status)"
+
+
+def _leftovers(before: set[str]) -> set[str]:
+    return {i.id for i in registry.entries()} - before
+
+
+def _spec(**kw: object) -> nsbox.SandboxSpec:
+    return nsbox.SandboxSpec(workdir="/tmp", **kw)  # type: ignore[arg-type]
+
+
+async def test_dependent_waits_for_health_and_reaches_by_name() -> None:
+    target = ServiceSpec("target", _spec(), command=SERVER, names=["victim"],
+                         healthcheck=Healthcheck.from_test(["CMD-SHELL", "python3 -c \"" + GET.format("127.0.0.1")
+                                                             + "\""], interval=1, retries=30))
+    attacker = ServiceSpec("default", _spec(), command=["sleep", "infinity"],
+                           depends_on={"target": "service_healthy"})
+    services = Services([attacker, target])
+    assert [s.name for s in services.order] == ["target", "default"]
+    sandboxes = await services.start()
+    try:
+        assert list(sandboxes) == ["default", "target"]  # the project's order: default first
+        for name in ("target", "victim"):
+            r = await sandboxes["default"].exec(["python3", "-c", GET.format(name)])
+            assert r.stdout == "200\n", r
+        ps = await sandboxes["default"].exec(["sh", "-c", "cat /proc/[0-9]*/cmdline | tr '\\0' ' '"])
+        assert "sleep infinity" in ps.stdout and "http.server" not in ps.stdout
+    finally:
+        await services.close()
+    assert not services.sandboxes
+
+
+async def test_completed_successfully_and_failure() -> None:
+    before = {i.id for i in registry.entries()}
+    ok = Services([ServiceSpec("default", _spec(), command=["true"], depends_on={"setup": "service_completed_successfully"}),
+                   ServiceSpec("setup", _spec(), command=["sh", "-c", "sleep 0.2; exit 0"])])
+    await ok.start()
+    await ok.close()
+    bad = Services([ServiceSpec("default", _spec(), depends_on={"setup": "service_completed_successfully"}),
+                    ServiceSpec("setup", _spec(), command=["sh", "-c", "echo broken >&2; exit 3"])])
+    with pytest.raises(ServicesError, match=r"setup did not complete successfully \(exit status 3\): broken"):
+        await bad.start()
+    assert not _leftovers(before)
+
+
+async def test_unhealthy_fails_in_time_and_leaves_nothing() -> None:
+    before = {i.id for i in registry.entries()}
+    children = {p.pid for p in psutil.Process().children()}
+    check = Healthcheck.from_test(["CMD", "false"], interval=0.2, retries=2)
+    services = Services([ServiceSpec("default", _spec(), depends_on={"db": "service_healthy"}),
+                         ServiceSpec("db", _spec(), command=["sleep", "infinity"], healthcheck=check)])
+    with pytest.raises(ServicesError, match="service db is unhealthy.*false failed"):
+        await services.start()
+    assert not _leftovers(before)
+    assert {p.pid for p in psutil.Process().children()} <= children
+    no_check = Services([ServiceSpec("default", _spec(), depends_on={"db": "service_healthy"}),
+                         ServiceSpec("db", _spec())])
+    with pytest.raises(ServicesError, match="db has no healthcheck"):
+        await no_check.start()
+    assert not _leftovers(before)
+
+
+def test_order_errors() -> None:
+    a = ServiceSpec("a", _spec(), depends_on={"b": "service_started"})
+    b = ServiceSpec("b", _spec(), depends_on={"a": "service_started"})
+    with pytest.raises(ServicesError, match="cycle: a, b"):
+        start_order([a, b])
+    with pytest.raises(ServicesError, match="depends on c"):
+        start_order([ServiceSpec("a", _spec(), depends_on={"c": "service_started"})])
+    assert Healthcheck.from_test(["NONE"]) is None
+    assert Healthcheck.from_test(["CMD-SHELL", "curl -f x"]).test == ["/bin/sh", "-c", "curl -f x"]  # type: ignore[union-attr]
+    assert Healthcheck.from_image({"Test": ["CMD", "true"], "Interval": 2_000_000_000}).interval == 2.0  # type: ignore[union-attr]
+    with pytest.raises(ServicesError, match="CMD, CMD-SHELL or NONE"):
+        Healthcheck.from_test(["SHELL", "x"])
