@@ -1,0 +1,95 @@
+"""From the model to what nsbox runs: the main command (Docker's rules for
+entrypoint and command) and a SandboxSpec per service."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..rootfs import Bind
+from ..spec import SandboxSpec
+from .errors import ComposeError
+from .model import Mount, Project, Service
+
+_PULL = {"always": "always", "never": "never", "missing": "missing", "if_not_present": "missing",
+         "build": "never"}  # build: the image is made locally; daily, weekly, every_*: as missing
+
+
+def main_command(service: Service, image_config: Mapping[str, Any] | Any) -> list[str] | None:
+    """What `docker compose up` starts, from the service's entrypoint and
+    command and the image's Entrypoint and Cmd (an OCI config's `config`
+    object, or an nsbox ImageConfig); None when that is nothing.
+
+    A service entrypoint replaces the image's and drops the image's Cmd; an
+    empty one ("" or []) removes the image's entrypoint but keeps its Cmd;
+    an empty command is the same as none (Docker falls back to the image's).
+    """
+    if isinstance(image_config, Mapping):
+        image_ep = list(image_config.get("Entrypoint") or [])
+        image_cmd = list(image_config.get("Cmd") or [])
+    else:
+        image_ep, image_cmd = list(image_config.entrypoint), list(image_config.cmd)
+    command = service.command or None
+    if service.entrypoint:
+        argv = service.entrypoint + (command or [])
+    elif service.entrypoint is not None:
+        argv = command or image_cmd
+    else:
+        argv = image_ep + (command or image_cmd)
+    return argv or None
+
+
+def service_spec(service: Service, project: Project, *, image: str, network: str,
+                 volume_root: Path | None = None, **extra: Any) -> SandboxSpec:
+    """The SandboxSpec of one service. `image` is the reference to run (the
+    caller pulls or builds it); `network` is the sample's mode
+    (support.sample_network). Named and anonymous volumes become directories
+    under `volume_root` (one per sample, shared by its services), created
+    here, as are missing sources of short-syntax binds (Docker does too).
+    `extra` sets or overrides any other SandboxSpec field (x-nsbox settings
+    come first, `extra` wins). tmpfs mounts and read_only are not
+    expressible (load_project warns)."""
+    fields: dict[str, Any] = {
+        "image": image,
+        "pull": "never" if service.x_local else _PULL.get(service.pull_policy or "missing", "missing"),
+        "platform": service.platform,
+        "user": service.user,
+        "workdir": service.working_dir,
+        "env": dict(service.environment),
+        "network": network,
+        "ports": tuple(service.ports) if network != "host" else (),
+        "hostname": service.hostname,
+        "hosts": dict(service.extra_hosts),
+        "mounts": tuple(_bind(service, m, volume_root, i) for i, m in enumerate(service.volumes) if m.type != "tmpfs"),
+        "memory": service.memory,
+        "cpus": service.cpus,
+        "pids_limit": service.pids_limit,
+        "disk": service.disk,
+        "nested_userns": "SYS_ADMIN" in service.cap_add,
+        "label": f"{project.name}/{service.name}",
+    }
+    fields.update(service.x_nsbox)
+    fields.update(extra)
+    try:
+        return SandboxSpec(**fields)
+    except (TypeError, ValueError) as e:
+        raise ComposeError(f"service {service.name}: {e}") from None
+
+
+def _bind(service: Service, m: Mount, volume_root: Path | None, index: int) -> Bind:
+    if m.type == "bind":
+        source = Path(m.source or "")
+        if not source.exists():
+            if not m.create_host_path:
+                raise ComposeError(f"service {service.name}: bind source {source} does not exist",
+                                   hint="create it, or use the short syntax, which creates a directory")
+            source.mkdir(parents=True, exist_ok=True)
+    else:
+        if volume_root is None:
+            raise ComposeError(f"service {service.name}: volume at {m.target} needs a volume directory",
+                               hint="pass volume_root to service_spec")
+        name = m.source or os.path.join("_anonymous", service.name, str(index))
+        source = Path(volume_root) / name / (m.subpath or "")
+        source.mkdir(parents=True, exist_ok=True)
+    return Bind(str(source), m.target.rstrip("/") or "/", readonly=m.read_only)

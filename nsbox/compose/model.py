@@ -1,0 +1,127 @@
+"""nsbox's own model of a compose project: what a compose file asks for, in
+the forms compose itself normalises to (lists for commands, mappings for
+environment and depends_on, seconds for durations, bytes for sizes, absolute
+host paths)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+Condition = Literal["service_started", "service_healthy", "service_completed_successfully"]
+CONDITIONS = ("service_started", "service_healthy", "service_completed_successfully")
+MountType = Literal["bind", "volume", "tmpfs"]
+
+
+@dataclass
+class Build:
+    context: Path  # absolute
+    dockerfile: Path  # absolute (relative names are relative to context)
+    args: dict[str, str] = field(default_factory=dict)
+    target: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)  # other build keys, for a builder to judge
+
+
+@dataclass
+class Healthcheck:
+    """Docker's defaults apply where the file says nothing. `test` None
+    means the image's own HEALTHCHECK; ["NONE"] means disabled."""
+
+    test: list[str] | None = None  # ["CMD", ...], ["CMD-SHELL", "..."] or ["NONE"]
+    interval: float = 30.0
+    timeout: float = 30.0
+    retries: int = 3
+    start_period: float = 0.0
+    start_interval: float = 5.0
+
+    @property
+    def disable(self) -> bool:
+        return self.test == ["NONE"]
+
+
+@dataclass
+class Mount:
+    """A volume entry. bind: `source` is an absolute host path; volume:
+    `source` is a top-level volume name, None for an anonymous volume;
+    tmpfs: no source."""
+
+    type: MountType
+    target: str
+    source: str | None = None
+    read_only: bool = False
+    create_host_path: bool = False  # short syntax binds: Docker creates a missing source directory
+    subpath: str | None = None  # volume: mount this path inside the volume
+    size: int | None = None  # tmpfs
+    mode: int | None = None  # tmpfs
+
+
+@dataclass
+class Service:
+    name: str
+    image: str | None = None
+    build: Build | None = None
+    command: list[str] | None = None  # None: not set ([] is set and empty)
+    entrypoint: list[str] | None = None
+    working_dir: str | None = None
+    environment: dict[str, str] = field(default_factory=dict)
+    user: str | None = None
+    hostname: str | None = None
+    container_name: str | None = None
+    init: bool | None = None
+    healthcheck: Healthcheck | None = None
+    depends_on: dict[str, Condition] = field(default_factory=dict)
+    volumes: list[Mount] = field(default_factory=list)  # binds, volumes, tmpfs, secrets and configs
+    tmpfs: list[Mount] = field(default_factory=list)  # the `tmpfs:` key
+    read_only: bool = False
+    ports: list[str] = field(default_factory=list)  # nsbox's form: [ADDRESS:]HOSTPORT:PORT
+    network_mode: str | None = None
+    networks: dict[str, list[str]] = field(default_factory=dict)  # network -> aliases
+    links: dict[str, str] = field(default_factory=dict)  # alias -> service
+    extra_hosts: dict[str, str] = field(default_factory=dict)  # name -> address, in /etc/hosts
+    memory: int | None = None
+    cpus: float | None = None
+    pids_limit: int | None = None
+    disk: int | None = None  # storage_opt.size
+    cap_add: list[str] = field(default_factory=list)  # upper case, without CAP_
+    cap_drop: list[str] = field(default_factory=list)
+    privileged: bool = False
+    platform: str | None = None
+    pull_policy: str | None = None
+    x_default: bool = False
+    x_local: bool = False
+    x_nsbox: dict[str, Any] = field(default_factory=dict)
+    ignored: list[str] = field(default_factory=list)  # harmless keys seen
+
+
+@dataclass
+class NetworkDef:
+    name: str
+    internal: bool = False
+    driver: str | None = None
+    external: bool = False
+
+
+@dataclass
+class VolumeDef:
+    name: str
+    external: bool = False
+
+
+@dataclass
+class Project:
+    name: str
+    directory: Path
+    services: dict[str, Service]  # the default service first, then file order
+    networks: dict[str, NetworkDef] = field(default_factory=dict)
+    volumes: dict[str, VolumeDef] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)  # what nsbox honours only approximately
+
+    @property
+    def default_service(self) -> Service:
+        """The service marked `x-default: true`, else the one named
+        `default`, else the first."""
+        for service in self.services.values():
+            if service.x_default:
+                return service
+        return self.services.get("default") or next(iter(self.services.values()))

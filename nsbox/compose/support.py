@@ -1,0 +1,383 @@
+"""What nsbox does with each compose key: the policy, in one place.
+
+Three outcomes, never a silent change of behaviour:
+- honoured (modelled in model.py, or harmless: accepted and listed in
+  Service.ignored with the reason below);
+- honoured approximately: accepted, with a line in Project.warnings;
+- cannot honour: one ComposeError naming every such key of every service
+  (`service web: nsbox cannot honour: devices, pid: host (see README
+  "Compose support")`).
+
+The network shape follows from nsbox running all services of a sample in
+one network namespace, as a pod: each service reaches the others by name
+(and alias) on 127.0.0.1, and two services cannot listen on one port.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+from ..spec import SandboxSpec
+from .errors import ComposeError
+from .model import Project, Service
+
+SEE = '(see README "Compose support")'
+
+# Keys parse.py reads into the model (x-* extensions are handled apart).
+MODELLED = frozenset({
+    "image", "build", "command", "entrypoint", "working_dir", "environment", "env_file", "user",
+    "hostname", "container_name", "init", "healthcheck", "depends_on", "volumes", "tmpfs",
+    "read_only", "ports", "network_mode", "networks", "links", "mem_limit", "cpus", "pids_limit",
+    "deploy", "cap_add", "cap_drop", "privileged", "platform", "pull_policy", "secrets", "configs",
+    "profiles", "scale", "storage_opt", "security_opt", "pid", "ipc", "uts", "cgroup", "userns_mode",
+    "runtime", "extra_hosts",
+})
+
+# Accepted silently (listed in Service.ignored): they do not change what
+# commands in the sandbox see.
+HARMLESS = {
+    "restart": "a sandbox lives as long as its sample; nothing is restarted",
+    "stop_grace_period": "only shapes how a container stops; nsbox ends the whole sandbox",
+    "stop_signal": "only shapes how a container stops; nsbox ends the whole sandbox",
+    "pre_stop": "teardown hooks; nsbox ends the whole sandbox",
+    "labels": "metadata", "label_file": "metadata", "annotations": "metadata",
+    "expose": "documentation only: every port of every service is reachable on 127.0.0.1",
+    "logging": "log drivers collect main-process output, which nsbox does not keep",
+    "tty": "the main process's terminal", "stdin_open": "the main process's stdin",
+    "attach": "whether compose shows the main process's output",
+    "mem_reservation": "a scheduling hint, not a limit",
+    "pull_refresh_after": "when to pull again",
+    "develop": "compose watch only",
+    "mac_address": "no meaning on a shared loopback",
+    "isolation": "Windows only",
+}
+
+# Accepted, honoured only approximately: a warning says how.
+APPROXIMATE = {
+    "ulimits": "ulimits are not applied",
+    "shm_size": "/dev/shm keeps nsbox's size",
+    "memswap_limit": "swap is not limited separately (memory is)",
+    "mem_swappiness": "not applied",
+    "cpu_shares": "not applied (cpus is)", "cpu_quota": "not applied (cpus is)",
+    "cpu_period": "not applied (cpus is)", "cpuset": "not applied (cpus is)",
+    "cpu_count": "not applied (cpus is)", "cpu_percent": "not applied (cpus is)",
+    "cpu_rt_runtime": "not applied", "cpu_rt_period": "not applied",
+    "blkio_config": "not applied", "oom_score_adj": "not applied", "oom_kill_disable": "not applied",
+    "dns": "name resolution is nsbox's", "dns_search": "name resolution is nsbox's",
+    "dns_opt": "name resolution is nsbox's", "domainname": "not applied",
+}
+
+# Cannot honour: what each would need.
+UNSUPPORTED = {
+    "devices": "host devices", "device_cgroup_rules": "host devices", "gpus": "GPUs",
+    "sysctls": "kernel parameters",
+    "external_links": "containers outside the project", "volumes_from": "another container's volumes",
+    "extends": "extends (inline the base service)", "group_add": "supplementary groups",
+    "post_start": "lifecycle hooks", "credential_spec": "Windows credentials",
+    "use_api_socket": "the Docker API", "cgroup_parent": "the host's cgroup tree",
+    "provider": "service providers", "models": "model runners",
+}
+
+# Capabilities root of the sandbox's user namespace already holds over the
+# sandbox's own namespaces (or Docker grants by default): cap_add is a no-op.
+NAMESPACED_CAPS = frozenset({
+    "CHOWN", "DAC_OVERRIDE", "DAC_READ_SEARCH", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID",
+    "SETPCAP", "SETFCAP", "NET_BIND_SERVICE", "NET_BROADCAST", "NET_RAW", "SYS_CHROOT", "SYS_PTRACE",
+    "MKNOD", "AUDIT_WRITE", "IPC_OWNER", "LEASE", "CHECKPOINT_RESTORE",
+})
+APPROXIMATE_CAPS = {
+    "SYS_ADMIN": "granted as nested_userns (mounts and namespaces inside the sandbox), not the host's SYS_ADMIN",
+    "NET_ADMIN": "applies to the network namespace all services of the sample share",
+}
+# Any other capability (SYS_MODULE, SYS_TIME, SYS_RAWIO, SYS_BOOT, SYS_NICE,
+# IPC_LOCK, SYS_RESOURCE, BPF, PERFMON, ALL, ...) needs real privilege.
+
+NAMESPACE_MODES = {"pid": ("", "private"), "ipc": ("", "private", "shareable", "none"),
+                   "uts": ("", "private"), "cgroup": ("", "private"), "userns_mode": ("",)}
+TOP_LEVEL = frozenset({"name", "version", "services", "networks", "volumes", "secrets", "configs"})
+DEPLOY_HARMLESS = frozenset({"mode", "placement", "restart_policy", "update_config", "rollback_config",
+                             "labels", "endpoint_mode"})
+# SandboxSpec settings `x-nsbox` may set; the rest come from compose keys.
+X_NSBOX = frozenset(f.name for f in dataclasses.fields(SandboxSpec)) - {
+    "rootfs", "image", "pull", "platform", "mounts", "network", "ports", "label", "origin"}
+
+
+@dataclasses.dataclass
+class Review:
+    ignored: list[str] = dataclasses.field(default_factory=list)
+    issues: list[str] = dataclasses.field(default_factory=list)  # cannot honour
+    warnings: list[str] = dataclasses.field(default_factory=list)
+
+
+def review_service(name: str, raw: dict[str, Any]) -> Review:
+    """Sorts one service's keys (and the values that decide) into the three outcomes."""
+    r = Review()
+    for key, value in raw.items():
+        if key.startswith("x-"):
+            continue
+        if key in HARMLESS:
+            r.ignored.append(key)
+        elif key in APPROXIMATE:
+            r.warnings.append(f"service {name}: {key}: {APPROXIMATE[key]}")
+        elif key in UNSUPPORTED:
+            r.issues.append(key)
+        elif key not in MODELLED:
+            r.issues.append(f"unknown key {key}")
+    for key, allowed in NAMESPACE_MODES.items():
+        value = raw.get(key)
+        if value is not None and str(value) not in allowed:
+            r.issues.append(f"{key}: {value}")
+    if _true(raw.get("privileged")):
+        r.issues.append("privileged: true")
+    if raw.get("runtime") not in (None, "runc"):
+        r.issues.append(f"runtime: {raw['runtime']}")
+    _review_network_mode(raw.get("network_mode"), r)
+    _review_capabilities(name, raw, r)
+    _review_security_opt(name, raw.get("security_opt") or [], r)
+    _review_deploy(raw.get("deploy") or {}, raw.get("scale"), r)
+    for key in set(raw.get("storage_opt") or {}) - {"size"}:
+        r.issues.append(f"storage_opt.{key}")
+    if _true(raw.get("read_only")):
+        r.warnings.append(f"service {name}: read_only: the root filesystem stays writable")
+    for key in set(raw.get("x-nsbox") or {}) - X_NSBOX:
+        r.issues.append(f"x-nsbox: unknown setting {key} (known: {', '.join(sorted(X_NSBOX))})")
+    return r
+
+
+def _true(value: Any) -> bool:
+    return value is True or str(value).strip().lower() in ("true", "yes", "y", "on")
+
+
+def _review_network_mode(mode: Any, r: Review) -> None:
+    if mode is None or mode in ("none", "host", "bridge", "default") or str(mode).startswith("service:"):
+        return
+    r.issues.append(f"network_mode: {mode}")
+
+
+def _review_capabilities(name: str, raw: dict[str, Any], r: Review) -> None:
+    caps = [str(c).upper().removeprefix("CAP_") for c in raw.get("cap_add") or []]
+    denied = [c for c in caps if c not in NAMESPACED_CAPS and c not in APPROXIMATE_CAPS]
+    if denied:
+        r.issues.append(f"cap_add: {', '.join(denied)} (needs privilege outside the sandbox's user namespace)")
+    for cap in caps:
+        if cap in APPROXIMATE_CAPS:
+            r.warnings.append(f"service {name}: cap_add {cap}: {APPROXIMATE_CAPS[cap]}")
+    if raw.get("cap_drop"):
+        r.warnings.append(f"service {name}: cap_drop is not enforced: root in the sandbox keeps its "
+                          "capabilities over the sandbox's own namespaces (never over the host)")
+
+
+def _review_security_opt(name: str, options: list[Any], r: Review) -> None:
+    for opt in options:
+        text = str(opt)
+        key, value = text, ""
+        for sep in ("=", ":"):
+            if sep in text:
+                key, _, value = text.partition(sep)
+                break
+        if key == "no-new-privileges" and value in ("", "true"):
+            r.warnings.append(f"service {name}: security_opt no-new-privileges is not set "
+                              "(the sandbox's seccomp filter and user namespace apply)")
+        elif key == "seccomp" and value == "unconfined":
+            r.warnings.append(f"service {name}: security_opt seccomp=unconfined: nsbox keeps its own "
+                              "seccomp deny-list (keyring, bpf, perf_event_open, io_uring, kexec, modules, ...)")
+        elif (key in ("apparmor", "label") and value in ("unconfined", "disable")) or key == "no-new-privileges":
+            r.ignored.append(f"security_opt {text}")
+        else:
+            r.issues.append(f"security_opt: {text}")
+
+
+def _review_deploy(deploy: dict[str, Any], scale: Any, r: Review) -> None:
+    for replicas, key in ((deploy.get("replicas"), "deploy.replicas"), (scale, "scale")):
+        if replicas is not None and str(replicas) not in ("0", "1"):
+            r.issues.append(f"{key}: {replicas} (one sandbox per service)")
+    for key in set(deploy) - DEPLOY_HARMLESS - {"resources", "replicas"}:
+        r.issues.append(f"deploy.{key}")
+    resources = deploy.get("resources") or {}
+    reservations = resources.get("reservations") or {}
+    for key in ("devices", "generic_resources"):
+        if reservations.get(key):
+            r.issues.append(f"deploy.resources.reservations.{key}")
+    for key in set(resources.get("limits") or {}) - {"cpus", "memory", "pids"}:
+        r.issues.append(f"deploy.resources.limits.{key}")
+
+
+def review_top_level(raw: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """Issues and warnings of the top-level keys and definitions."""
+    issues: list[str] = []
+    warnings: list[str] = []
+    for key in raw:
+        if not key.startswith("x-") and key not in TOP_LEVEL:
+            issues.append(key if key in ("include", "models") else f"unknown key {key}")
+    for name, net in (raw.get("networks") or {}).items():
+        net = net or {}
+        if net.get("driver") not in (None, "bridge", "default"):
+            issues.append(f"networks.{name}.driver: {net['driver']}")
+        if net.get("external"):
+            warnings.append(f"network {name} is external: nsbox uses its own shared network namespace instead")
+    for name, vol in (raw.get("volumes") or {}).items():
+        vol = vol or {}
+        if vol.get("driver") not in (None, "local"):
+            issues.append(f"volumes.{name}.driver: {vol['driver']}")
+        if vol.get("driver_opts"):
+            issues.append(f"volumes.{name}.driver_opts")
+        if vol.get("external"):
+            warnings.append(f"volume {name} is external: it becomes an nsbox directory, not Docker's volume")
+    for kind in ("secrets", "configs"):
+        for name, definition in (raw.get(kind) or {}).items():
+            definition = definition or {}
+            if not definition.get("file"):
+                source = next((k for k in ("environment", "content", "external") if definition.get(k)), "no file")
+                issues.append(f"{kind}.{name}: {source} (only file: sources)")
+    return issues, warnings
+
+
+def review_project(project: Project) -> list[str]:
+    """Issues that need every service: ports two services would both listen on."""
+    owner: dict[str, str] = {}
+    issues = []
+    for service in project.services.values():
+        for port in service.ports:
+            inside = port.rsplit(":", 1)[-1]
+            if owner.setdefault(inside, service.name) != service.name:
+                issues.append(f"port {inside} in both {owner[inside]} and {service.name} "
+                              "(all services share one network namespace)")
+    return issues
+
+
+def check_references(project: Project) -> None:
+    """Names a service refers to must exist, as compose requires."""
+    names = set(project.services)
+    defaults = [s.name for s in project.services.values() if s.x_default]
+    if len(defaults) > 1:
+        raise ComposeError(f"x-default: true is on more than one service ({', '.join(defaults)})")
+    for s in project.services.values():
+        for dep in s.depends_on:
+            if dep not in names:
+                raise ComposeError(f"service {s.name} depends on undefined service {dep}")
+        for target in s.links.values():
+            if target not in names:
+                raise ComposeError(f"service {s.name} links to undefined service {target}")
+        if s.network_mode and s.network_mode.startswith("service:") and s.network_mode[8:] not in names:
+            raise ComposeError(f"service {s.name}: network_mode {s.network_mode} names an undefined service")
+        for net in s.networks:
+            if net != "default" and net not in project.networks:
+                raise ComposeError(f"service {s.name} refers to undefined network {net}")
+        for m in s.volumes:
+            if m.type == "volume" and m.source is not None and m.source not in project.volumes:
+                raise ComposeError(f"service {s.name} refers to undefined volume {m.source}")
+
+
+def mount_warnings(project: Project) -> list[str]:
+    warnings = []
+    for s in project.services.values():
+        for m in s.volumes:
+            if m.type == "volume":
+                warnings.append(f"service {s.name}: volume {m.source or '(anonymous)'} at {m.target} starts empty "
+                                "(Docker copies the image's files there into a new volume)")
+        for m in s.tmpfs + [m for m in s.volumes if m.type == "tmpfs"]:
+            warnings.append(f"service {s.name}: tmpfs {m.target} is a directory of the writable layer: "
+                            "the image's files there stay visible and no size applies")
+    if any(s.ports for s in project.services.values()):
+        warnings.append("ports are published on 127.0.0.1 unless an address is given (Docker: all interfaces)")
+    return warnings
+
+
+SampleNetwork = Literal["none", "nat", "host"]
+
+
+def network_shape(project: Project) -> tuple[SampleNetwork, list[str], list[str]]:
+    """The sample's one network mode, the issues that rule one out, and warnings."""
+    services = list(project.services.values())
+    # network_mode service:X joins X's namespace: what counts is X's mode.
+    modes = {s.name: _root(s, project).network_mode for s in services}
+    host = [n for n, m in modes.items() if m == "host"]
+    if host:
+        if len(host) == len(services):
+            return "host", [], []
+        others = [n for n in modes if n not in host]
+        return "host", [f"network_mode: host on {', '.join(host)} but not on {', '.join(others)} "
+                        "(all services of a sample share one network namespace)"], []
+    none = [n for n, m in modes.items() if m == "none"]
+    if len(none) == len(services):
+        return "none", [], []
+    joined = {s.name: _networks_of(s, project) for s in services if s.name not in none}
+    if none:
+        return "none", [f"network_mode: none on {', '.join(none)} but {', '.join(joined)} have networks; "
+                        "nsbox cannot isolate one service of a sample from the others"], []
+    groups = _connected(joined)
+    if len(groups) > 1:
+        described = "; ".join(", ".join(g) for g in groups)
+        return "none", [f"services that share no network ({described}): nsbox runs all services of a "
+                        "sample in one network namespace and cannot separate them"], []
+    internal = {n for n, d in project.networks.items() if d.internal}
+    used = set().union(*joined.values())
+    if not used & internal:
+        return "nat", [], []
+    warnings = [f"service {name}: network {', '.join(sorted(nets - internal))} is not internal, but "
+                f"{', '.join(sorted(used & internal))} is: the whole sample has no outbound access"
+                for name, nets in joined.items() if nets - internal]
+    return "none", [], warnings
+
+
+def _root(service: Service, project: Project) -> Service:
+    """The service whose network namespace `service` uses."""
+    seen = {service.name}
+    while (service.network_mode or "").startswith("service:"):
+        target = project.services.get(service.network_mode[8:])  # type: ignore[index]
+        if target is None or target.name in seen:
+            break
+        seen.add(target.name)
+        service = target
+    return service
+
+
+def _networks_of(service: Service, project: Project) -> set[str]:
+    root = _root(service, project)
+    if root.network_mode in ("bridge", "default"):
+        return {"(bridge)"}
+    return set(root.networks)
+
+
+def _connected(joined: dict[str, set[str]]) -> list[list[str]]:
+    groups: list[tuple[list[str], set[str]]] = []
+    for name, nets in joined.items():
+        merged = [g for g in groups if g[1] & nets]
+        group = ([n for g in merged for n in g[0]] + [name], set(nets).union(*(g[1] for g in merged)))
+        groups = [g for g in groups if g not in merged] + [group]
+    order = list(joined)
+    return sorted((sorted(g[0], key=order.index) for g in groups), key=lambda g: order.index(g[0]))
+
+
+def sample_network(project: Project) -> SampleNetwork:
+    """The network mode of the namespace all the sample's services share:
+    "none" (loopback only: every service has network_mode none, or one of
+    the networks used is internal), "host", or "nat" (outbound access)."""
+    mode, issues, _ = network_shape(project)
+    if issues:
+        raise cannot_honour([("project", i) for i in issues])
+    return mode
+
+
+def aliases(project: Project) -> dict[str, list[str]]:
+    """The names each service answers to (all on 127.0.0.1): its name, its
+    container_name, its network aliases and the aliases links give it."""
+    out = {name: [name] for name in project.services}
+    for s in project.services.values():
+        names = out[s.name]
+        names += [s.container_name] if s.container_name else []
+        names += [a for net in s.networks.values() for a in net]
+        for alias, target in s.links.items():
+            out[target].append(alias)
+    return {name: list(dict.fromkeys(names)) for name, names in out.items()}
+
+
+def cannot_honour(issues: list[tuple[str, str]], source: str = "") -> ComposeError:
+    """One error naming every issue, grouped by where it is."""
+    grouped: dict[str, list[str]] = {}
+    for scope, text in issues:
+        grouped.setdefault(scope, []).append(text)
+    parts = [f"{scope}: nsbox cannot honour: {', '.join(texts)}" for scope, texts in grouped.items()]
+    prefix = f"{source}: " if source else ""
+    return ComposeError(f"{prefix}{'; '.join(parts)} {SEE}", issues=[f"{s}: {t}" for s, t in issues])
