@@ -287,6 +287,46 @@ async def bench_image_create(n: int, warmup: int, notes: list[str]) -> list[Row]
     ]
 
 
+COMPOSE_PUBLISHED = 1.5  # `docker compose up -d --wait` + `down` of 2 cached services, low end (s)
+
+
+async def bench_compose(n: int, warmup: int, notes: list[str]) -> list[Row]:
+    """A 2-service compose sample (the default service depends on the
+    other) brought up and torn down as the Inspect provider does per
+    sample, images cached, against two plain image sandboxes."""
+    op = "compose: 2-service sample up+down"
+    if not os.path.isfile(os.path.join(OCI_LAYOUT, "index.json")):
+        return [Row(op, 0, None, f"n/a: {OCI_LAYOUT} missing (rootfs/images.sh)", None, "ms", "report")]
+    import tempfile
+
+    from nsbox.inspect_compose import prepare, start_sample
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "compose.yaml")
+        with open(path, "w") as f:
+            f.write(f"services:\n  default:\n    image: {BENCH_IMAGE}\n    command: sleep infinity\n"
+                    f"    network_mode: none\n    depends_on: [web]\n"
+                    f"  web:\n    image: {BENCH_IMAGE}\n    command: sleep infinity\n    network_mode: none\n")
+        task = await prepare(path)
+
+        async def sample() -> None:
+            s, _ = await start_sample(task, "bench")
+            await s.close()
+
+        async def two() -> None:
+            a = await nsbox.Sandbox.create(image=BENCH_IMAGE)
+            b = await nsbox.Sandbox.create(image=BENCH_IMAGE)
+            await b.close()
+            await a.close()
+
+        s = await interleaved({"compose": sample, "two": two}, n, warmup)
+    med = {k: statistics.median(v) for k, v in s.items()}
+    notes.append("compose sample: " + "; ".join(f"{k} {ms_spread(v)}" for k, v in s.items()))
+    return [Row(op, n, med["compose"], "2 image sandboxes create+destroy", med["two"], "ms", "report"),
+            Row(op, n, med["compose"], "docker compose up --wait + down (published, low end)", COMPOSE_PUBLISHED,
+                "ms", "ratio <= 0.05", lambda _v, r: r <= 0.05)]
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -591,6 +631,7 @@ async def amain(args: argparse.Namespace) -> int:
             rows += await bench_files(sb, local, n_file, 2, notes)
         rows += await bench_create(n_create, 5, notes)
         rows += await bench_image_create(n_image, 5, notes)
+        rows += await bench_compose(n_image, 3, notes)
         rows += await bench_pull(n_pull, notes)
         rows += await bench_rss(RSS_SANDBOXES, notes)
     finally:

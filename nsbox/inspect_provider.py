@@ -43,6 +43,7 @@ from inspect_ai.util import (
 from . import dirs, manage
 from .errors import NsboxError, OutputLimitExceeded, SandboxUnavailable, UserUnsupported
 from .idmap import detect as detect_idmap
+from .inspect_compose import COMPOSE_FILES, DOCKERFILES, ComposeTask, Sample, is_docker_config, prepare, start_sample
 from .images import import_tarball
 from .limits import exec_output_limit, human_size
 from .rootfs import Bind
@@ -153,6 +154,14 @@ class NsboxConfig(SandboxSettings):
         return hash(self.model_dump_json())
 
 
+def _config_key(config: SandboxEnvironmentConfigType | None) -> Any:
+    """What identifies a configuration across task_init, the samples and
+    task_cleanup (models are compared by content)."""
+    if isinstance(config, BaseModel) and not isinstance(config, NsboxConfig):
+        return (type(config).__name__, config.model_dump_json())
+    return load_config(config) if not is_docker_config(config) else config
+
+
 def load_config(config: SandboxEnvironmentConfigType | None) -> NsboxConfig:
     """The configuration, with relative host paths made absolute (a file's
     against its directory). Invalid configuration raises one clear error."""
@@ -259,22 +268,28 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
     """An Inspect sandbox backed by an nsbox.Sandbox."""
 
     # Sandboxes still open, per configuration, for task_cleanup.
-    _live: dict[NsboxConfig, set["NsboxSandboxEnvironment"]] = {}
+    _live: dict[Any, set["NsboxSandboxEnvironment"]] = {}
     # Root filesystems resolved by task_init (tarballs unpacked), per configuration.
     _rootfs: dict[tuple[str, str], str] = {}
     # Images task_init pulled (reference, platform): samples never pull again.
     _pulled: set[tuple[str, str | None]] = set()
 
+    # Compose projects task_init prepared (images ready), per configuration.
+    _compose: dict[Any, ComposeTask] = {}
+
     def __init__(self, sandbox: Sandbox, config: NsboxConfig) -> None:
         super().__init__()
         self.sandbox = sandbox
         self._config = config
+        self._services: Sample | None = None  # the compose sample this sandbox is a service of
 
     # ---- configuration -------------------------------------------------
 
     @classmethod
     def config_files(cls) -> list[str]:
-        return CONFIG_FILES
+        # Listing compose.yaml makes the provider Docker-compatible: Inspect
+        # then hands it a task's compose file, Dockerfile or ComposeConfig.
+        return CONFIG_FILES + COMPOSE_FILES + DOCKERFILES
 
     @classmethod
     def config_deserialize(cls, config: dict[str, Any]) -> BaseModel:
@@ -291,7 +306,19 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
     # ---- lifecycle -----------------------------------------------------
 
     @classmethod
+    async def _compose_task(cls, config: SandboxEnvironmentConfigType) -> ComposeTask:
+        key = _config_key(config)
+        if key not in cls._compose:
+            with _as_inspect_errors():
+                cls._compose[key] = await prepare(config)
+        return cls._compose[key]
+
+    @classmethod
     async def task_init(cls, task_name: str, config: SandboxEnvironmentConfigType | None) -> None:
+        if is_docker_config(config):
+            assert config is not None
+            await cls._compose_task(config)  # images built or pulled once per task
+            return
         cfg = load_config(config)
         for _, spec in cfg.specs():
             cls._rootfs[(spec.rootfs, cfg.id_mapping)] = await _resolve_rootfs(spec.rootfs, cfg.id_mapping)
@@ -326,8 +353,11 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
     @classmethod
     async def sample_init(cls, task_name: str, config: SandboxEnvironmentConfigType | None,
                           metadata: dict[str, str]) -> dict[str, SandboxEnvironment]:
-        cfg = load_config(config)
         sample = metadata.get("__sample_id__", "")
+        if is_docker_config(config):
+            assert config is not None
+            return await cls._compose_sample_init(task_name, config, sample)
+        cfg = load_config(config)
         created: dict[str, NsboxSandboxEnvironment] = {}
         try:
             for name, spec in cfg.specs():
@@ -346,11 +376,31 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
         return dict(created)
 
     @classmethod
-    async def _close_all(cls, cfg: NsboxConfig, envs: list["NsboxSandboxEnvironment"]) -> None:
+    async def _compose_sample_init(cls, task_name: str, config: SandboxEnvironmentConfigType,
+                                   sample: str) -> dict[str, SandboxEnvironment]:
+        task = await cls._compose_task(config)
+        label = f"{task_name} sample {sample}" if sample != "" else task_name
+        with _as_inspect_errors():
+            services, sandboxes = await start_sample(task, label)
+        cfg = NsboxConfig()
+        envs: dict[str, SandboxEnvironment] = {}
+        for name, sb in sandboxes.items():
+            env = cls(sb, cfg)
+            env._services = services
+            envs[name] = env
+            cls._live.setdefault(_config_key(config), set()).add(env)
+        return envs
+
+    @classmethod
+    async def _close_all(cls, key: Any, envs: list["NsboxSandboxEnvironment"]) -> None:
+        samples = {id(e._services): e._services for e in envs if e._services is not None}
         async with anyio.create_task_group() as tg:
             for env in envs:
-                cls._live.get(cfg, set()).discard(env)
-                tg.start_soon(env.sandbox.close)
+                cls._live.get(key, set()).discard(env)
+                if env._services is None:
+                    tg.start_soon(env.sandbox.close)
+            for services in samples.values():
+                tg.start_soon(services.close)
 
     @classmethod
     async def sample_cleanup(cls, task_name: str, config: SandboxEnvironmentConfigType | None,
@@ -359,15 +409,16 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
         # interrupted sample is cleaned up just as fast as a finished one.
         envs = [e.as_type(NsboxSandboxEnvironment) for e in environments.values()]
         with anyio.CancelScope(shield=True):
-            await cls._close_all(load_config(config), envs)
+            await cls._close_all(_config_key(config), envs)
 
     @classmethod
     async def task_cleanup(cls, task_name: str, config: SandboxEnvironmentConfigType | None,
                            cleanup: bool) -> None:
-        cfg = load_config(config)
-        live = list(cls._live.pop(cfg, set()))
+        key = _config_key(config)
+        live = list(cls._live.pop(key, set()))
+        cls._compose.pop(key, None)
         if cleanup:
-            await cls._close_all(cfg, live)
+            await cls._close_all(key, live)
             return
         if not live:
             return

@@ -1,0 +1,173 @@
+"""Docker-compatible configurations of the Inspect provider: what Inspect
+hands a provider whose config_files() lists compose.yaml (a compose file,
+a Dockerfile, or its ComposeConfig) runs as nsbox services.
+
+- task_init (`prepare`): the project is read once (nsbox/compose/), every
+  service's image is built (nsbox/build/) or pulled and unpacked, once per
+  task; a file nsbox cannot honour fails here, in one message.
+- sample_init (`start_sample`): fresh sandboxes for every service on a
+  network of the sample's own (nsbox/services.py), the default service
+  first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import dirs, idmap
+from .compose import (ComposeError, Project, Service, aliases, dockerfile_project, load_project, main_command,
+                      project_from_config, sample_network, service_spec)
+from .layers import give
+from .removal import remove_layer
+from .services import Healthcheck, ServiceSpec, Services
+from .storage import Store
+from .storage.progress import Progress
+from .storage.store import Image
+
+COMPOSE_FILES = ["compose.yaml", "compose.yml", "docker-compose.yaml", "docker-compose.yml"]
+DOCKERFILES = ["Dockerfile"]
+
+
+def is_docker_config(config: object) -> bool:
+    """A compose file, a Dockerfile or a ComposeConfig (Inspect's own test)."""
+    from inspect_ai.util._sandbox.compose import is_docker_compatible_config
+
+    return is_docker_compatible_config(config)  # type: ignore[arg-type]
+
+
+def read_project(config: object) -> Project:
+    """The project a Docker-compatible configuration describes."""
+    from inspect_ai.util._sandbox.compose import ComposeConfig, is_dockerfile
+
+    if isinstance(config, ComposeConfig):
+        return project_from_config(config, Path.cwd())
+    path = Path(str(config)).resolve()
+    if not path.is_file():
+        raise ComposeError(f"{path}: no such file")
+    return dockerfile_project(path) if is_dockerfile(str(path)) else load_project(path)
+
+
+@dataclass
+class ComposeTask:
+    """A project with every service's image ready (task_init's work)."""
+
+    project: Project
+    id_mapping: str
+    images: dict[str, Image] = field(default_factory=dict)  # service -> image
+    network: str = "none"
+
+
+async def prepare(config: object, id_mapping: str = "auto") -> ComposeTask:
+    project = read_project(config)  # everything it cannot honour fails here, in one message
+    for warning in project.warnings:
+        print(f"nsbox: note: {warning}", file=sys.stderr)
+    task = ComposeTask(project, id_mapping, network=sample_network(project))
+    for service in project.services.values():
+        task.images[service.name] = await _image(project, service, id_mapping)
+    return task
+
+
+def _tag(project: Project, service: Service) -> str:
+    """What a built image is called when the file names none (as compose
+    does: PROJECT-SERVICE)."""
+    return service.image or f"{project.name}-{service.name}".lower()
+
+
+async def _image(project: Project, service: Service, id_mapping: str) -> Image:
+    store = Store()
+    progress = Progress(sys.stderr, label=f"{service.name}")
+    if service.build is not None:
+        try:
+            from .build import build
+        except ImportError:  # pragma: no cover - the build package ships with nsbox
+            raise ComposeError(f"service {service.name} is built from a Dockerfile, and this nsbox cannot build")
+        b = service.build
+        ref = await build(b.context, dockerfile=b.dockerfile, tag=_tag(project, service), build_args=b.args,
+                          target=b.target, id_mapping=id_mapping)
+        return await store.resolve(ref, id_mapping=id_mapping, pull="never")  # type: ignore[arg-type]
+    if service.image is None:
+        raise ComposeError(f"service {service.name} has neither image nor build")
+    pull = {"always": "always", "never": "never"}.get(service.pull_policy or "", "missing")
+    if service.x_local:
+        pull = "never"  # x-local: built locally, never pulled
+    return await store.resolve(service.image, id_mapping=id_mapping, pull=pull,  # type: ignore[arg-type]
+                               platform=service.platform, progress=progress)
+
+
+@dataclass
+class Sample:
+    """The running services of one sample, and the host directories of its
+    named volumes."""
+
+    services: Services
+    volumes: Path | None
+    mapping: idmap.IdMap
+
+    async def close(self) -> None:
+        await self.services.close()
+        if self.volumes is not None and self.volumes.exists():
+            remove_layer(self.volumes, self.mapping)
+
+
+async def start_sample(task: ComposeTask, label: str, *, output_limit_mode: str = "truncate") -> tuple[Sample, dict[str, Any]]:
+    """Creates the sample's services; returns them and the sandboxes by
+    service name, the default service first."""
+    project = task.project
+    mapping = idmap.detect(task.id_mapping)  # type: ignore[arg-type]
+    volumes = _volume_root(project, mapping) if _uses_named_volumes(project) else None
+    names = aliases(project)
+    specs = []
+    try:
+        for service in project.services.values():
+            image = task.images[service.name]
+            spec = service_spec(service, project, image=image.id, network=task.network, volume_root=volumes, pull="never",
+                                id_mapping=task.id_mapping, output_limit_mode=output_limit_mode,
+                                label=f"{label} ({service.name})", origin="inspect")
+            check = None
+            if service.healthcheck is not None and not service.healthcheck.disable:
+                h = service.healthcheck
+                check = Healthcheck.from_test(h.test, interval=h.interval, timeout=h.timeout, retries=h.retries,
+                                              start_period=h.start_period) if h.test else \
+                    Healthcheck.from_image(image.config.healthcheck)
+            specs.append(ServiceSpec(service.name, spec, command=main_command(service, image.config),
+                                     depends_on=dict(service.depends_on), healthcheck=check,
+                                     names=[n for n in names.get(service.name, []) if n != service.name]))
+        if volumes is not None:
+            give(volumes, mapping.host_root)  # the volume directories service_spec made
+        services = Services(specs, network=task.network)
+        sample = Sample(services, volumes, mapping)
+        try:
+            sandboxes = await services.start()
+        except BaseException:
+            await sample.close()
+            raise
+    except BaseException:
+        if volumes is not None and volumes.exists():
+            remove_layer(volumes, mapping)
+        raise
+    return sample, sandboxes
+
+
+def _uses_named_volumes(project: Project) -> bool:
+    return any(m.type == "volume" for s in project.services.values() for m in s.volumes)
+
+
+def _volume_root(project: Project, mapping: idmap.IdMap) -> Path:
+    """A fresh directory for this sample's named volumes, owned by sandbox
+    root (a volume starts empty and belongs to root, as in Docker)."""
+    base = dirs.runtime_dir() / "volumes"
+    base.mkdir(mode=0o700, exist_ok=True)
+    digest = hashlib.sha256(os.urandom(16)).hexdigest()[:12]
+    root = base / f"{project.name}-{digest}"
+    root.mkdir(mode=0o755)
+    for name in project.volumes:
+        (root / name).mkdir(mode=0o755)
+    give(root, mapping.host_root)
+    return root
+
+

@@ -1,0 +1,213 @@
+"""End to end: Docker-style Inspect tasks run unchanged with --sandbox nsbox.
+
+Compose files shaped the way public evaluations write them, images served
+by a docker-registry on 127.0.0.1 (tests/imagekit.py), a scripted mockllm
+model calling bash() in the default service:
+
+- a target and an attacker on an `internal` network, the attacker marked
+  x-default though listed second, the target (busybox httpd) gated by a
+  CMD-SHELL healthcheck and reached by name from the attacker (bash's
+  /dev/tcp: the Debian minbase fixture has no curl);
+- a single image service with `platform`, a list-form command, limits,
+  working_dir and environment, network_mode none;
+- a per-sample compose file (Sample(sandbox=("docker", path))) under a task
+  whose sandbox is nsbox;
+- a compose file nsbox cannot honour fails the task in one message.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from inspect_ai import Task, eval
+from inspect_ai.dataset import Sample
+from inspect_ai.model import ChatMessageTool, get_model
+from inspect_ai.scorer import CORRECT, INCORRECT, Score, Target, accuracy, scorer
+from inspect_ai.solver import TaskState, generate, use_tools
+from inspect_ai.tool import bash
+from inspect_ai.util import sandbox
+
+from nsbox import registry as sandbox_registry
+from nsbox.errors import NsboxError
+from nsbox.inspect_provider import NsboxSandboxEnvironment
+
+from .imagekit import Registry, busybox_oci, fixture_tar, push, registry, umoci_image  # noqa: F401
+from .test_inspect_eval import MODEL, sample_problems, scripted
+
+pytestmark = pytest.mark.timeout(240)
+ARCH = {"x86_64": "amd64", "aarch64": "arm64"}.get(platform.machine(), platform.machine())
+
+
+@pytest.fixture(scope="module")
+def images(registry: Registry, busybox_oci: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:  # noqa: F811
+    """debian (bash, no curl) and busybox (httpd, wget) on the loopback registry."""
+    layout = tmp_path_factory.mktemp("compose-oci") / "debian"
+    umoci_image(layout, "1", fixture_tar("debian"), "--config.workingdir=/root")
+    push(f"oci:{layout}:1", registry, "evals/debian:1")
+    push(f"oci:{busybox_oci}:plain", registry, "evals/busybox:1")
+    return {"debian": f"{registry.host}/evals/debian:1", "busybox": f"{registry.host}/evals/busybox:1"}
+
+
+@scorer(metrics=[accuracy()])
+def output_has(text: str):  # type: ignore[no-untyped-def]
+    """CORRECT iff the last tool output holds `text`; records the services' sandbox ids."""
+
+    async def score(state: TaskState, target: Target) -> Score:
+        outputs = [m.text for m in state.messages if isinstance(m, ChatMessageTool)]
+        env = sandbox().as_type(NsboxSandboxEnvironment)
+        ids = {}
+        if env._services is not None:
+            ids = {name: sb.id for name, sb in env._services.services.sandboxes.items()}
+        return Score(value=CORRECT if outputs and text in outputs[-1] else INCORRECT,
+                     explanation=json.dumps(outputs), metadata={"ids": ids})
+
+    return score
+
+
+def _run(task: Task, steps: list[tuple[str, dict[str, Any]]], tmp_path: Path) -> Any:
+    script = scripted(steps)
+    [log] = eval(task, model=get_model(MODEL, custom_outputs=script), log_dir=str(tmp_path), display="none",
+                 max_samples=2)
+    return log
+
+
+def _check(log: Any, samples: int) -> list[Any]:
+    assert log.status == "success", log.error
+    assert log.samples is not None and len(log.samples) == samples
+    assert sample_problems(log) == []
+    for s in log.samples:
+        score = s.scores["output_has"]
+        assert score.value == CORRECT, score.explanation
+        for sid in (score.metadata or {}).get("ids", {}).values():
+            assert sandbox_registry.read(sid) is None  # every service's sandbox is gone
+    return log.samples
+
+
+ATTACK = [("bash", {"command": "exec 3<>/dev/tcp/target/8000 && printf 'GET /flag.txt HTTP/1.0\\r\\n\\r\\n' >&3 "
+                               "&& cat <&3; echo; hostname; cat /etc/hosts | grep -c victim"})]
+
+
+def test_attacker_and_target_on_an_internal_network(images: dict[str, str], tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "compose.yaml").write_text(textwrap.dedent(f"""\
+        services:
+          target:
+            image: {images['busybox']}
+            command: ["sh", "-c", "mkdir -p /srv && echo FLAG-$$((6*7)) > /srv/flag.txt && exec httpd -f -p 127.0.0.1:8000 -h /srv"]
+            healthcheck:
+              test: ["CMD-SHELL", "wget -q -O- http://127.0.0.1:8000/flag.txt"]
+              interval: 1s
+              retries: 30
+            networks:
+              ctf:
+                aliases: [victim]
+            mem_limit: 0.5gb
+            labels:
+              eval: ctf
+            stop_grace_period: 1s
+          attacker:
+            image: {images['debian']}
+            x-default: true
+            init: true
+            command: tail -f /dev/null
+            networks: [ctf]
+            depends_on:
+              target:
+                condition: service_healthy
+            restart: unless-stopped
+        networks:
+          ctf:
+            internal: true
+        """))
+    task = Task(dataset=[Sample(input="get the flag", target="FLAG-42", id=i) for i in (1, 2)],
+                solver=[use_tools([bash()]), generate()], scorer=output_has("FLAG-42"),
+                sandbox=("nsbox", str(tmp_path / "compose.yaml")), name="nsbox_compose_ctf")
+    samples = _check(_run(task, ATTACK, tmp_path), 2)
+    ids = [s.scores["output_has"].metadata["ids"] for s in samples]
+    assert all(set(i) == {"attacker", "target"} for i in ids)
+    assert not set(ids[0].values()) & set(ids[1].values())  # fresh services per sample
+    out = json.loads(samples[0].scores["output_has"].explanation)[-1]
+    assert "\n1\n" in out or out.rstrip().endswith("1")  # the alias is in /etc/hosts
+
+
+def test_image_service_with_platform_limits_and_list_command(images: dict[str, str], tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "compose.yaml").write_text(textwrap.dedent(f"""\
+        services:
+          default:
+            image: {images['debian']}
+            platform: linux/{ARCH}
+            command: ["tail", "-f", "/dev/null"]
+            working_dir: /opt/work
+            environment:
+              - MODE=${{EVAL_MODE:-strict}}
+            cpus: "0.5"
+            mem_limit: 512m
+            pids_limit: 200
+            network_mode: none
+        """))
+    steps = [("bash", {"command": "echo $MODE $(pwd); ps -e -o comm= 2>/dev/null | grep -c tail || "
+                                  "grep -l tail /proc/[0-9]*/comm | wc -l"})]
+    task = Task(dataset=[Sample(input="where am I", target="")], solver=[use_tools([bash()]), generate()],
+                scorer=output_has("strict /opt/work"), sandbox=("nsbox", str(tmp_path / "compose.yaml")),
+                name="nsbox_compose_single")
+    [sample] = _check(_run(task, steps, tmp_path), 1)
+    out = json.loads(sample.scores["output_has"].explanation)[-1]
+    assert out.strip().endswith("1"), out  # the service's command runs
+
+
+def test_per_sample_compose_file(images: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    files = []
+    for word in ("alpha", "beta"):
+        d = tmp_path / word
+        d.mkdir()
+        (d / "compose.yaml").write_text(textwrap.dedent(f"""\
+            services:
+              default:
+                image: {images['debian']}
+                command: tail -f /dev/null
+                environment:
+                  WORD: {word}
+                network_mode: none
+            """))
+        files.append(str(d / "compose.yaml"))
+    task = Task(dataset=[Sample(input=w, target=w, id=w, sandbox=("docker", f)) for w, f in zip(("alpha", "beta"), files)],
+                solver=[use_tools([bash()]), generate()], scorer=output_has("word="),
+                sandbox="nsbox", name="nsbox_compose_per_sample")
+    steps = [("bash", {"command": "echo word=$WORD"})]
+    samples = _check(_run(task, steps, tmp_path), 2)
+    for s in samples:
+        assert f"word={s.id}" in json.loads(s.scores["output_has"].explanation)[-1]
+
+
+def test_unsupported_keys_fail_the_task_in_one_message(images: dict[str, str], tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "compose.yaml").write_text(textwrap.dedent(f"""\
+        services:
+          default:
+            image: {images['debian']}
+            pid: host
+            devices: ["/dev/kvm:/dev/kvm"]
+        """))
+    task = Task(dataset=[Sample(input="x", target="")], solver=[use_tools([bash()]), generate()],
+                scorer=output_has("x"), sandbox=("nsbox", str(tmp_path / "compose.yaml")), name="nsbox_compose_bad")
+    before = {i.id for i in sandbox_registry.entries()}
+    script = scripted([])
+    # Inspect runs task_init before it opens the log: the error surfaces as
+    # the exception itself, before any sample or sandbox.
+    with pytest.raises(NsboxError) as e:
+        eval(task, model=get_model(MODEL, custom_outputs=script), log_dir=str(tmp_path), display="none")
+    message = str(e.value)
+    assert "nsbox cannot honour: devices, pid: host" in message and "service default" in message, message
+    assert script.calls == []  # type: ignore[attr-defined]
+    assert {i.id for i in sandbox_registry.entries()} == before
