@@ -56,8 +56,17 @@ PROXY_PORT = DEFAULT_PORT
 PROXY_HOSTS_ENV = "NSBOX_PROXY_HOSTS"
 
 
+def mode(spec: SandboxSpec) -> str:
+    """The network mode in effect: a sandbox joining another's network
+    (container:ID) has that sandbox's (its proxy, its nat and DNS forwarder)."""
+    if not spec.network.startswith(CONTAINER):
+        return spec.network
+    info = registry.read(spec.network[len(CONTAINER):])
+    return info.network if info is not None else "none"
+
+
 def needs_etc(spec: SandboxSpec) -> bool:
-    return spec.network == "nat" or bool(spec.hosts)
+    return mode(spec) == "nat" or bool(spec.hosts)
 
 
 def private(spec: SandboxSpec) -> bool:
@@ -86,15 +95,18 @@ def open_join(spec: SandboxSpec, mapping: IdMap) -> tuple[int, int] | None:
     proc = f"/proc/{info.init_pid}"
     fds: list[int] = []
     try:
-        with open(f"{proc}/uid_map") as f:
-            theirs = [tuple(int(x) for x in line.split()) for line in f if line.strip()]
-        if theirs != [tuple(line) for line in mapping.uid_map]:
-            raise NetError(f"network {spec.network}: sandbox {target} has another id mapping "
-                           f"(create both with the same id_mapping)")
+        for kind, ours in (("uid_map", mapping.uid_map), ("gid_map", mapping.gid_map)):
+            with open(f"{proc}/{kind}") as f:
+                theirs = [tuple(int(x) for x in line.split()) for line in f if line.strip()]
+            if theirs != [tuple(line) for line in ours]:
+                raise NetError(f"network {spec.network}: sandbox {target} has another id mapping "
+                               f"(create both with the same id_mapping)")
         for ns in ("user", "net"):
             fds.append(os.open(f"{proc}/ns/{ns}", os.O_RDONLY | os.O_CLOEXEC))
         if not registry.process_alive(info.init_pid, info.init_start):
             raise NetError(f"network {spec.network}: sandbox {target} stopped")  # the pid was reused
+        if not _sandbox_namespaces(fds[0], fds[1]):
+            raise NetError(f"network {spec.network}: sandbox {target}'s init is not in namespaces nsbox made")
     except OSError as e:
         for fd in fds:
             os.close(fd)
@@ -106,15 +118,42 @@ def open_join(spec: SandboxSpec, mapping: IdMap) -> tuple[int, int] | None:
     return fds[0], fds[1]
 
 
+# ioctl(2) requests on namespace descriptors (linux/nsfs.h).
+NS_GET_USERNS, NS_GET_PARENT, NS_GET_OWNER_UID = 0xB701, 0xB702, 0xB704
+
+
+def _sandbox_namespaces(userns: int, netns: int) -> bool:
+    """Whether `userns` is one a sandbox init lives in: a child of our own
+    user namespace, created by our uid, and owning `netns`. A user namespace
+    made by sandbox root (nested_userns) shows the same id maps from here,
+    but is a grandchild: joining it would put the new sandbox's init under
+    another sandbox's root."""
+    import array
+    import fcntl
+
+    def inode_of_returned(fd: int, request: int) -> int:
+        got = fcntl.ioctl(fd, request)
+        try:
+            return os.fstat(got).st_ino
+        finally:
+            os.close(got)
+
+    owner = array.array("I", [0])
+    fcntl.ioctl(userns, NS_GET_OWNER_UID, owner, True)
+    return (owner[0] == os.geteuid()
+            and inode_of_returned(userns, NS_GET_PARENT) == os.stat("/proc/self/ns/user").st_ino
+            and inode_of_returned(netns, NS_GET_USERNS) == os.fstat(userns).st_ino)
+
+
 def environment(spec: SandboxSpec) -> dict[str, str]:
     """What the mode adds to every command's environment (under the sandbox's own env)."""
-    return proxy_env(PROXY_PORT) if spec.network == "proxy" else {}
+    return proxy_env(PROXY_PORT) if mode(spec) == "proxy" else {}
 
 
 def etc_files(spec: SandboxSpec, hostname: str) -> dict[str, str]:
     """The /etc files the mode (and extra hosts) need written into the sandbox once it runs."""
     peers = [(address, [name]) for name, address in spec.hosts.items()]
-    if spec.network != "nat":
+    if mode(spec) != "nat":
         return {"/etc/hosts": hosts_mod.render_hosts(hostname, peers)} if peers else {}
     return {"/etc/hosts": hosts_mod.render_hosts(hostname, peers, host_address=usernet.GATEWAY),
             "/etc/resolv.conf": hosts_mod.render_resolv_conf(usernet.DNS)}

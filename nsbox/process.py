@@ -171,7 +171,9 @@ async def _drive(
                     if closed:
                         poller.forget(chan_fd)
                         if outcome.returncode is None:
-                            outcome.channel_lost = True
+                            # Closed after a failure report (e.g. fork failed):
+                            # the sandbox lives on; the failure says why.
+                            outcome.channel_lost = outcome.failure is None
                             return
                     if outcome.returncode is not None and deadline > anyio.current_time() + EXIT_GRACE:
                         deadline = anyio.current_time() + EXIT_GRACE

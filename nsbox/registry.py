@@ -59,6 +59,7 @@ class SandboxInfo:
     created: float = field(default_factory=time.time)
     detached: bool = False
     lowers: list[str] = field(default_factory=list)  # image layers it stacks (prune keeps them)
+    network: str = "none"  # its network mode (a sandbox joining it gets the same)
 
     @property
     def owner_alive(self) -> bool:

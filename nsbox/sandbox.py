@@ -270,6 +270,7 @@ class Sandbox:
             layer=os.fspath(self._layer), hostname=self.hostname, user=self.user, workdir=self.workdir,
             idmap=self.idmap.to_dict(), origin=self.origin, label=self.label,
             lowers=[os.fspath(p) for p in (self.image.layers if self.image else ())],
+            network=netplan.mode(self.spec),
         ))
 
     async def _settle_identity(self) -> None:

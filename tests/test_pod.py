@@ -17,8 +17,10 @@ import psutil
 import pytest
 
 import nsbox
-from nsbox import registry
+from nsbox import netplan, registry
 from nsbox.net.client import NetError
+
+from .net_members import tun_usable
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -116,3 +118,36 @@ def test_spec_refuses_bad_values() -> None:
     with pytest.raises(ValueError):
         nsbox.SandboxSpec(hosts={"web": "not-an-address"})
     assert nsbox.SandboxSpec(hosts={"web": "127.0.0.1"}).hosts == {"web": "127.0.0.1"}
+
+
+async def test_joiner_gets_its_targets_network_settings() -> None:
+    """A joiner of a proxy sandbox uses the same proxy; of a nat sandbox, the
+    same DNS forwarder and host.nsbox.internal."""
+    async with nsbox.Sandbox(network="proxy", allow=["example.com"]) as a:
+        async with nsbox.Sandbox(network=f"container:{a.id}") as b:
+            r = await b.exec(["sh", "-c", "echo $HTTP_PROXY"])
+            assert r.stdout.strip() == "http://127.0.0.1:3128", r
+    if not tun_usable():
+        return  # nat needs /dev/net/tun (CI makes it usable; tests/test_net_usernet.py covers the refusal)
+    async with nsbox.Sandbox(network="nat") as a:
+        async with nsbox.Sandbox(network=f"container:{a.id}") as b:
+            assert "10.0.2.3" in (await b.exec(["cat", "/etc/resolv.conf"])).stdout
+            assert "host.nsbox.internal" in (await b.exec(["cat", "/etc/hosts"])).stdout
+
+
+async def test_only_namespaces_of_a_sandbox_init_can_be_joined() -> None:
+    """A user namespace that sandbox root made (nested_userns) shows the same
+    id maps from the host as the init's, but joining it would put the new
+    sandbox's init under that sandbox's root: refused."""
+    async with nsbox.Sandbox(nested_userns=True) as a:
+        r = await a.exec(["sh", "-c", "unshare -U -n --map-root-user sleep 60 >/dev/null 2>&1 & sleep 0.3; echo ok"])
+        assert r.stdout == "ok\n", r
+        init = psutil.Process(a.pid)
+        nested = next(p for p in init.children(recursive=True) if p.name() == "sleep")
+        for pid, expected in ((a.pid, True), (nested.pid, False)):
+            fds = [os.open(f"/proc/{pid}/ns/{ns}", os.O_RDONLY | os.O_CLOEXEC) for ns in ("user", "net")]
+            try:
+                assert netplan._sandbox_namespaces(*fds) is expected, pid
+            finally:
+                for fd in fds:
+                    os.close(fd)
