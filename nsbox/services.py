@@ -150,13 +150,15 @@ class Services:
         spec = service.spec
         owner = next(iter(self.sandboxes.values()), None)
         hosts = {**self._hosts(), **spec.hosts}
-        if owner is None or self.network == "host":
-            spec = spec.replace(network=self.network, hosts=hosts)
+        if self.network == "host":
+            spec = spec.replace(network="host", hosts=hosts, ports=())
+        elif owner is None:
+            # Every service's ports are ports of the one shared namespace:
+            # the owner publishes them all.
+            ports = tuple(p for s in self.order for p in s.spec.ports)
+            spec = spec.replace(network=self.network, hosts=hosts, ports=ports)
         else:
-            if spec.ports:
-                raise ServicesError(f"service {service.name}: ports are published by the first service of the "
-                                    f"sample ({self.order[0].name}); list them there")
-            spec = spec.replace(network=f"container:{owner.id}", hosts=hosts)
+            spec = spec.replace(network=f"container:{owner.id}", hosts=hosts, ports=())
         sb = Sandbox(spec=spec)
         try:
             await sb.start()
