@@ -128,6 +128,11 @@ enum nsbox_setup_stage {
  * sandbox's user and network namespaces (see enter() in create/main.c); it
  * carries the reply socket, the sub-zygote's socket and the two namespace
  * descriptors, and is answered with the sub-zygote's pid and pidfd.
+ *
+ * A message whose byte is 'h' asks for a holder: a sub-zygote in a new user
+ * namespace with the spec's id maps (see hold() in create/main.c), in which
+ * sandboxes get nested user namespaces whose maps it writes directly. It
+ * carries the reply socket, the holder's socket and a spec memfd.
  */
 #define NSBOX_ZYGOTE_SOCKET 3
 #define NSBOX_ZYGOTE_MSG_MAX 1024

@@ -46,14 +46,20 @@ async def launch(plan: Plan, launched: Launched, *, sandbox_id: str, socket_path
     launched.cleanups.extend(plan.cleanups)  # whatever fails from here, the caller runs them
     err_r, err_w = os.pipe2(os.O_CLOEXEC)
     go_r, go_w = os.pipe2(os.O_CLOEXEC)
-    via: native.SubZygote | None = None
+    sub: native.SubZygote | None = None  # ours to close
+    via: native.SubZygote | native.Holder | None = None
     try:
         try:
             if plan.join is not None:
                 try:
-                    via = native.SubZygote(*plan.join)
+                    via = sub = native.SubZygote(*plan.join)
                 except OSError as e:
                     raise SandboxSetupError(f"cannot join the other sandbox's network: {e.strerror}") from None
+            elif "CLONE_NEWUSER" in plan.namespaces and plan.idmap.host_root == (os.geteuid(), os.getegid()):
+                # Sandbox root is the owner's own uid (subuid and single
+                # modes): a holder saves writing maps with newuidmap per
+                # sandbox. (As real root, maps are written directly anyway.)
+                via = native.holder(plan.idmap.how_to_write())
             reply = _request(plan, launched, sandbox_id, socket_path, err_w, go_r, via)
         finally:
             os.close(err_w)
@@ -71,8 +77,8 @@ async def launch(plan: Plan, launched: Launched, *, sandbox_id: str, socket_path
             except OSError as e:
                 raise hostcheck.clone_failed(e.errno) from None
             finally:
-                if via is not None:
-                    via.close()  # one sandbox per sub-zygote: it exits at EOF
+                if sub is not None:
+                    sub.close()  # one sandbox per sub-zygote: it exits at EOF
         await plan.run_hooks(launched.pid)
         native.go(go_w)
         if on_cloned is not None:
@@ -82,15 +88,15 @@ async def launch(plan: Plan, launched: Launched, *, sandbox_id: str, socket_path
     finally:
         os.close(go_w)
         os.close(err_r)
-        if via is not None:
-            via.close()
+        if sub is not None:
+            sub.close()
     if report:
         step, err = struct.unpack("=ii", report[:8])
         raise setup_error(plan, step, err, layer)
 
 
 def _request(plan: Plan, launched: Launched, sandbox_id: str, socket_path: Path, err_w: int,
-             go_r: int, via: native.SubZygote | None) -> socket.socket:
+             go_r: int, via: native.SubZygote | native.Holder | None) -> socket.socket:
     launched.ctl, ctl_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     init_fd = -1
@@ -102,8 +108,13 @@ def _request(plan: Plan, launched: Launched, sandbox_id: str, socket_path: Path,
                                     hint="set NSBOX_STATE_DIR to a shorter path") from None
         listener.listen(64)
         init_fd = os.open(native.INIT_BINARY, os.O_RDONLY | os.O_CLOEXEC)
+        idmaps = plan.idmap.how_to_write()
+        if isinstance(via, native.Holder):
+            # Nested in the holder's namespace, which has the owner's maps:
+            # every id maps to itself, written by the holder.
+            idmaps = (*plan.idmap.nested_identity(), None, None, idmaps[4])
         return native.request_spawn(
-            clone_flags=native.clone_flags(plan.namespaces), steps=plan.steps(), idmaps=plan.idmap.how_to_write(),
+            clone_flags=native.clone_flags(plan.namespaces), steps=plan.steps(), idmaps=idmaps,
             error_fd=err_w, sync_fd=go_r,
             # fds 3..6 of the init: control, listener, and the locked user
             # and mount namespaces (NSBOX_FD_*).

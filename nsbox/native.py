@@ -14,6 +14,7 @@ import os
 import socket
 import struct
 import threading
+import weakref
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -166,11 +167,16 @@ _zygote_lock = threading.Lock()
 
 def _forget_zygote_after_fork() -> None:
     # A forked child must not use its parent's zygote: CLONE_PARENT would
-    # make the parent, not the child, the sandbox's parent.
+    # make the parent, not the child, the sandbox's parent. Nor keep a
+    # holder's or sub-zygote's socket open: they exit at EOF.
     global _zygote
     if _zygote is not None:
         _zygote.sock.close()
     _zygote = None
+    for z in list(_closers):
+        z.sock.close()
+    _closers.clear()
+    _holders.clear()
 
 
 os.register_at_fork(after_in_child=_forget_zygote_after_fork)
@@ -190,6 +196,86 @@ def _zygote_socket(restart: bool = False) -> socket.socket:
         if _zygote is None:
             _zygote = _Zygote()
         return _zygote.sock
+
+
+class Holder:
+    """A sub-zygote in a user namespace of the owner's, with the owner's id
+    maps (written once, by newuidmap for a subordinate range), in which every
+    sandbox gets a nested user namespace whose maps the holder writes
+    directly: no setuid helper per sandbox (see hold() in
+    csrc/create/main.c). One per id mapping per process, kept until exit."""
+
+    def __init__(self, idmaps: tuple[str, str, str | None, str | None, bool]) -> None:
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        ours, reply = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        memfd = _pack([], 0, ["nsbox-holder"], [], [], False, False, False, None, 0, idmaps)
+        try:
+            anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [reply.fileno(), theirs.fileno(), memfd]))]
+            _send(b"h", anc)
+        except BaseException:
+            self.sock.close()
+            raise
+        finally:
+            theirs.close()
+            reply.close()
+            os.close(memfd)
+        self.owner = os.getpid()
+        try:
+            with ours:
+                self.pid, _ = read_spawn_reply(ours)
+        except IdMapError as e:
+            self.sock.close()
+            os.waitpid(int(e.filename), 0)
+            raise
+        except BaseException:
+            self.sock.close()
+            raise
+        _closers.add(self)
+
+    def alive(self) -> bool:
+        try:
+            return os.waitpid(self.pid, os.WNOHANG) == (0, 0)
+        except ChildProcessError:
+            return False
+
+    def close(self) -> None:
+        _closers.discard(self)
+        if self.sock.fileno() >= 0:
+            self.sock.close()  # EOF: it exits
+            if self.owner == os.getpid():
+                try:
+                    os.waitpid(self.pid, 0)
+                except ChildProcessError:
+                    pass
+
+
+_holders: dict[tuple[str, str], Holder] = {}
+_holder_lock = threading.Lock()
+_holder_failed: set[tuple[str, str]] = set()
+_closers: "weakref.WeakSet[Holder | SubZygote]" = weakref.WeakSet()
+
+
+def holder(idmaps: tuple[str, str, str | None, str | None, bool]) -> Holder | None:
+    """This process's holder for these id maps, started on first use; None
+    if this host cannot have one (the caller then creates sandboxes the
+    direct way, as before)."""
+    if os.environ.get("NSBOX_HOLDER", "1") == "0":
+        return None
+    key = (idmaps[0], idmaps[1])
+    with _holder_lock:
+        h = _holders.get(key)
+        if h is not None and h.owner == os.getpid():
+            if h.alive():
+                return h
+            h.close()  # killed: start another
+        if key in _holder_failed:
+            return None
+        try:
+            h = _holders[key] = Holder(idmaps)
+        except OSError:
+            _holder_failed.add(key)  # e.g. nested user namespaces refused: the direct way works alike
+            return None
+        return h
 
 
 class SubZygote:
@@ -218,6 +304,7 @@ class SubZygote:
             self.sock.close()
             raise OSError(errno.EIO, "nsbox-create stopped before answering")
         self.pid, err, _, _ = REPLY.unpack_from(data)
+        _closers.add(self)
         if err:
             self.sock.close()
             if self.pid > 0:
@@ -225,6 +312,7 @@ class SubZygote:
             raise OSError(err, f"entering the namespaces of another sandbox: {os.strerror(err)}")
 
     def close(self) -> None:
+        _closers.discard(self)
         if self.sock.fileno() >= 0:
             self.sock.close()  # EOF: it exits
             try:
@@ -263,7 +351,7 @@ def request_spawn(
     new_session: bool,
     lock_maps: tuple[str, str] | None = None,
     lock_slot: int = 0,
-    via: SubZygote | None = None,
+    via: "SubZygote | Holder | None" = None,
 ) -> socket.socket:
     """Asks the zygote to clone the process described; returns the socket
     its reply arrives on (read it with read_spawn_reply). The process waits

@@ -123,26 +123,43 @@ NS_GET_USERNS, NS_GET_PARENT, NS_GET_OWNER_UID = 0xB701, 0xB702, 0xB704
 
 
 def _sandbox_namespaces(userns: int, netns: int) -> bool:
-    """Whether `userns` is one a sandbox init lives in: a child of our own
-    user namespace, created by our uid, and owning `netns`. A user namespace
-    made by sandbox root (nested_userns) shows the same id maps from here,
-    but is a grandchild: joining it would put the new sandbox's init under
-    another sandbox's root."""
+    """Whether `userns` is one a sandbox init lives in: created by our uid,
+    owning `netns`, and a child of our own user namespace or of a holder's
+    (a child of ours, also created by our uid; see native.Holder). A user
+    namespace made by sandbox root (nested_userns) shows the same id maps
+    from here, but lies deeper: joining it would put the new sandbox's init
+    under another sandbox's root."""
     import array
     import fcntl
 
-    def inode_of_returned(fd: int, request: int) -> int:
-        got = fcntl.ioctl(fd, request)
-        try:
-            return os.fstat(got).st_ino
-        finally:
-            os.close(got)
+    ours = os.stat("/proc/self/ns/user").st_ino
 
-    owner = array.array("I", [0])
-    fcntl.ioctl(userns, NS_GET_OWNER_UID, owner, True)
-    return (owner[0] == os.geteuid()
-            and inode_of_returned(userns, NS_GET_PARENT) == os.stat("/proc/self/ns/user").st_ino
-            and inode_of_returned(netns, NS_GET_USERNS) == os.fstat(userns).st_ino)
+    def owned(fd: int) -> bool:
+        uid = array.array("I", [0])
+        fcntl.ioctl(fd, NS_GET_OWNER_UID, uid, True)
+        return uid[0] == os.geteuid()
+
+    def parent(fd: int, request: int = NS_GET_PARENT) -> int:
+        return fcntl.ioctl(fd, request)  # a new descriptor
+
+    netns_owner = parent(netns, NS_GET_USERNS)
+    up = parent(userns)
+    try:
+        if not owned(userns) or os.fstat(netns_owner).st_ino != os.fstat(userns).st_ino:
+            return False
+        if os.fstat(up).st_ino == ours:
+            return True
+        try:
+            grand = parent(up)
+        except PermissionError:
+            return False  # beyond our own namespace
+        try:
+            return owned(up) and os.fstat(grand).st_ino == ours
+        finally:
+            os.close(grand)
+    finally:
+        os.close(up)
+        os.close(netns_owner)
 
 
 def environment(spec: SandboxSpec) -> dict[str, str]:

@@ -54,24 +54,42 @@ static void reply(int sock, int pid, int err, int stage, int pidfd, const char *
 
 #define MAX_FDS 12
 
-/* Set in a sub-zygote (see enter() below): it lives in another sandbox's
- * user and network namespaces, so the children it clones share both. */
-static bool joined;
+/* What this process is. A sub-zygote (see enter() and hold() below) lives
+ * in a user namespace other than the zygote's:
+ *   POD     another sandbox's user and network namespaces: the children it
+ *           clones share both (no id maps to write);
+ *   HOLDER  a user namespace of the owner's, with no sandbox in it: the
+ *           children it clones get user namespaces of their own, nested in
+ *           it, whose maps it writes directly (no setuid helper). */
+enum role { ZYGOTE, POD, HOLDER };
+static enum role role = ZYGOTE;
+
+/* Reads and unpacks the spec memfd `fd`; 0, or -1 with nothing allocated
+ * (*buf is freed by the caller either way). Its size bounds what we read. */
+static int read_spec(int fd, char **buf, struct nsbox_spec *spec)
+{
+    struct stat st;
+    memset(spec, 0, sizeof *spec);
+    *buf = NULL;
+    if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode) || st.st_size <= 0 || st.st_size > NSBOX_SPEC_MAX ||
+        !(*buf = malloc((size_t)st.st_size)) || pread(fd, *buf, (size_t)st.st_size, 0) != st.st_size ||
+        nsbox_spec_unpack(*buf, (unsigned long)st.st_size, spec))
+        return -1;
+    return 0;
+}
 
 /* Serves one creation request; fds[0] is the reply socket, fds[1] the spec. */
 static void serve(int *fds, int nfds)
 {
     if (nfds < 1)
         return; /* no descriptor came: nothing to answer on, nothing to close */
-    struct stat st;
     char *buf = NULL;
     struct nsbox_spec spec;
     memset(&spec, 0, sizeof spec);
-    /* The spec is a memfd; its size bounds what we allocate and read. */
-    if (nfds < 2 || fstat(fds[1], &st) < 0 || !S_ISREG(st.st_mode) || st.st_size <= 0 ||
-        st.st_size > NSBOX_SPEC_MAX || !(buf = malloc((size_t)st.st_size)) ||
-        pread(fds[1], buf, (size_t)st.st_size, 0) != st.st_size ||
-        nsbox_spec_unpack(buf, (unsigned long)st.st_size, &spec) || nfds != 2 + nsbox_spec_fds(&spec)) {
+    /* In a holder, only maps we can write ourselves: a setuid helper run
+     * from inside a user namespace is nothing we want. */
+    if (nfds < 2 || read_spec(fds[1], &buf, &spec) || nfds != 2 + nsbox_spec_fds(&spec) ||
+        (role == HOLDER && spec.newuidmap)) {
         reply(fds[0], -1, EINVAL, NSBOX_ZYGOTE_REQUEST, -1, NULL, 0);
         goto out;
     }
@@ -91,9 +109,11 @@ static void serve(int *fds, int nfds)
     memset(&args, 0, sizeof args);
     /* With CLONE_PARENT the child's exit signal is ours (SIGCHLD); clone3
      * requires exit_signal to be 0 then. */
-    /* Joined: the user and network namespaces are ours already; their id
+    /* In a pod the user and network namespaces are ours already; their id
      * maps were written when they were made. */
-    unsigned long ns = joined ? spec.clone_flags & ~(unsigned long)(CLONE_NEWUSER | CLONE_NEWNET) : spec.clone_flags;
+    unsigned long ns = spec.clone_flags;
+    if (role == POD)
+        ns &= ~(unsigned long)(CLONE_NEWUSER | CLONE_NEWNET);
     args.flags = ns | CLONE_PARENT | CLONE_PIDFD;
     args.pidfd = (uint64_t)(uintptr_t)&pidfd;
     long pid = syscall(SYS_clone3, &args, sizeof args);
@@ -105,7 +125,7 @@ static void serve(int *fds, int nfds)
     }
     char msg[NSBOX_ZYGOTE_MSG_MAX];
     int msglen = 0;
-    int err = joined ? 0 : write_id_maps(&spec, (pid_t)pid, msg, &msglen);
+    int err = role == POD ? 0 : write_id_maps(&spec, (pid_t)pid, msg, &msglen);
     if (err) {
         /* The child never started: it is ours to stop (our parent reaps it). */
         syscall(SYS_pidfd_send_signal, pidfd, SIGKILL, NULL, 0);
@@ -141,7 +161,7 @@ static void enter(int *fds, int nfds)
 {
     if (nfds < 1)
         return;
-    if (nfds != 4 || joined) {
+    if (nfds != 4 || role == POD) {
         reply(fds[0], -1, EINVAL, NSBOX_ZYGOTE_REQUEST, -1, NULL, 0);
         goto out;
     }
@@ -171,7 +191,7 @@ static void enter(int *fds, int nfds)
             _exit(1);
         /* Keep only the socket (0-2 are /dev/null, as in the zygote). */
         syscall(SYS_close_range, NSBOX_ZYGOTE_SOCKET + 1, ~0U, 0);
-        joined = true;
+        role = POD;
         return; /* back to the serving loop, on the new socket */
     }
     close(status[1]);
@@ -185,6 +205,85 @@ static void enter(int *fds, int nfds)
     if (pidfd >= 0)
         close(pidfd);
 out:
+    for (int i = 0; i < nfds; i++)
+        close(fds[i]);
+}
+
+/*
+ * Serves a holder request: fds are the reply socket, the holder's socket
+ * and a spec memfd, of which only the id maps count. Clones the holder into
+ * a new user namespace (CLONE_PARENT: a child of the Python process), writes
+ * its maps as for a sandbox (newuidmap for a subordinate range: once, here,
+ * instead of once per sandbox), and lets it serve creation requests on its
+ * socket until EOF (role HOLDER).
+ *
+ * What a sandbox made by the holder can do to it: nothing. The sandbox's
+ * user namespace is a child of the holder's, so its root has no capability
+ * in the holder's namespace or a sibling's; the holder's pid is outside
+ * every sandbox's PID namespace.
+ */
+static void hold(int *fds, int nfds)
+{
+    if (nfds < 1)
+        return;
+    char *buf = NULL;
+    struct nsbox_spec spec;
+    memset(&spec, 0, sizeof spec);
+    int ready[2] = {-1, -1}, pidfd = -1;
+    if (nfds != 3 || role != ZYGOTE || read_spec(fds[2], &buf, &spec)) {
+        reply(fds[0], -1, EINVAL, NSBOX_ZYGOTE_REQUEST, -1, NULL, 0);
+        goto out;
+    }
+    if (pipe2(ready, O_CLOEXEC) < 0) {
+        reply(fds[0], -1, errno, NSBOX_ZYGOTE_CLONE, -1, NULL, 0);
+        goto out;
+    }
+    struct clone_args args;
+    memset(&args, 0, sizeof args);
+    args.flags = CLONE_NEWUSER | CLONE_PARENT | CLONE_PIDFD;
+    args.pidfd = (uint64_t)(uintptr_t)&pidfd;
+    long pid = syscall(SYS_clone3, &args, sizeof args);
+    if (pid == 0) {
+        /* Wait until our maps are written; EOF means they were not. */
+        char go;
+        close(ready[1]);
+        /* Then become the namespace's root, so that our ids are mapped in
+         * it (a new user namespace needs its creator's ids mapped in the
+         * parent). Python uses a holder only where root is the owner's own
+         * uid and gid, so nothing changes for host file access; changing
+         * ids made us non-dumpable, which would hand the /proc files of the
+         * children we clone (their id maps among them) to host root. */
+        if (read(ready[0], &go, 1) != 1 || setresgid(0, 0, 0) < 0 || setresuid(0, 0, 0) < 0 ||
+            prctl(PR_SET_DUMPABLE, 1, 0, 0, 0) < 0 || dup2(fds[1], NSBOX_ZYGOTE_SOCKET) < 0 ||
+            fcntl(NSBOX_ZYGOTE_SOCKET, F_SETFD, FD_CLOEXEC) < 0)
+            _exit(1);
+        syscall(SYS_close_range, NSBOX_ZYGOTE_SOCKET + 1, ~0U, 0);
+        nsbox_spec_free(&spec);
+        free(buf);
+        role = HOLDER;
+        return; /* back to the serving loop, on the new socket */
+    }
+    if (pid < 0) {
+        reply(fds[0], -1, errno, NSBOX_ZYGOTE_CLONE, -1, NULL, 0);
+        goto out;
+    }
+    char msg[NSBOX_ZYGOTE_MSG_MAX];
+    int msglen = 0;
+    int err = write_id_maps(&spec, (pid_t)pid, msg, &msglen);
+    if (err)
+        syscall(SYS_pidfd_send_signal, pidfd, SIGKILL, NULL, 0); /* the owner reaps it */
+    else if (write(ready[1], "g", 1) != 1)
+        err = errno;
+    reply(fds[0], (int)pid, err, err ? NSBOX_ZYGOTE_IDMAP : 0, pidfd, msg, msglen);
+out:
+    if (pidfd >= 0)
+        close(pidfd);
+    for (int i = 0; i < 2; i++) {
+        if (ready[i] >= 0)
+            close(ready[i]);
+    }
+    nsbox_spec_free(&spec);
+    free(buf);
     for (int i = 0; i < nfds; i++)
         close(fds[i]);
 }
@@ -234,6 +333,8 @@ int main(void)
         }
         if (byte == 'j')
             enter(fds, nfds);
+        else if (byte == 'h')
+            hold(fds, nfds);
         else
             serve(fds, nfds);
     }
