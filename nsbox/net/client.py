@@ -68,6 +68,7 @@ class NetHelper:
         self._chan: socket.socket | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         self._lock = anyio.Lock()
+        self._seq = 0
         self._pid_at_start = 0
 
     @property
@@ -93,7 +94,9 @@ class NetHelper:
         (the caller owns them). Raises NetError with the helper's message."""
         async with self._lock:
             chan = self._chan if self._chan is not None and self._pid_at_start == os.getpid() else self._start()
-            data = json.dumps({"op": op, **fields}).encode()
+            self._seq += 1
+            seq = self._seq
+            data = json.dumps({"op": op, "seq": seq, **fields}).encode()
             while True:
                 try:
                     socket.send_fds(chan, [data], list(fds)) if fds else chan.send(data)
@@ -109,13 +112,18 @@ class NetHelper:
                 await anyio.wait_readable(chan)
                 try:
                     data, got, _, _ = socket.recv_fds(chan, MAX_MESSAGE, 16)
-                    break
                 except BlockingIOError:
                     continue
+                if not data:
+                    break
+                answer = json.loads(data)
+                if answer.pop("seq", None) == seq:
+                    break
+                for fd in got:  # the late reply of a request that was cancelled
+                    os.close(fd)
         if not data:
             self._chan = None
             raise NetError("the network helper process has exited")
-        answer = json.loads(data)
         if not answer.pop("ok"):
             for fd in got:
                 os.close(fd)

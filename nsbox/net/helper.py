@@ -351,8 +351,14 @@ IN_HELPER = {"spawn": op_spawn, "kill": op_kill, "userns": op_userns}
 
 # ---- the loop -------------------------------------------------------------
 
+# The sequence number of the request being handled (requests are handled
+# one at a time), echoed in its reply: a client whose earlier request was
+# cancelled while waiting tells that late reply from the one it waits for.
+_seq: Any = None
+
+
 def reply(chan: socket.socket, message: dict[str, Any], fds: list[int]) -> None:
-    data = json.dumps(message).encode()
+    data = json.dumps({**message, "seq": _seq}).encode()
     if fds:
         socket.send_fds(chan, [data], fds)
     else:
@@ -387,7 +393,9 @@ def serve(chan: socket.socket) -> None:
 
 
 def handle(chan: socket.socket, data: bytes, fds: list[int]) -> None:
+    global _seq
     req = json.loads(data)
+    _seq = req.get("seq")
     op = req.get("op")
     if op in IN_CHILD:
         run_in_child(chan, req, fds)
