@@ -79,4 +79,6 @@ def test_default_concurrency_is_sane() -> None:
     n = NsboxSandboxEnvironment.default_concurrency()
     cpus = len(os.sched_getaffinity(0))
     assert n is not None and 2 <= n <= 4 * max(cpus, 1)
-    assert NsboxSandboxEnvironment.config_files() == ["nsbox.yaml", "nsbox.yml"]
+    assert NsboxSandboxEnvironment.config_files() == ["nsbox.yaml", "nsbox.yml", "compose.yaml", "compose.yml",
+                                                      "docker-compose.yaml", "docker-compose.yml", "Dockerfile"]
+    assert NsboxSandboxEnvironment.is_docker_compatible()
