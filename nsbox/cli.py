@@ -19,6 +19,7 @@ from .doctor import doctor
 from .spec import SandboxSpec
 from .storage import cli as image_cli
 from .storage.cli import image as image_group
+from .build.cli import build as build_command
 
 T = TypeVar("T")
 # Exit statuses of `nsbox run` for failures of nsbox itself (as docker run).
@@ -350,5 +351,6 @@ def gc(dry_run: bool) -> None:
 
 main.add_command(image_group)
 main.add_command(doctor)
+main.add_command(build_command)  # nsbox/build/cli.py
 # `nsbox image prune` keeps the layers live sandboxes stack.
 image_cli.in_use_hook = lambda: [layer for info in registry.entries() if info.init_alive for layer in info.lowers]

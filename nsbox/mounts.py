@@ -40,12 +40,13 @@ def contribute(plan: Plan, rootfs: Rootfs, layer: Path, mount_dir: Path, binds: 
     procmask.mount_proc(plan, proc)  # or, where the host's /proc is masked, a bind of it
     # From here on every path is inside the sandbox: a symlink in the root
     # filesystem can only lead somewhere else inside it.
-    _dev_tmp(plan)
+    # A build's RUN keeps the image's own /tmp (nsbox/build/run.py), as docker build does.
+    _dev_tmp(plan, tmpfs_tmp=getattr(rootfs, "tmpfs_tmp", True))
     for i, bind in enumerate(binds):
         _attach_bind(plan, bind, plan.slot(f"bind{i}"))
 
 
-def _dev_tmp(plan: Plan) -> None:
+def _dev_tmp(plan: Plan, tmpfs_tmp: bool = True) -> None:
     tmp = "mode=1777" + (f",size={plan.writable.size}" if plan.writable else "")  # the disk cap, if any
     plan.add(Phase.INSIDE, s.mkdir("/dev"),
              s.mount("tmpfs", "/dev", "tmpfs", ("MS_NOSUID", "MS_NOEXEC"), "mode=755,size=1m", "mount a tmpfs on /dev"))
@@ -65,9 +66,9 @@ def _dev_tmp(plan: Plan) -> None:
         s.symlink("/proc/self/fd/0", "/dev/stdin"),
         s.symlink("/proc/self/fd/1", "/dev/stdout"),
         s.symlink("/proc/self/fd/2", "/dev/stderr"),
-        s.mkdir("/tmp"),
-        s.mount("tmpfs", "/tmp", "tmpfs", NOSUID_NODEV, tmp, "mount a tmpfs on /tmp"),
     )
+    if tmpfs_tmp:
+        plan.add(Phase.INSIDE, s.mkdir("/tmp"), s.mount("tmpfs", "/tmp", "tmpfs", NOSUID_NODEV, tmp, "mount a tmpfs on /tmp"))
 
 
 def _attach_bind(plan: Plan, bind: Bind, slot: int) -> None:

@@ -1,0 +1,185 @@
+"""The build context: its files as .dockerignore leaves them, COPY's
+sources in it (globs), and a content hash of what a COPY takes.
+
+.dockerignore follows Docker's rules (moby's patternmatcher): one pattern
+a line, `#` comments, `*` `?` `[...]` within a path component, `**` across
+components, `!` re-includes, the last matching pattern wins, and a pattern
+that matches a directory excludes everything below it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import os
+import posixpath
+import re
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import BuildError
+
+GLOB = re.compile(r"[*?\[]")
+
+
+def _regex(pattern: str) -> re.Pattern[str]:
+    out, i = [], 0
+    while i < len(pattern):
+        c = pattern[i]
+        if pattern.startswith("**", i):
+            i += 2
+            if pattern.startswith("/", i):  # "**/": zero or more directories
+                i += 1
+                out.append("(?:.*/)?")
+            else:
+                out.append(".*")
+            continue
+        if c == "*":
+            out.append("[^/]*")
+        elif c == "?":
+            out.append("[^/]")
+        elif c == "[":
+            end = pattern.find("]", i + 1)
+            if end < 0:
+                out.append(re.escape(c))
+            else:
+                body = pattern[i + 1:end].replace("\\", "\\\\")
+                out.append(f"[{'^' + body[1:] if body.startswith('^') else body}]")
+                i = end
+        elif c == "\\" and i + 1 < len(pattern):
+            i += 1
+            out.append(re.escape(pattern[i]))
+        else:
+            out.append(re.escape(c))
+        i += 1
+    return re.compile("".join(out))
+
+
+@dataclass(frozen=True)
+class _Rule:
+    regex: re.Pattern[str]
+    exclude: bool
+
+
+class Ignore:
+    def __init__(self, text: str = "") -> None:
+        self.rules: list[_Rule] = []
+        for line in text.splitlines():
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            exclude = not line.startswith("!")
+            pat = line.lstrip("!").strip()
+            pat = posixpath.normpath(pat).lstrip("/") if pat not in ("", ".") else "."
+            if pat and pat != ".":
+                self.rules.append(_Rule(_regex(pat), exclude))
+        self.has_exceptions = any(not r.exclude for r in self.rules)
+
+    def excluded(self, rel: str) -> bool:
+        """Whether `rel` (or a directory above it) is excluded."""
+        parents = [rel]
+        while "/" in parents[-1]:
+            parents.append(parents[-1].rsplit("/", 1)[0])
+        result = False
+        for rule in self.rules:
+            if any(rule.regex.fullmatch(p) for p in parents):
+                result = rule.exclude
+        return result
+
+
+@dataclass(frozen=True)
+class Source:
+    """A COPY/ADD source: `rel` in the context; files below it for a directory."""
+
+    rel: str  # "" for the context's root
+    path: Path
+    is_dir: bool
+
+
+class Context:
+    def __init__(self, root: Path, dockerfile: Path | None = None) -> None:
+        self.root = root.resolve()
+        if not self.root.is_dir():
+            raise BuildError(f"the build context {root} is not a directory")
+        ignore = self.root / ".dockerignore"
+        if dockerfile is not None and (special := Path(f"{dockerfile}.dockerignore")).is_file():
+            ignore = special  # Dockerfile-specific ignore file, as BuildKit reads it
+        self.ignore = Ignore(ignore.read_text() if ignore.is_file() else "")
+        self._listing: list[str] | None = None
+
+    def listing(self) -> list[str]:
+        """Every path of the context that .dockerignore keeps, sorted."""
+        if self._listing is None:
+            found = []
+            for dirpath, dirnames, filenames in os.walk(self.root):
+                rel_dir = os.path.relpath(dirpath, self.root)
+                rel_dir = "" if rel_dir == "." else rel_dir
+                keep_dirs = []
+                for d in sorted(dirnames):
+                    rel = posixpath.join(rel_dir, d)
+                    if not self.ignore.excluded(rel):
+                        found.append(rel)
+                        keep_dirs.append(d)
+                    elif self.ignore.has_exceptions:
+                        keep_dirs.append(d)  # an exception may re-include something below
+                dirnames[:] = keep_dirs
+                found += [rel for f in filenames if not self.ignore.excluded(rel := posixpath.join(rel_dir, f))]
+            self._listing = sorted(found)
+        return self._listing
+
+    def sources(self, patterns: list[str]) -> list[Source]:
+        """The context paths COPY's source arguments name (globs expanded)."""
+        listing = set(self.listing())
+        out = []
+        for pattern in patterns:
+            clean = posixpath.normpath("/" + pattern).lstrip("/")
+            if clean.startswith(".."):
+                raise BuildError(f"{pattern}: outside the build context")
+            clean = "" if clean == "." else clean
+            if GLOB.search(clean):
+                depth = clean.count("/")
+                hits = [p for p in sorted(listing) if p.count("/") == depth and fnmatch.fnmatchcase(p, clean)]
+                if not hits:
+                    raise BuildError(f"no file in the build context matches {pattern}")
+            else:
+                if clean and clean not in listing:
+                    why = " (excluded by .dockerignore)" if (self.root / clean).exists() else ""
+                    raise BuildError(f"{pattern} is not in the build context{why}")
+                hits = [clean]
+            for rel in hits:
+                path = self.root / rel if rel else self.root
+                real = path.resolve()
+                if not real.is_relative_to(self.root):
+                    raise BuildError(f"{pattern}: a symlink leading outside the build context")
+                out.append(Source(rel, path, real.is_dir()))
+        return out
+
+    def files_below(self, source: Source) -> list[str]:
+        """Context paths below a directory source, relative to it, sorted."""
+        prefix = f"{source.rel}/" if source.rel else ""
+        return [p[len(prefix):] for p in self.listing() if p.startswith(prefix)]
+
+    def digest(self, sources: list[Source]) -> str:
+        """A hash of what the sources hold: names, types, modes, link
+        targets and contents (the cache key of a COPY)."""
+        h = hashlib.sha256()
+        for src in sources:
+            h.update(f"\0src {src.rel}\0".encode())
+            entries = [("", src.path)] + ([(rel, src.path / rel) for rel in self.files_below(src)] if src.is_dir else [])
+            for rel, path in entries:
+                st = os.stat(path) if rel == "" else os.lstat(path)
+                h.update(f"{rel}\0{stat.S_IFMT(st.st_mode)}\0{stat.S_IMODE(st.st_mode)}\0".encode())
+                if stat.S_ISLNK(st.st_mode):
+                    h.update(os.readlink(path).encode())
+                elif stat.S_ISREG(st.st_mode):
+                    h.update(file_digest(path).encode())
+        return h.hexdigest()
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()

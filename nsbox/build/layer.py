@@ -1,0 +1,125 @@
+"""Writing a layer tar (COPY, ADD, a captured RUN) into the store's temp
+directory, hashed as it is written: an uncompressed layer's blob digest
+is its diff_id.
+
+Parent directories of what a layer adds go in it too, as Docker's layers
+have them: with the metadata the image already gives them (from the
+view), or root-owned 0755 when the layer creates them.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+import posixpath
+import tarfile
+import time
+from pathlib import Path
+from typing import IO
+
+from .fsview import View, norm
+
+
+def clone(info: tarfile.TarInfo, **changes: object) -> tarfile.TarInfo:
+    """A copy of a member's header without its PAX extras (source names, xattrs)."""
+    new = copy.copy(info)
+    new.pax_headers = {}
+    for k, v in changes.items():
+        setattr(new, k, v)
+    return new
+
+
+class _Hashing:
+    def __init__(self, f: IO[bytes]) -> None:
+        self.f, self.hash, self.size = f, hashlib.sha256(), 0
+
+    def write(self, data: bytes) -> int:
+        self.hash.update(data)
+        self.size += len(data)
+        return self.f.write(data)
+
+
+class LayerWriter:
+    """A tar being written to `path`; `digest` once closed."""
+
+    def __init__(self, path: Path, view: View) -> None:
+        self.path = path
+        self.view = view
+        self._file = open(path, "wb")
+        self._out = _Hashing(self._file)
+        self._tar = tarfile.open(fileobj=self._out, mode="w|", format=tarfile.PAX_FORMAT)  # type: ignore[arg-type]
+        self._written: set[str] = set()
+        self.now = int(time.time())
+        self.digest = ""
+        self.count = 0
+
+    def _parents(self, name: str) -> None:
+        parent = posixpath.dirname(name)
+        if not parent or parent in self._written:
+            return
+        self._parents(parent)
+        existing = self.view.get(parent)
+        if existing is not None and existing.info.isdir():
+            info = clone(existing.info, name=parent)
+        else:
+            info = tarfile.TarInfo(parent)
+            info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o755, self.now
+        self._tar.addfile(info)
+        self._written.add(parent)
+
+    def add(self, name: str, info: tarfile.TarInfo, data: IO[bytes] | None = None, *,
+            owner: tuple[int, int] | None = None, mode: int | None = None) -> None:
+        """Adds a member as `name`, with `owner` and `mode` if given."""
+        name = norm(name)
+        if not name:
+            return
+        self._parents(name)
+        info = clone(info, name=name, uname="", gname="")
+        if owner is not None:
+            info.uid, info.gid = owner
+        if mode is not None and not info.issym():
+            info.mode = mode
+        if name in self._written and info.isdir():
+            return  # a directory both sources have: the first one's metadata
+        self._tar.addfile(info, data if info.isreg() else None)
+        self._written.add(name)
+        self.count += 1
+
+    def add_host_file(self, name: str, path: Path, *, owner: tuple[int, int] | None = None,
+                      mode: int | None = None) -> None:
+        """A file, directory or symlink of the host (the build context)."""
+        info = self._tar.gettarinfo(os.fspath(path), arcname=name)
+        if info.type not in (tarfile.REGTYPE, tarfile.DIRTYPE, tarfile.SYMTYPE, tarfile.LNKTYPE):
+            return  # sockets, devices: not copied
+        if info.islnk():  # a hardlink among the context's files: copied whole
+            info = self._tar.gettarinfo(os.fspath(path), arcname=name)
+            info.type, info.linkname, info.size = tarfile.REGTYPE, "", os.stat(path).st_size
+        owner = owner or (0, 0)
+        if info.isreg():
+            with open(path, "rb") as f:
+                self.add(name, info, f, owner=owner, mode=mode)
+        else:
+            self.add(name, info, owner=owner, mode=mode)
+
+    def add_bytes(self, name: str, data: bytes, *, owner: tuple[int, int] | None = None, mode: int = 0o644,
+                  mtime: int | None = None) -> None:
+        import io
+
+        info = tarfile.TarInfo(name)
+        info.size, info.mode, info.mtime = len(data), mode, self.now if mtime is None else mtime
+        self.add(name, info, io.BytesIO(data), owner=owner or (0, 0))
+
+    def close(self) -> str:
+        self._tar.close()
+        self._file.close()
+        self.digest = f"sha256:{self._out.hash.hexdigest()}"
+        return self.digest
+
+    def abort(self) -> None:
+        try:
+            self._tar.close()
+        except Exception:
+            pass
+        self._file.close()
+        self.path.unlink(missing_ok=True)
