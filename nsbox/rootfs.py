@@ -190,6 +190,9 @@ class ImageRootfs(DirectoryRootfs):
 
     name: str = ""
     layers: tuple[Path, ...] = ()  # lowest first
+    # An image's /tmp is its own (in the writable layer), as in Docker: a
+    # file a Dockerfile left there stays visible (nsbox/mounts.py).
+    tmpfs_tmp: bool = False
 
     @classmethod
     def of(cls, image: Any) -> "ImageRootfs":

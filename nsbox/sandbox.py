@@ -20,7 +20,7 @@ import select
 import signal
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
 
 import anyio
 
@@ -197,6 +197,24 @@ class Sandbox:
         self.rootfs = rootfs_mod.ImageRootfs.of(self.image)
         self.spec = self.spec.replace(user=user, env=config.merge_env(self.spec.env),
                                       workdir=self.spec.workdir or config.workdir)
+
+    @classmethod
+    def on_image(cls, image: Image, **options: Any) -> "Sandbox":
+        """A sandbox on an image that need not be in the store by name (an
+        intermediate image of a build): its layers are the root; the image's
+        config fills in nothing (give user, workdir, env in `options`)."""
+        sb = cls(**options)
+        sb.rootfs, sb.image = rootfs_mod.ImageRootfs.of(image), image
+        return sb
+
+    @property
+    def upper_dir(self) -> Path | None:
+        """What the sandbox wrote over its root filesystem (the overlay's
+        upper directory), or None where that lives in a size-capped tmpfs
+        (the disk limit) or the sandbox is not running."""
+        if self._layer is None or self.spec.disk is not None or isinstance(self.rootfs, rootfs_mod.HostRootfs):
+            return None
+        return self._layer / "upper"
 
     def image_command(self, args: Sequence[str] = ()) -> list[str]:
         """What `docker run IMAGE ARGS` runs: the image's Entrypoint with ARGS,
