@@ -88,7 +88,7 @@ async def _image(project: Project, service: Service, id_mapping: str) -> Image:
             raise ComposeError(f"service {service.name} is built from a Dockerfile, and this nsbox cannot build")
         b = service.build
         ref = await build(b.context, dockerfile=b.dockerfile, tag=_tag(project, service), build_args=b.args,
-                          target=b.target, id_mapping=id_mapping)
+                          target=b.target)
         return await store.resolve(ref, id_mapping=id_mapping, pull="never")  # type: ignore[arg-type]
     if service.image is None:
         raise ComposeError(f"service {service.name} has neither image nor build")

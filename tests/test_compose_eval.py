@@ -211,3 +211,109 @@ def test_unsupported_keys_fail_the_task_in_one_message(images: dict[str, str], t
     assert "nsbox cannot honour: devices, pid: host" in message and "service default" in message, message
     assert script.calls == []  # type: ignore[attr-defined]
     assert {i.id for i in sandbox_registry.entries()} == before
+
+
+DOCKERFILE = """\
+ARG BASE
+FROM ${BASE}
+ARG GREETING=hello
+RUN useradd -m -u 1000 agent && mkdir -p /opt/app && echo "${GREETING} from build" > /opt/app/greeting
+COPY tool.sh /opt/app/tool.sh
+RUN chmod 755 /opt/app/tool.sh && chown -R agent /opt/app
+USER agent
+WORKDIR /opt/app
+ENV TOOL_HOME=/opt/app
+"""
+
+
+def _build_context(root: Path, base: str) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "Dockerfile").write_text(DOCKERFILE)
+    (root / "tool.sh").write_text("#!/bin/sh\necho tool says $(cat $TOOL_HOME/greeting) as $(id -un) in $(pwd)\n")
+    return root
+
+
+def test_build_dot_with_network_none(images: dict[str, str], tmp_path: Path, mode: str,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """`build: .` with args, network_mode none and a Dockerfile using
+    ARG/RUN/COPY/USER/WORKDIR, as public evals write it."""
+    monkeypatch.chdir(tmp_path)
+    ctx = _build_context(tmp_path / "task", images["debian"])
+    (ctx / "compose.yaml").write_text(textwrap.dedent(f"""\
+        services:
+          default:
+            build:
+              context: .
+              args:
+                BASE: {images['debian']}
+                GREETING: hi
+            init: true
+            command: tail -f /dev/null
+            network_mode: none
+        """))
+    steps = [("bash", {"command": "/opt/app/tool.sh"})]
+    user = "agent" if mode != "single" else "root"  # single-uid mode runs the image's USER as root
+    task = Task(dataset=[Sample(input="run the tool", target="")], solver=[use_tools([bash()]), generate()],
+                scorer=output_has(f"tool says hi from build as {user} in /opt/app"),
+                sandbox=("nsbox", str(ctx / "compose.yaml")), name="nsbox_compose_build")
+    _check(_run(task, steps, tmp_path), 1)
+
+
+def test_bare_dockerfile_as_inspects_docker_provider_treats_it(images: dict[str, str], tmp_path: Path,
+                                                              mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A task's bare Dockerfile: one `default` service built from it, with
+    init, `tail -f /dev/null` and network_mode none."""
+    monkeypatch.chdir(tmp_path)
+    ctx = _build_context(tmp_path / "task", images["debian"])
+    text = (ctx / "Dockerfile").read_text().replace("ARG BASE\nFROM ${BASE}", f"FROM {images['debian']}")
+    (ctx / "Dockerfile").write_text(text)
+    steps = [("bash", {"command": "/opt/app/tool.sh; ls /proc/*/cmdline | wc -l; cat /proc/[0-9]*/cmdline | "
+                                  "tr '\\0' ' ' | grep -o 'tail -f /dev/null' | head -1"})]
+    task = Task(dataset=[Sample(input="run the tool", target="")], solver=[use_tools([bash()]), generate()],
+                scorer=output_has("tail -f /dev/null"), sandbox=("nsbox", str(ctx / "Dockerfile")),
+                name="nsbox_dockerfile")
+    [sample] = _check(_run(task, steps, tmp_path), 1)
+    assert "tool says hello from build" in json.loads(sample.scores["output_has"].explanation)[-1]
+
+
+async def test_inspect_conformance_on_a_built_image(images: dict[str, str], tmp_path: Path, mode: str) -> None:
+    """Inspect's sandbox self-check on sandboxes built from a Dockerfile
+    (running as root: the checks switch users themselves)."""
+    import traceback
+
+    import anyio
+    from inspect_ai.util._sandbox import self_check
+
+    ctx = _build_context(tmp_path / "conf", images["debian"])
+    text = (ctx / "Dockerfile").read_text().replace("ARG BASE\nFROM ${BASE}", f"FROM {images['debian']}")
+    (ctx / "Dockerfile").write_text(text.replace("USER agent\n", "").replace("WORKDIR /opt/app\n", "WORKDIR /root\n"))
+    config = str(ctx / "Dockerfile")
+    await NsboxSandboxEnvironment.task_init("built-conformance", config)
+    failures: list[str] = []
+
+    async def check(name: str) -> None:
+        envs = await NsboxSandboxEnvironment.sample_init("built-conformance", config, {})
+        try:
+            await getattr(self_check, name)(envs["default"])
+        except Exception:
+            failures.append(f"{name}: {traceback.format_exc(limit=2)}")
+        finally:
+            await NsboxSandboxEnvironment.sample_cleanup("built-conformance", config, envs, False)
+
+    checks = [n for n in dir(self_check) if n.startswith("test_")]
+    try:
+        async with anyio.create_task_group() as tg:
+            for name in checks:
+                if "timeout" in name:
+                    tg.start_soon(check, name)
+            for name in checks:
+                if "timeout" not in name:
+                    await check(name)
+    finally:
+        await NsboxSandboxEnvironment.task_cleanup("built-conformance", config, True)
+    # As for every root default user (tests/test_inspect_conformance.py).
+    expected = {"test_read_file_not_allowed", "test_write_text_file_without_permissions",
+                "test_write_binary_file_without_permissions"}
+    if mode == "single":
+        expected.add("test_exec_as_user")
+    assert {f.split(":")[0] for f in failures} == expected, "\n".join(failures)
