@@ -198,39 +198,28 @@ def _zygote_socket(restart: bool = False) -> socket.socket:
         return _zygote.sock
 
 
-class Holder:
-    """A sub-zygote in a user namespace of the owner's, with the owner's id
-    maps (written once, by newuidmap for a subordinate range), in which every
-    sandbox gets a nested user namespace whose maps the holder writes
-    directly: no setuid helper per sandbox (see hold() in
-    csrc/create/main.c). One per id mapping per process, kept until exit."""
+class _SubZygote:
+    """A zygote the zygote forked for a purpose (see Holder, SubZygote): a
+    child of this process; close() ends it (EOF on its socket) and reaps it."""
 
-    def __init__(self, idmaps: tuple[str, str, str | None, str | None, bool]) -> None:
+    pid = 0
+
+    def _request(self, byte: bytes, fds: Sequence[int]) -> socket.socket:
+        """Asks the zygote for it; returns the socket its reply comes on."""
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         ours, reply = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        memfd = _pack([], 0, ["nsbox-holder"], [], [], False, False, False, None, 0, idmaps)
         try:
-            anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [reply.fileno(), theirs.fileno(), memfd]))]
-            _send(b"h", anc)
+            _send(byte, [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                          array.array("i", [reply.fileno(), theirs.fileno(), *fds]))])
         except BaseException:
             self.sock.close()
+            ours.close()
             raise
         finally:
             theirs.close()
             reply.close()
-            os.close(memfd)
         self.owner = os.getpid()
-        try:
-            with ours:
-                self.pid, _ = read_spawn_reply(ours)
-        except IdMapError as e:
-            self.sock.close()
-            os.waitpid(int(e.filename), 0)
-            raise
-        except BaseException:
-            self.sock.close()
-            raise
-        _closers.add(self)
+        return ours
 
     def alive(self) -> bool:
         try:
@@ -242,17 +231,43 @@ class Holder:
         _closers.discard(self)
         if self.sock.fileno() >= 0:
             self.sock.close()  # EOF: it exits
-            if self.owner == os.getpid():
+            if self.owner == os.getpid() and self.pid > 0:
                 try:
                     os.waitpid(self.pid, 0)
                 except ChildProcessError:
                     pass
 
 
+class Holder(_SubZygote):
+    """A sub-zygote in a user namespace of the owner's, with the owner's id
+    maps (written once, by newuidmap for a subordinate range), in which every
+    sandbox gets a nested user namespace whose maps the holder writes
+    directly: no setuid helper per sandbox (see hold() in
+    csrc/create/main.c). One per id mapping per process, kept until exit."""
+
+    def __init__(self, idmaps: tuple[str, str, str | None, str | None, bool]) -> None:
+        memfd = _pack([], 0, ["nsbox-holder"], [], [], False, False, False, None, 0, idmaps)
+        try:
+            ours = self._request(b"h", [memfd])
+        finally:
+            os.close(memfd)
+        try:
+            with ours:
+                self.pid, _ = read_spawn_reply(ours)
+        except IdMapError as e:
+            self.pid = int(e.filename)
+            self.close()
+            raise
+        except BaseException:
+            self.close()
+            raise
+        _closers.add(self)
+
+
 _holders: dict[tuple[str, str], Holder] = {}
 _holder_lock = threading.Lock()
 _holder_failed: set[tuple[str, str]] = set()
-_closers: "weakref.WeakSet[Holder | SubZygote]" = weakref.WeakSet()
+_closers: "weakref.WeakSet[_SubZygote]" = weakref.WeakSet()
 
 
 def holder(idmaps: tuple[str, str, str | None, str | None, bool]) -> Holder | None:
@@ -278,24 +293,13 @@ def holder(idmaps: tuple[str, str, str | None, str | None, bool]) -> Holder | No
         return h
 
 
-class SubZygote:
+class SubZygote(_SubZygote):
     """A zygote inside another sandbox's user and network namespaces (see
     enter() in csrc/create/main.c): the sandboxes it creates share both.
     Owned by the caller: close() ends and reaps it."""
 
     def __init__(self, userns_fd: int, netns_fd: int) -> None:
-        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        ours, reply = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                    array.array("i", [reply.fileno(), theirs.fileno(), userns_fd, netns_fd]))]
-            _send(b"j", anc)
-        except BaseException:
-            self.sock.close()
-            raise
-        finally:
-            theirs.close()
-            reply.close()
+        ours = self._request(b"j", [userns_fd, netns_fd])
         with ours:
             data, fds, _, _ = socket.recv_fds(ours, REPLY.size, 1)
         for fd in fds:
@@ -306,19 +310,8 @@ class SubZygote:
         self.pid, err, _, _ = REPLY.unpack_from(data)
         _closers.add(self)
         if err:
-            self.sock.close()
-            if self.pid > 0:
-                os.waitpid(self.pid, 0)
+            self.close()
             raise OSError(err, f"entering the namespaces of another sandbox: {os.strerror(err)}")
-
-    def close(self) -> None:
-        _closers.discard(self)
-        if self.sock.fileno() >= 0:
-            self.sock.close()  # EOF: it exits
-            try:
-                os.waitpid(self.pid, 0)
-            except ChildProcessError:
-                pass
 
 
 def _send(byte: bytes, anc: list[tuple[int, int, array.array[int]]], sock: socket.socket | None = None) -> None:
@@ -351,7 +344,7 @@ def request_spawn(
     new_session: bool,
     lock_maps: tuple[str, str] | None = None,
     lock_slot: int = 0,
-    via: "SubZygote | Holder | None" = None,
+    via: _SubZygote | None = None,
 ) -> socket.socket:
     """Asks the zygote to clone the process described; returns the socket
     its reply arrives on (read it with read_spawn_reply). The process waits

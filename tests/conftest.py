@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 import anyio
 import pytest
@@ -46,6 +46,23 @@ def anyio_backend() -> str:
 def mode() -> str:
     """The identity mode this run exercises: "root", "subuid" or "single"."""
     return MODE.mode
+
+
+def process_named(init: int, name: str) -> Any:
+    """A descendant of process `init` (a sandbox's init, say) running
+    `name`: a command started in the background may still be execing when
+    the exec that started it returns."""
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + 10
+    while True:
+        found = [p for p in psutil.Process(init).children(recursive=True) if p.name() == name]
+        if found:
+            return found[0]
+        assert time.monotonic() < deadline, f"no {name} under process {init}"
+        time.sleep(0.02)
 
 
 def _imported_rootfs(name: str) -> Path:

@@ -382,3 +382,40 @@ def snapshot(root: Path, skip: Path | None = None) -> dict[str, tuple[int, int, 
             st = os.lstat(p)
             out[p] = (st.st_mode, st.st_size, st.st_mtime_ns, os.readlink(p) if os.path.islink(p) else "")
     return out
+
+
+async def self_check_failures(task: str, config: Any) -> list[str]:
+    """Inspect's sandbox self-check on sandboxes of `config` (each check on a
+    fresh sample, the waiting timeout checks side by side): "name: traceback"
+    of each failed check."""
+    import traceback
+
+    import anyio
+    from inspect_ai.util._sandbox import self_check
+
+    from nsbox.inspect_provider import NsboxSandboxEnvironment as Env
+
+    checks = [name for name in dir(self_check) if name.startswith("test_")]
+    await Env.task_init(task, config)
+    failures: list[str] = []
+
+    async def check(name: str) -> None:
+        envs = await Env.sample_init(task, config, {})
+        try:
+            await getattr(self_check, name)(envs["default"])
+        except Exception:
+            failures.append(f"{name}: {traceback.format_exc(limit=2)}")
+        finally:
+            await Env.sample_cleanup(task, config, envs, False)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            for name in checks:
+                if "timeout" in name:
+                    tg.start_soon(check, name)
+            for name in checks:
+                if "timeout" not in name:
+                    await check(name)
+    finally:
+        await Env.task_cleanup(task, config, True)
+    return failures

@@ -37,7 +37,7 @@ from nsbox import registry as sandbox_registry
 from nsbox.errors import NsboxError
 from nsbox.inspect_provider import NsboxSandboxEnvironment
 
-from .imagekit import Registry, busybox_oci, fixture_tar, push, registry, umoci_image  # noqa: F401
+from .imagekit import Registry, busybox_oci, fixture_tar, push, registry, self_check_failures, umoci_image  # noqa: F401
 from .test_inspect_eval import MODEL, sample_problems, scripted
 
 pytestmark = pytest.mark.timeout(240)
@@ -279,38 +279,10 @@ def test_bare_dockerfile_as_inspects_docker_provider_treats_it(images: dict[str,
 async def test_inspect_conformance_on_a_built_image(images: dict[str, str], tmp_path: Path, mode: str) -> None:
     """Inspect's sandbox self-check on sandboxes built from a Dockerfile
     (running as root: the checks switch users themselves)."""
-    import traceback
-
-    import anyio
-    from inspect_ai.util._sandbox import self_check
-
     ctx = _build_context(tmp_path / "conf", images["debian"])
     text = (ctx / "Dockerfile").read_text().replace("ARG BASE\nFROM ${BASE}", f"FROM {images['debian']}")
     (ctx / "Dockerfile").write_text(text.replace("USER agent\n", "").replace("WORKDIR /opt/app\n", "WORKDIR /root\n"))
-    config = str(ctx / "Dockerfile")
-    await NsboxSandboxEnvironment.task_init("built-conformance", config)
-    failures: list[str] = []
-
-    async def check(name: str) -> None:
-        envs = await NsboxSandboxEnvironment.sample_init("built-conformance", config, {})
-        try:
-            await getattr(self_check, name)(envs["default"])
-        except Exception:
-            failures.append(f"{name}: {traceback.format_exc(limit=2)}")
-        finally:
-            await NsboxSandboxEnvironment.sample_cleanup("built-conformance", config, envs, False)
-
-    checks = [n for n in dir(self_check) if n.startswith("test_")]
-    try:
-        async with anyio.create_task_group() as tg:
-            for name in checks:
-                if "timeout" in name:
-                    tg.start_soon(check, name)
-            for name in checks:
-                if "timeout" not in name:
-                    await check(name)
-    finally:
-        await NsboxSandboxEnvironment.task_cleanup("built-conformance", config, True)
+    failures = await self_check_failures("built-conformance", str(ctx / "Dockerfile"))
     # As for every root default user (tests/test_inspect_conformance.py).
     expected = {"test_read_file_not_allowed", "test_write_text_file_without_permissions",
                 "test_write_binary_file_without_permissions"}

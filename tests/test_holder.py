@@ -24,6 +24,8 @@ import pytest
 import nsbox
 from nsbox import native
 
+from .conftest import process_named
+
 pytestmark = pytest.mark.timeout(60)
 NS_GET_PARENT = 0xB702
 
@@ -82,8 +84,7 @@ async def test_root_in_a_sandbox_cannot_enter_another_or_the_holder(mode: str) -
     async with nsbox.Sandbox() as a, nsbox.Sandbox() as b:
         for sb in (a, b):
             await sb.exec(["sh", "-c", "sleep 60 >/dev/null 2>&1 &"])
-        sleepers = {sb.id: next(p for p in psutil.Process(sb.pid).children(recursive=True) if p.name() == "sleep")
-                    for sb in (a, b)}
+        sleepers = {sb.id: process_named(sb.pid, "sleep") for sb in (a, b)}
         paths = [f"/proc/{sleepers[a.id].pid}/ns/user",  # A's command namespace: where A's root is
                  f"/proc/{sleepers[b.id].pid}/ns/user", f"/proc/{b.pid}/ns/user", f"/proc/{b.pid}/ns/net",
                  f"/proc/{b.pid}/ns/mnt", f"/proc/{sleepers[b.id].pid}/ns/mnt"]

@@ -10,20 +10,18 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import traceback
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
-from inspect_ai.util._sandbox import self_check
 
 import nsbox
-from nsbox.inspect_provider import NsboxConfig, NsboxSandboxEnvironment
+from nsbox.inspect_provider import NsboxConfig
 from nsbox.storage import Store
 
 from .conftest import MODE
-from .imagekit import Registry, busybox_oci, fixture_tar, push, registry, umoci_image  # noqa: F401
+from .imagekit import Registry, busybox_oci, fixture_tar, push, registry, self_check_failures, umoci_image  # noqa: F401
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -86,35 +84,9 @@ def test_cli_runs_an_image(app_image: str) -> None:
     assert r.returncode == 125 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
 
 
-CHECKS = [name for name in dir(self_check) if name.startswith("test_")]
-
-
 async def test_inspect_conformance_on_a_pulled_image(debian_image: str) -> None:
     """Inspect's sandbox self-check on sandboxes made from a pulled image."""
-    cfg = NsboxConfig(image=debian_image)
-    await NsboxSandboxEnvironment.task_init("image-conformance", cfg)
-    failures = []
-
-    async def check(name: str) -> None:
-        envs = await NsboxSandboxEnvironment.sample_init("image-conformance", cfg, {})
-        try:
-            await getattr(self_check, name)(envs["default"])
-        except Exception:
-            failures.append(f"{name}: {traceback.format_exc(limit=2)}")
-        finally:
-            await NsboxSandboxEnvironment.sample_cleanup("image-conformance", cfg, envs, False)
-
-    try:
-        # The timeout checks mostly wait: they run side by side.
-        async with anyio.create_task_group() as tg:
-            for name in CHECKS:
-                if "timeout" in name:
-                    tg.start_soon(check, name)
-            for name in CHECKS:
-                if "timeout" not in name:
-                    await check(name)
-    finally:
-        await NsboxSandboxEnvironment.task_cleanup("image-conformance", cfg, True)
+    failures = await self_check_failures("image-conformance", NsboxConfig(image=debian_image))
     # As in tests/test_inspect_conformance.py: root bypasses file modes (as
     # in Docker), and one mapped uid cannot run other users.
     expected = {"test_read_file_not_allowed", "test_write_text_file_without_permissions",

@@ -20,6 +20,7 @@ import nsbox
 from nsbox import netplan, registry
 from nsbox.net.client import NetError
 
+from .conftest import process_named
 from .net_members import tun_usable
 
 pytestmark = pytest.mark.timeout(60)
@@ -142,8 +143,7 @@ async def test_only_namespaces_of_a_sandbox_init_can_be_joined() -> None:
     async with nsbox.Sandbox(nested_userns=True) as a:
         r = await a.exec(["sh", "-c", "unshare -U -n --map-root-user sleep 60 >/dev/null 2>&1 & sleep 0.3; echo ok"])
         assert r.stdout == "ok\n", r
-        init = psutil.Process(a.pid)
-        nested = next(p for p in init.children(recursive=True) if p.name() == "sleep")
+        nested = process_named(a.pid, "sleep")
         for pid, expected in ((a.pid, True), (nested.pid, False)):
             fds = [os.open(f"/proc/{pid}/ns/{ns}", os.O_RDONLY | os.O_CLOEXEC) for ns in ("user", "net")]
             try:
