@@ -21,6 +21,7 @@ test:
 bench:
 	$(PYTHON) bench/bench.py
 	$(PYTHON) bench/netmodes.py
+	$(PYTHON) bench/eval.py --samples 200 --rounds 3
 
 clean:
 	rm -rf build dist *.egg-info nsbox/_native*.so nsbox/_native.c nsbox/nsbox-init nsbox/nsbox-create rootfs/build

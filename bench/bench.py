@@ -221,6 +221,28 @@ async def bench_create(n: int, warmup: int, notes: list[str]) -> list[Row]:
     return rows
 
 
+async def bench_limits(n: int, warmup: int, notes: list[str]) -> list[Row]:
+    """What resource limits add to create+destroy (a cgroup where the host
+    delegates one, else rlimits and a capped tmpfs: see `nsbox doctor`)."""
+    limits = {"memory": "256m", "pids_limit": 256, "cpus": 1.0}
+
+    def make(**options: Any) -> Op:
+        async def run() -> None:
+            sb = await nsbox.Sandbox.create(**options)
+            await sb.close()
+        return run
+
+    s = await interleaved({"limits": make(**limits), "plain": make()}, n, warmup)
+    med = {k: statistics.median(v) for k, v in s.items()}
+    from nsbox import resources
+
+    how = resources.support()
+    notes.append(f"limits (cgroup {how.cgroup}, enforced by a cgroup: {', '.join(sorted(how.enforced)) or 'none'}): "
+                 + "; ".join(f"{k} {ms_spread(v)}" for k, v in s.items()))
+    return [Row("create+destroy, memory+pids+cpus limits", n, med["limits"], "the same without limits",
+                med["plain"], "ms", "report")]
+
+
 def tool(name: str) -> str | None:
     return shutil.which(name) or shutil.which(name, path="/usr/sbin:/usr/bin")
 
@@ -630,6 +652,7 @@ async def amain(args: argparse.Namespace) -> int:
             rows += await bench_output(sb, local, n_out, 3, notes)
             rows += await bench_files(sb, local, n_file, 2, notes)
         rows += await bench_create(n_create, 5, notes)
+        rows += await bench_limits(n_image, 5, notes)
         rows += await bench_image_create(n_image, 5, notes)
         rows += await bench_compose(n_image, 3, notes)
         rows += await bench_pull(n_pull, notes)

@@ -187,6 +187,14 @@ def zygote_pid() -> int | None:
     return _zygote.pid if _zygote is not None and _zygote.owner == os.getpid() else None
 
 
+def helper_pids() -> set[int]:
+    """This process's long-lived nsbox-create processes: the zygote and
+    its holders (children of this process that outlive every sandbox)."""
+    pids = {h.pid for h in _holders.values() if h.owner == os.getpid()}
+    zygote = zygote_pid()
+    return pids | ({zygote} if zygote else set())
+
+
 def _zygote_socket(restart: bool = False) -> socket.socket:
     global _zygote
     with _zygote_lock:

@@ -219,7 +219,7 @@ FROM ${BASE}
 ARG GREETING=hello
 RUN useradd -m -u 1000 agent && mkdir -p /opt/app && echo "${GREETING} from build" > /opt/app/greeting
 COPY tool.sh /opt/app/tool.sh
-RUN chmod 755 /opt/app/tool.sh && chown -R agent /opt/app
+RUN chmod 755 /opt/app/tool.sh
 USER agent
 WORKDIR /opt/app
 ENV TOOL_HOME=/opt/app

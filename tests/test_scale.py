@@ -119,7 +119,7 @@ SCENARIO = textwrap.dedent("""
             out["close_seconds"] = time.perf_counter() - t
         out["fds_left_over"] = fds() - base_fds
         out["children_left"] = [c.pid for c in psutil.Process().children(recursive=True)
-                                if c.pid != native.zygote_pid()]
+                                if c.pid not in native.helper_pids()]
         print(json.dumps(out), flush=True)
 
     anyio.run(main)

@@ -10,6 +10,7 @@ import sys
 import textwrap
 import time
 
+import psutil
 import pytest
 
 import nsbox
@@ -32,7 +33,10 @@ async def test_sandboxes_are_children_of_this_process() -> None:
         assert native.zygote_pid() not in (None, sb.pid)
 
 
-async def test_a_dead_zygote_is_replaced() -> None:
+async def test_a_dead_zygote_is_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every sandbox through the zygote itself (no holder: test_holder.py
+    # kills one of those).
+    monkeypatch.setenv("NSBOX_HOLDER", "0")
     async with nsbox.Sandbox():
         pass
     old = native.zygote_pid()
@@ -108,9 +112,16 @@ async def test_id_map_failure_is_a_clear_error(mode: str, monkeypatch: pytest.Mo
         assert idmap.detect().how_to_write()[2] is None
         return
     # newuidmap refusing (here: a stand-in that fails, as it would for a
-    # bad /etc/subuid entry) must give a message, and leave nothing behind.
+    # bad /etc/subuid entry) must give a message, and leave nothing behind:
+    # when it writes a holder's maps (the holder is then not used) and when
+    # it writes a sandbox's.
     monkeypatch.setattr(idmap, "_find", lambda tool: "/bin/false")
+    monkeypatch.setattr(native, "_holders", {})
+    monkeypatch.setattr(native, "_holder_failed", set())
+    children = {c.pid for c in psutil.Process().children()}
     before = set(os.listdir(nsbox.dirs.runtime_dir()))
     with pytest.raises(nsbox.SandboxSetupError, match="id maps"):
         await nsbox.Sandbox().start()
     assert set(os.listdir(nsbox.dirs.runtime_dir())) == before
+    assert native._holders == {} and len(native._holder_failed) == 1
+    assert {c.pid for c in psutil.Process().children()} - children <= {native.zygote_pid()}

@@ -1,0 +1,111 @@
+"""An end-to-end Inspect eval, timed: N samples, each a scripted mockllm
+agent making a few bash() and python() tool calls, run with --sandbox nsbox
+and with Inspect's unisolated `local` sandbox, alternately, in fresh
+processes (python bench/eval.py [--samples N] [--rounds R]).
+
+Prints wall time per run, the ratio, and the peak RSS of each process
+(ru_maxrss of the eval process plus its children: sandboxes, tools).
+With --profile, writes a cProfile of one nsbox run to bench/eval.prof.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+TASK = '''
+from typing import Any
+from inspect_ai import Task, task
+from inspect_ai.dataset import Sample
+from inspect_ai.model import ChatMessage, ChatMessageTool, ModelOutput, ModelUsage
+from inspect_ai.scorer import includes
+from inspect_ai.solver import generate, use_tools
+from inspect_ai.tool import bash, python
+
+STEPS = [("bash", {"command": "echo $((6*7)) > /tmp/answer && cat /tmp/answer"}),
+         ("python", {"code": "print(open('/tmp/answer').read().strip())"}),
+         ("bash", {"command": "ls / | wc -l"})]
+
+def script(input: list[ChatMessage], *_: Any) -> ModelOutput:
+    n = sum(isinstance(m, ChatMessageTool) for m in input)
+    out = (ModelOutput.for_tool_call("mockllm/model", *STEPS[n]) if n < len(STEPS)
+           else ModelOutput.from_content("mockllm/model", "42"))
+    out.usage = ModelUsage(input_tokens=1, output_tokens=1, total_tokens=2)
+    return out
+
+@task
+def bench(samples: int = 200) -> Task:
+    return Task(dataset=[Sample(input=f"q{i}", target="42", id=i) for i in range(samples)],
+                solver=[use_tools([bash(), python()]), generate()], scorer=includes())
+'''
+
+RUNNER = '''
+import json, resource, sys, time
+from inspect_ai import eval
+from inspect_ai.model import get_model
+sys.path.insert(0, sys.argv[1])
+import bench_task
+t = time.perf_counter()
+[log] = eval(bench_task.bench(int(sys.argv[3])), model=get_model("mockllm/model", custom_outputs=bench_task.script),
+             sandbox=sys.argv[2], display="none", log_dir=sys.argv[1] + "/logs", max_samples=int(sys.argv[4]))
+wall = time.perf_counter() - t
+errors = sum(1 for s in log.samples or [] if s.error is not None)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss + resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+print(json.dumps({"wall": wall, "status": log.status, "errors": errors, "peak_kib": peak,
+                  "samples": len(log.samples or [])}))
+'''
+
+
+def run(workdir: str, sandbox: str, samples: int, concurrency: int, profile: bool = False) -> dict[str, float]:
+    cmd = [sys.executable]
+    if profile:
+        cmd += ["-m", "cProfile", "-o", os.path.join(os.path.dirname(__file__), "eval.prof")]
+    cmd += [os.path.join(workdir, "runner.py"), workdir, sandbox, str(samples), str(concurrency)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if r.returncode != 0:
+        raise SystemExit(f"{sandbox} eval failed:\n{r.stderr[-3000:]}")
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    if result["status"] != "success" or result["errors"] or result["samples"] != samples:
+        raise SystemExit(f"{sandbox} eval did not succeed: {result}")
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--concurrency", type=int, default=8, help="max_samples")
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as d:
+        with open(os.path.join(d, "bench_task.py"), "w") as f:
+            f.write(TASK)
+        with open(os.path.join(d, "runner.py"), "w") as f:
+            f.write(RUNNER)
+        results: dict[str, list[dict[str, float]]] = {"nsbox": [], "local": []}
+        for i in range(args.rounds):
+            for sandbox in ("nsbox", "local") if i % 2 == 0 else ("local", "nsbox"):
+                results[sandbox].append(run(d, sandbox, args.samples, args.concurrency))
+                r = results[sandbox][-1]
+                print(f"round {i + 1} {sandbox:5}: {r['wall']:.2f} s, peak RSS {r['peak_kib'] / 1024:.0f} MiB",
+                      flush=True)
+        if args.profile:
+            run(d, "nsbox", args.samples, args.concurrency, profile=True)
+    wall = {k: statistics.median(r["wall"] for r in v) for k, v in results.items()}
+    peak = {k: statistics.median(r["peak_kib"] for r in v) / 1024 for k, v in results.items()}
+    print(f"\n{args.samples} samples x 3 tool calls, max_samples {args.concurrency}, medians of {args.rounds}:")
+    print(f"  wall   nsbox {wall['nsbox']:.2f} s   local {wall['local']:.2f} s   "
+          f"ratio {wall['nsbox'] / wall['local']:.2f}x (target <= 1.10x)")
+    print(f"  peak   nsbox {peak['nsbox']:.0f} MiB   local {peak['local']:.0f} MiB (eval process + largest child)")
+    if args.profile:
+        print("  profile: bench/eval.prof (python -m pstats bench/eval.prof)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
