@@ -513,7 +513,9 @@ class Sandbox:
 
         Raises UserUnsupported if there is no such user, or if the id
         mapping cannot represent it."""
-        if user is None:
+        if user is None or str(user) == self.user:
+            # The default user, resolved when the sandbox started: no reads
+            # (Inspect probes root access as user "root" on every sample).
             return self._identity
         found = await self._lookup_user(str(user))
         if found is None:
