@@ -59,10 +59,26 @@ PROXY_HOSTS_ENV = "NSBOX_PROXY_HOSTS"
 def mode(spec: SandboxSpec) -> str:
     """The network mode in effect: a sandbox joining another's network
     (container:ID) has that sandbox's (its proxy, its nat and DNS forwarder)."""
+    if spec.network.startswith("net:"):
+        # A service network member: outbound (and its resolver) as in nat,
+        # unless the network is internal.
+        from .network import find
+
+        net = find(spec.network)
+        return "none" if net is None or net.internal else "nat"
     if not spec.network.startswith(CONTAINER):
         return spec.network
     info = registry.read(spec.network[len(CONTAINER):])
     return info.network if info is not None else "none"
+
+
+def service_network(spec: SandboxSpec) -> Any:
+    """The nsbox.Network a "net:NAME" spec joins (None for other modes)."""
+    if not spec.network.startswith("net:"):
+        return None
+    from .network import lookup
+
+    return lookup(spec.network)
 
 
 def needs_etc(spec: SandboxSpec) -> bool:
@@ -76,7 +92,7 @@ def private(spec: SandboxSpec) -> bool:
 
 def check(spec: SandboxSpec) -> None:
     """Fails (NetError, one line naming the fix) before anything is created."""
-    if spec.network == "nat":
+    if mode(spec) == "nat":
         usernet.check_tun(usernet.TUN_DEVICE)
         usernet.find_tool()
 

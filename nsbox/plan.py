@@ -124,7 +124,8 @@ def contribute_seccomp(plan: Plan, nested_userns: bool) -> None:
 
 def contribute_network(plan: Plan, network: str) -> None:
     """"none": a network namespace of its own with loopback up; "host": the
-    host's network namespace."""
+    host's network namespace. A service network member ("net:NAME") starts
+    as "none"; a host hook adds its interface on the network."""
     if network == "host":
         return
     if network.startswith("container:"):

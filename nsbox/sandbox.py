@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
 
 import anyio
 
+from . import network as network_mod
 from . import dirs, files, idmap, layers, mounts, netplan, procmask, process, protocol, registry, removal, resources, rlimits
 from . import users
 from . import plan as plan_mod
@@ -253,6 +254,9 @@ class Sandbox:
         # Known now or later: record the sandbox while its setup runs.
         self.workdir = self.spec.workdir or self._known_default_home() or ""
         plan.join = netplan.open_join(self.spec, self.idmap)
+        service_net = netplan.service_network(self.spec)
+        if service_net is not None:
+            plan.hooks.append(lambda pid: service_net._join(self, pid, self._launched.pidfd))
         try:
             await launch(plan, self._launched, sandbox_id=self.id, socket_path=self._rundir / registry.SOCKET,
                          layer=self._layer, on_cloned=self._register)
@@ -267,7 +271,13 @@ class Sandbox:
             self._net = await netplan.attach(self.spec, self.pid, self._launched.pidfd)
         if netplan.needs_etc(self.spec) and not etc_written:
             for path, text in netplan.etc_files(self.spec, self.hostname).items():
-                await files.write_file(self._client, _creds(users.ROOT), path, text)
+                await self._write_as_root(path, text)
+        if service_net is not None:
+            await service_net._settle(self)
+
+    async def _write_as_root(self, path: str, text: str) -> None:
+        """A file nsbox keeps in the sandbox (/etc/hosts, resolv.conf)."""
+        await files.write_file(self._setup_client(), _creds(users.ROOT), path, text)
 
     @property
     def host_ports(self) -> list[int]:
@@ -377,6 +387,9 @@ class Sandbox:
             self._state = "closed"
             return
         with anyio.CancelScope(shield=True):
+            service_net = network_mod.find(self.spec.network) if not self._attached else None
+            if service_net is not None:
+                await service_net._leave(self)
             await self._teardown()
 
     async def _teardown(self) -> None:

@@ -57,6 +57,8 @@ def _check_network(spec: "SandboxSpec") -> None:
         if isinstance(value, str):
             value = (value,)
         object.__setattr__(spec, name, tuple(value))
+    if spec.network.startswith("net:") and not re.fullmatch(r"net:[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", spec.network):
+        raise ValueError(f"network {spec.network!r}: expected net:NAME, the name of an nsbox.Network")
     if spec.network.startswith(CONTAINER):
         if not _SANDBOX_ID.fullmatch(spec.network[len(CONTAINER):]):
             raise ValueError(f"network {spec.network!r}: expected container:ID, the id of a running sandbox")
@@ -104,6 +106,7 @@ class SandboxSpec:
         "nat" (outbound through pasta or slirp4netns; the host's loopback
         as host.nsbox.internal) or "proxy" (loopback only, plus an HTTP and
         SOCKS5 proxy that lets through only the hosts `allow` names), or
+        an nsbox.Network (or "net:NAME") to join that service network, or
         "container:ID" to share the network namespace of the running
         sandbox ID (Docker's --network container:ID; both must have the
         same owner and id mapping): the two reach each other on 127.0.0.1,
@@ -156,7 +159,9 @@ class SandboxSpec:
     origin: str = "api"
 
     def __post_init__(self) -> None:
-        if not self.network.startswith(CONTAINER):
+        if not isinstance(self.network, str):  # an nsbox.Network
+            object.__setattr__(self, "network", self.network.spec_value)
+        if not self.network.startswith((CONTAINER, "net:")):
             _choice("network", self.network, NETWORKS)
         _check_network(self)
         _choice("output_limit_mode", self.output_limit_mode, OUTPUT_LIMIT_MODES)

@@ -1,0 +1,134 @@
+"""Service networks (nsbox.Network, nsbox/network.py) with real sandboxes:
+members talk by name on their own addresses, /etc/hosts follows joins and
+leaves, another network's member cannot reach them, an internal network
+has no way out, and nothing is left after close or after the owner is
+SIGKILLed. Traffic stays between the tests' own namespaces (and, for the
+nat case, the host's 127.0.0.1)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+import nsbox
+from nsbox.net.client import NetError
+
+from .net_members import tun_usable
+
+pytestmark = pytest.mark.timeout(90)
+
+SERVE = ("import socket; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+         "s.bind(('0.0.0.0', 7000)); s.listen()\n"
+         "while True:\n c, _ = s.accept(); c.send(socket.gethostname().encode()); c.close()")
+
+
+def fetch(name: str) -> list[str]:
+    return ["python3", "-c", f"import socket; print(socket.create_connection(('{name}', 7000), timeout=3).recv(100).decode())"]
+
+
+async def serve(sb: nsbox.Sandbox) -> None:
+    await sb.exec(["sh", "-c", f"python3 -c \"{SERVE}\" >/dev/null 2>&1 &"])
+    r = await sb.exec(["python3", "-c", "import socket, time\nfor _ in range(100):\n"
+                       " try: socket.create_connection(('127.0.0.1', 7000)); break\n"
+                       " except OSError: time.sleep(0.05)"])
+    assert r.success, r
+
+
+async def test_members_talk_by_name_and_others_cannot_reach_them() -> None:
+    async with nsbox.Network("backend", internal=True) as net, nsbox.Network("other", internal=True) as other:
+        async with nsbox.Sandbox(network=net, hostname="db") as db:
+            await serve(db)
+            async with nsbox.Sandbox(network=net, hostname="web") as web, \
+                    nsbox.Sandbox(network=other, hostname="stranger") as stranger:
+                r = await web.exec(fetch("db"))
+                assert r.stdout == "db\n", r
+                # Own addresses on the private subnet, not the loopback.
+                ip = net.address_of("db")
+                assert ip.startswith("10.89.") and ip != net.address_of("web")
+                assert f"{ip}\tdb" in (await web.exec(["cat", "/etc/hosts"])).stdout
+                assert "web" in (await db.exec(["cat", "/etc/hosts"])).stdout
+                # Another network's member knows neither name nor route.
+                r = await stranger.exec(fetch("db"))
+                assert not r.success and ("Name or service not known" in r.stderr or "resolution" in r.stderr), r
+                r = await stranger.exec(fetch(ip))
+                assert not r.success, r
+                # Internal: no way out (no route beyond the subnet).
+                r = await web.exec(["python3", "-c", "import socket; socket.create_connection(('10.0.2.2', 80), timeout=2)"])
+                assert not r.success and "unreachable" in r.stderr.lower(), r
+            # web left: db's /etc/hosts no longer names it.
+            assert "web" not in (await db.exec(["cat", "/etc/hosts"])).stdout
+
+
+async def test_outbound_network_reaches_the_host_loopback_as_nat_does() -> None:
+    if not tun_usable():
+        pytest.skip("/dev/net/tun is not usable by this user (CI makes it so); the refusal is tested in test_net_usernet.py")
+    import http.server
+    import threading
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        async with nsbox.Network("out", host_access=True) as net:
+            async with nsbox.Sandbox(network=net, hostname="a") as a:
+                url = f"http://host.nsbox.internal:{server.server_port}/"
+                r = await a.exec(["python3", "-c", f"import urllib.request as u; print(u.urlopen('{url}', timeout=5).status)"])
+                assert r.stdout == "200\n", r
+    finally:
+        server.shutdown()
+
+
+async def test_spec_and_lookup_errors() -> None:
+    with pytest.raises(ValueError, match="net:NAME"):
+        nsbox.SandboxSpec(network="net:bad name")
+    with pytest.raises(NetError, match="no such network"):
+        await nsbox.Sandbox(network="net:nowhere").start()
+    with pytest.raises(ValueError, match="network name"):
+        nsbox.Network("a b")
+    async with nsbox.Network("twice"):
+        with pytest.raises(NetError, match="exists already"):
+            await nsbox.Network("twice").start()
+
+
+OWNER = textwrap.dedent("""
+    import anyio, json, os, sys, nsbox
+    async def main():
+        net = await nsbox.Network("doomed", internal=False if sys.argv[1] == "nat" else True).start()
+        boxes = [await nsbox.Sandbox.create(network=net, hostname=f"m{i}") for i in range(2)]
+        print(json.dumps({"inits": [b.pid for b in boxes]}), flush=True)
+        await anyio.sleep(600)
+    anyio.run(main)
+""")
+
+
+@pytest.mark.parametrize("kind", ["internal", "nat"])
+def test_nothing_is_left_after_the_owner_is_killed(kind: str) -> None:
+    if kind == "nat" and not tun_usable():
+        pytest.skip("/dev/net/tun is not usable by this user (CI makes it so)")
+    proc = subprocess.Popen([sys.executable, "-c", OWNER, kind], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()  # type: ignore[union-attr]
+        assert line, "the owner did not start its network"
+        inits = json.loads(line)["inits"]
+        descendants = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
+        if kind == "nat":
+            assert any(psutil.Process(p).name().startswith(("pasta", "passt", "slirp4netns")) for p in descendants
+                       if psutil.pid_exists(p))
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
+                                              for p in descendants):
+        time.sleep(0.05)
+    left = [(p, psutil.Process(p).name()) for p in descendants
+            if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    assert left == [], f"still running after the owner died: {left}"
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in inits)
