@@ -11,6 +11,8 @@ import contextlib
 import hashlib
 import logging
 import os
+import re
+import secrets
 import shlex
 import sys
 from pathlib import Path
@@ -46,6 +48,7 @@ from .idmap import detect as detect_idmap
 from .inspect_compose import COMPOSE_FILES, DOCKERFILES, ComposeTask, Sample, is_docker_config, prepare, start_sample
 from .images import import_tarball
 from .limits import exec_output_limit, human_size
+from .network import Network
 from .rootfs import Bind
 from .sandbox import Sandbox
 from .streaming import Exit, Output, Process, decoder
@@ -74,10 +77,12 @@ class SandboxSettings(BaseModel):
     workdir: str | None = None
     """Working directory; relative paths resolve against it (default: the user's home)."""
     env: dict[str, str] = {}
-    network: Literal["none", "host", "nat", "proxy"] = "none"
+    network: str = "none"
     """'none': a private network with loopback only; 'host': the host's network;
     'nat': outbound access (pasta or slirp4netns), the host's loopback as
-    host.nsbox.internal; 'proxy': only the hosts `allow` names, through a proxy."""
+    host.nsbox.internal; 'proxy': only the hosts `allow` names, through a proxy;
+    'net:NAME': the sample's service network NAME (see `networks`), which
+    the sample's sandboxes naming it share, each with its own address."""
     allow: tuple[str, ...] = ()
     """The proxy mode's allowlist: "example.com", "*.example.org", "host:443", "*"."""
     ports: tuple[str, ...] = ()
@@ -108,6 +113,13 @@ class SandboxSettings(BaseModel):
             raise ValueError("give either rootfs or image, not both")
         return self
 
+    @field_validator("network")
+    @classmethod
+    def _network(cls, v: str) -> str:
+        if v not in ("none", "host", "nat", "proxy") and not re.fullmatch(r"net:[A-Za-z0-9][A-Za-z0-9_.-]{0,40}", v):
+            raise ValueError(f"Input should be 'none', 'host', 'nat', 'proxy' or 'net:NAME', not {v!r}")
+        return v
+
     @field_validator("workdir")
     @classmethod
     def _absolute_workdir(cls, v: str | None) -> str | None:
@@ -128,6 +140,17 @@ class SandboxSettings(BaseModel):
         return hash(self.model_dump_json())
 
 
+class NetworkSettings(BaseModel):
+    """A service network of each sample (nsbox.Network)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    internal: bool = True
+    """No outbound access (false: outbound as the nat mode, /dev/net/tun needed)."""
+    host_access: bool = False
+    """The host's loopback reachable as host.nsbox.internal (outbound networks)."""
+
+
 class NsboxConfig(SandboxSettings):
     """Configuration of the nsbox provider (nsbox.yaml, or this model in Python).
 
@@ -142,6 +165,9 @@ class NsboxConfig(SandboxSettings):
     id_mapping: Literal["auto", "single", "host-root"] = "auto"
     """'single' maps only your uid; 'host-root' (real root only) maps host root."""
     sandboxes: dict[str, SandboxSettings] | None = None
+    networks: dict[str, NetworkSettings] = {}
+    """Service networks of each sample, by the NAME sandboxes give as
+    `network: net:NAME` (one not listed here is internal)."""
 
     def specs(self) -> list[tuple[str, SandboxSettings]]:
         base = self.model_dump(include=set(SandboxSettings.model_fields))
@@ -152,6 +178,17 @@ class NsboxConfig(SandboxSettings):
 
     def __hash__(self) -> int:
         return hash(self.model_dump_json())
+
+
+async def _sample_network(cfg: NsboxConfig, value: str, networks: dict[str, Network]) -> Network:
+    """The sample's network `value` ("net:NAME") names, started on first use
+    (under a name of its own: samples never share one)."""
+    name = value[len("net:"):]
+    if name not in networks:
+        settings = cfg.networks.get(name, NetworkSettings())
+        networks[name] = await Network(f"{name}-{secrets.token_hex(4)}", internal=settings.internal,
+                                       host_access=settings.host_access, id_mapping=cfg.id_mapping).start()
+    return networks[name]
 
 
 def _config_key(config: SandboxEnvironmentConfigType | None) -> Any:
@@ -282,6 +319,7 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
         self.sandbox = sandbox
         self._config = config
         self._services: Sample | None = None  # the compose sample this sandbox is a service of
+        self._networks: list[Network] = []  # the service networks of its sample (nsbox.yaml)
 
     # ---- configuration -------------------------------------------------
 
@@ -337,7 +375,7 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
             pass
 
     @classmethod
-    def _make(cls, cfg: NsboxConfig, settings: SandboxSettings, label: str) -> Sandbox:
+    def _make(cls, cfg: NsboxConfig, settings: SandboxSettings, label: str, hostname: str | None = None) -> Sandbox:
         rootfs = cls._rootfs.get((settings.rootfs, cfg.id_mapping), settings.rootfs)
         pulled = (settings.image, settings.platform) in cls._pulled
         return Sandbox(spec=SandboxSpec(
@@ -345,7 +383,7 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
             platform=settings.platform, user=settings.user, workdir=settings.workdir, env=settings.env,
             network=settings.network, allow=settings.allow, ports=settings.ports, output_limit_mode=cfg.output_limit_mode, id_mapping=cfg.id_mapping,
             timeout=settings.timeout, mounts=tuple(Bind.parse(m) for m in settings.mounts), label=label,
-            nested_userns=settings.nested_userns, memory=settings.memory,  # type: ignore[arg-type]
+            nested_userns=settings.nested_userns, memory=settings.memory, hostname=hostname,  # type: ignore[arg-type]
             pids_limit=settings.pids_limit, cpus=settings.cpus, disk=settings.disk,  # type: ignore[arg-type]
             origin="inspect",
         ))
@@ -359,20 +397,30 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
             return await cls._compose_sample_init(task_name, config, sample)
         cfg = load_config(config)
         created: dict[str, NsboxSandboxEnvironment] = {}
+        networks: dict[str, Network] = {}  # this sample's service networks, by the config's name
         try:
             for name, spec in cfg.specs():
                 key = (spec.rootfs, cfg.id_mapping)
                 if key not in cls._rootfs:  # sample_init without task_init (tests, tools)
                     cls._rootfs[key] = await _resolve_rootfs(spec.rootfs, cfg.id_mapping)
+                on_net = spec.network.startswith("net:")
+                if on_net:  # known to the other members by its name in the configuration
+                    spec = spec.model_copy(update={"network": (await _sample_network(cfg, spec.network, networks))
+                                                   .spec_value})
                 label = f"{task_name} sample {sample} ({name})" if sample != "" else f"{task_name} ({name})"
-                sb = cls._make(cfg, spec, label)
+                sb = cls._make(cfg, spec, label, hostname=name if on_net else None)
                 await sb.start()
                 created[name] = cls(sb, cfg)
+                created[name]._networks = list(networks.values())
                 cls._live.setdefault(cfg, set()).add(created[name])
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await cls._close_all(cfg, list(created.values()))
+                for net in networks.values():
+                    await net.close()
             raise
+        for env in created.values():
+            env._networks = list(networks.values())
         return dict(created)
 
     @classmethod
@@ -394,6 +442,7 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
     @classmethod
     async def _close_all(cls, key: Any, envs: list["NsboxSandboxEnvironment"]) -> None:
         samples = {id(e._services): e._services for e in envs if e._services is not None}
+        networks = {id(n): n for e in envs for n in e._networks}
         async with anyio.create_task_group() as tg:
             for env in envs:
                 cls._live.get(key, set()).discard(env)
@@ -401,6 +450,8 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
                     tg.start_soon(env.sandbox.close)
             for services in samples.values():
                 tg.start_soon(services.close)
+        for net in networks.values():  # once its members are gone
+            await net.close()
 
     @classmethod
     async def sample_cleanup(cls, task_name: str, config: SandboxEnvironmentConfigType | None,

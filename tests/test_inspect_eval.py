@@ -261,6 +261,6 @@ def test_config_error_fails_the_eval_before_any_sample(tmp_path: Path) -> None:
         assert not log.samples
         message = log.error.message
     assert "invalid nsbox configuration" in message and "nsbox.yaml" in message, message
-    assert "network: Input should be 'none', 'host', 'nat' or 'proxy'" in message, message
+    assert "network: Value error, Input should be 'none', 'host', 'nat', 'proxy' or 'net:NAME'" in message, message
     assert script.calls == []  # type: ignore[attr-defined]
     assert {i.id for i in registry.entries() if name in i.label} - before == set()

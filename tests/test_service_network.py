@@ -132,3 +132,30 @@ def test_nothing_is_left_after_the_owner_is_killed(kind: str) -> None:
             if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
     assert left == [], f"still running after the owner died: {left}"
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in inits)
+
+
+async def test_nsbox_yaml_sandboxes_share_a_network_per_sample(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """nsbox.yaml: sandboxes naming `network: net:NAME` get a service
+    network per sample, by their names in the file; samples do not share it."""
+    from nsbox.inspect_provider import NsboxSandboxEnvironment as Env
+
+    config = tmp_path / "nsbox.yaml"
+    config.write_text("sandboxes:\n  default: {network: 'net:lan'}\n  db: {network: 'net:lan'}\n"
+                      "networks:\n  lan: {internal: true}\n")
+    one = await Env.sample_init("nets", str(config), {"__sample_id__": "1"})
+    two = await Env.sample_init("nets", str(config), {"__sample_id__": "2"})
+    try:
+        db1 = one["db"].as_type(Env).sandbox
+        await serve(db1)
+        r = await one["default"].exec(fetch("db"))
+        assert r.stdout == "db\n", r
+        nets = {n.name for env in (one["default"], two["default"]) for n in env.as_type(Env)._networks}
+        assert len(nets) == 2  # one per sample
+        r = await two["default"].exec(fetch(one["db"].as_type(Env)._networks[0].address_of("db")))
+        assert not r.success, r  # the other sample's network is not reachable
+    finally:
+        await Env.sample_cleanup("nets", str(config), one, False)
+        await Env.sample_cleanup("nets", str(config), two, False)
+    from nsbox import network
+
+    assert not [n for n in network._networks if n.startswith("lan-")]
