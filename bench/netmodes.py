@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""What each network mode adds to creating (and closing) a real sandbox.
+"""What each network mode adds to creating (and closing) a real sandbox,
+service network members included (target: within 2 ms of none).
 
 Creates and closes nsbox.Sandbox() on the host-composed root in each mode,
 interleaved (one of each in turn, order alternating) so that drift in load
@@ -39,6 +40,14 @@ async def main(runs: int) -> None:
         print(f"nat skipped: {e}")
         modes = [m for m in modes if m[0] != "nat"]
         tool = None
+    # Service network members: the network exists already (made once), as
+    # it does for every member but the first.
+    internal = await nsbox.Network("bench-internal", internal=True).start()
+    modes.append(("service network (internal)", {"network": internal}))
+    outbound = None
+    if tool:
+        outbound = await nsbox.Network("bench-outbound").start()
+        modes.append(("service network (outbound)", {"network": outbound}))
     create: dict[str, list[float]] = {name: [] for name, _ in modes}
     close: dict[str, list[float]] = {name: [] for name, _ in modes}
     for name, options in modes:  # warm-up
@@ -60,6 +69,9 @@ async def main(runs: int) -> None:
     def p90(xs: list[float]) -> float:
         return sorted(xs)[int(0.9 * (len(xs) - 1))]
 
+    await internal.close()
+    if outbound is not None:
+        await outbound.close()
     base = med(create["none"])
     print(f"sandbox create/close by network mode, {runs} runs each (ms){f'; nat uses {tool}' if tool else ''}")
     print(f"{'mode':<26}{'create med':>11}{'p90':>8}{'added':>8}{'close med':>11}{'p90':>8}")

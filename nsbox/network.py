@@ -127,8 +127,8 @@ class Network:
         if self.members.get(sandbox.hostname) is not sandbox:
             return
         del self.members[sandbox.hostname]
+        self._net.forget(sandbox.hostname)  # its veth pair goes with its namespace
         with anyio.CancelScope(shield=True):
-            await self._net.disconnect(sandbox.hostname)
             try:
                 await self._announce()
             except Exception:

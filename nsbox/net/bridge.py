@@ -109,6 +109,7 @@ class Network:
     _owner: int | None = None
     _via: NetHelper | None = None
     _next_veth: int = 0
+    _last_address: int = -1  # index in the subnet's host addresses
 
     async def start(self, owner: OwnerUserns | None, *, via: NetHelper | None = None) -> "Network":
         """Creates the network's namespace and bridge. owner: where members
@@ -163,6 +164,12 @@ class Network:
                 raise
         return member
 
+    def forget(self, name: str) -> None:
+        """Drops a member whose namespace is going away with its sandbox: the
+        kernel removes its veth pair with the namespace, and its user-mode
+        networking stops when the sandbox's init exits (watch_pidfd)."""
+        self.members.pop(name, None)
+
     async def disconnect(self, name: str) -> None:
         member = self.members.pop(name, None)
         if member is None or self._via is None:
@@ -176,11 +183,16 @@ class Network:
             pass  # the member's namespace is gone already: so is the pair
 
     def _free_address(self) -> str:
+        """The next free address after the last one given: an address is not
+        reused while the subnet has others (members may still hold the
+        previous owner's in their neighbour tables)."""
         assert self.subnet is not None
         used = {m.ip for m in self.members.values()}
         hosts = list(self.subnet.hosts())[1:]  # .1 stays free (no gateway on a service network)
-        for ip in hosts:
-            if str(ip) not in used:
+        for i in range(len(hosts)):
+            ip = str(hosts[(self._last_address + 1 + i) % len(hosts)])
+            if ip not in used:
+                self._last_address = hosts.index(ipaddress.ip_address(ip))
                 return f"{ip}/{self.subnet.prefixlen}"
         raise NetError(f"network {self.name} is full ({len(hosts)} members)")
 
