@@ -267,3 +267,19 @@ async def test_prune_keeps_named_and_in_use(registry: Registry, busybox_oci: Pat
     report = await store.prune()
     assert report.layers == 1 and not app.layers[1].exists()
     assert [p.name for p in store.blobs.joinpath("sha256").iterdir()] == []
+
+
+async def test_a_pull_restores_a_blob_whose_layer_is_unpacked(registry: Registry, busybox_oci: Path,
+                                                              store: Store) -> None:
+    """Builds read an image's layer blobs: a pull keeps them, even when the
+    layer was unpacked by another image's pull and its blob is gone since."""
+    push(f"oci:{busybox_oci}:plain", registry, "test/keep:1")
+    push(f"oci:{busybox_oci}:plain", registry, "test/keep:2")
+    first = await pull(store, f"{registry.host}/test/keep:1")
+    manifest = store.read_json(first.digest)
+    blobs = [d["digest"] for d in manifest["layers"]]
+    for digest in blobs:
+        store.blob_path(digest).unlink()
+    second = await pull(store, f"{registry.host}/test/keep:2")
+    assert second.layers == first.layers  # not unpacked again
+    assert all(store.has_blob(d) for d in blobs)

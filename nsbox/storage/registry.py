@@ -346,12 +346,15 @@ async def pull(store: Store, ref: str, *, platform: str | None = None, progress:
         downloads = anyio.Semaphore(DOWNLOADS)
         async with store.session(id_mapping, progress) as s:
             async def one(desc: dict[str, Any], diff_id: str) -> None:
-                if not store.layer_dir(diff_id, s.mapping.key).is_dir():
+                # Every image keeps its blobs (builds read them, prune and
+                # remove reason about them), even when another image's pull
+                # unpacked the layer already.
+                if not store.has_blob(desc["digest"]):
                     async with downloads:
                         await reg.blob_to_store(desc, store, progress)
-                    await s.layer(desc["digest"], diff_id)
                 else:
                     progress.advance(int(desc["size"]))
+                await s.layer(desc["digest"], diff_id)
                 progress.layer_done()
 
             async with task_group() as tg:
