@@ -21,6 +21,7 @@ test:
 bench:
 	$(PYTHON) bench/bench.py
 	$(PYTHON) bench/netmodes.py
+	$(PYTHON) bench/net.py
 	$(PYTHON) bench/eval.py --samples 200 --rounds 3
 
 clean:

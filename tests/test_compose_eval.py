@@ -289,3 +289,54 @@ async def test_inspect_conformance_on_a_built_image(images: dict[str, str], tmp_
     if mode == "single":
         expected.add("test_exec_as_user")
     assert {f.split(":")[0] for f in failures} == expected, "\n".join(failures)
+
+
+def test_no_sandbox_cleanup_keeps_every_service(images: dict[str, str], tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """--no-sandbox-cleanup keeps each service of a sample running (detached,
+    still on their shared network); `inspect sandbox cleanup nsbox` removes them."""
+    import anyio
+    import nsbox
+    from nsbox import manage
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "compose.yaml").write_text(textwrap.dedent(f"""\
+        services:
+          default:
+            image: {images['debian']}
+            command: tail -f /dev/null
+            network_mode: none
+          web:
+            image: {images['busybox']}
+            command: ["httpd", "-f", "-p", "127.0.0.1:8000", "-h", "/etc"]
+            network_mode: none
+        """))
+    name = "nsbox_compose_keep"
+    task = Task(dataset=[Sample(input="x", target="")], solver=[use_tools([bash()]), generate()],
+                scorer=output_has("ok"), sandbox=("nsbox", str(tmp_path / "compose.yaml")), name=name)
+    steps = [("bash", {"command": "echo ok"})]
+    [log] = eval(task, model=get_model(MODEL, custom_outputs=scripted(steps)), log_dir=str(tmp_path),
+                 display="none", sandbox_cleanup=False)
+    kept = {}
+    try:
+        assert log.status == "success", log.error
+        kept = {e.info.label.rsplit("(", 1)[-1].rstrip(")"): e.info for e in manage.entries()
+                if e.info.origin == "inspect" and name in e.info.label}
+        assert set(kept) == {"default", "web"} and all(i.detached and i.init_alive for i in kept.values()), kept
+
+        async def fetch() -> str:
+            sb = await nsbox.Sandbox.attach(kept["default"].id)
+            try:
+                r = await sb.exec(["bash", "-c", "exec 3<>/dev/tcp/127.0.0.1/8000; "
+                                   "printf 'GET /hostname HTTP/1.0\\r\\n\\r\\n' >&3; cat <&3"])
+                return r.stdout
+            finally:
+                await sb.close()  # only disconnects
+
+        assert "200 OK" in anyio.run(fetch)  # web still serves the default service, on their network
+        anyio.run(NsboxSandboxEnvironment.cli_cleanup, None)
+        assert all(sandbox_registry.read(i.id) is None for i in kept.values())
+    finally:
+        for info in kept.values():
+            if sandbox_registry.read(info.id) is not None:
+                manage.remove(info, force=True)
