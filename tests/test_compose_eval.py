@@ -70,6 +70,14 @@ def output_has(text: str):  # type: ignore[no-untyped-def]
     return score
 
 
+def _task(directory: Path, compose: str, name: str, scorer: Any,
+          samples: list[Sample] | None = None) -> Task:
+    """A bash-tool task on the compose file `compose`, written to directory/compose.yaml."""
+    (directory / "compose.yaml").write_text(textwrap.dedent(compose))
+    return Task(dataset=samples or [Sample(input="go", target="")], solver=[use_tools([bash()]), generate()],
+                scorer=scorer, sandbox=("nsbox", str(directory / "compose.yaml")), name=name)
+
+
 def _run(task: Task, steps: list[tuple[str, dict[str, Any]]], tmp_path: Path) -> Any:
     script = scripted(steps)
     [log] = eval(task, model=get_model(MODEL, custom_outputs=script), log_dir=str(tmp_path), display="none",
@@ -96,7 +104,7 @@ ATTACK = [("bash", {"command": "exec 3<>/dev/tcp/target/8000 && printf 'GET /fla
 def test_attacker_and_target_on_an_internal_network(images: dict[str, str], tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "compose.yaml").write_text(textwrap.dedent(f"""\
+    task = _task(tmp_path, f"""\
         services:
           target:
             image: {images['busybox']}
@@ -125,10 +133,8 @@ def test_attacker_and_target_on_an_internal_network(images: dict[str, str], tmp_
         networks:
           ctf:
             internal: true
-        """))
-    task = Task(dataset=[Sample(input="get the flag", target="FLAG-42", id=i) for i in (1, 2)],
-                solver=[use_tools([bash()]), generate()], scorer=output_has("FLAG-42"),
-                sandbox=("nsbox", str(tmp_path / "compose.yaml")), name="nsbox_compose_ctf")
+        """, "nsbox_compose_ctf", output_has("FLAG-42"),
+                 [Sample(input="get the flag", target="FLAG-42", id=i) for i in (1, 2)])
     samples = _check(_run(task, ATTACK, tmp_path), 2)
     ids = [s.scores["output_has"].metadata["ids"] for s in samples]
     assert all(set(i) == {"attacker", "target"} for i in ids)
@@ -140,7 +146,7 @@ def test_attacker_and_target_on_an_internal_network(images: dict[str, str], tmp_
 def test_image_service_with_platform_limits_and_list_command(images: dict[str, str], tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "compose.yaml").write_text(textwrap.dedent(f"""\
+    task = _task(tmp_path, f"""\
         services:
           default:
             image: {images['debian']}
@@ -153,12 +159,9 @@ def test_image_service_with_platform_limits_and_list_command(images: dict[str, s
             mem_limit: 512m
             pids_limit: 200
             network_mode: none
-        """))
+        """, "nsbox_compose_single", output_has("strict /opt/work"))
     steps = [("bash", {"command": "echo $MODE $(pwd); ps -e -o comm= 2>/dev/null | grep -c tail || "
                                   "grep -l tail /proc/[0-9]*/comm | wc -l"})]
-    task = Task(dataset=[Sample(input="where am I", target="")], solver=[use_tools([bash()]), generate()],
-                scorer=output_has("strict /opt/work"), sandbox=("nsbox", str(tmp_path / "compose.yaml")),
-                name="nsbox_compose_single")
     [sample] = _check(_run(task, steps, tmp_path), 1)
     out = json.loads(sample.scores["output_has"].explanation)[-1]
     assert out.strip().endswith("1"), out  # the service's command runs
@@ -192,15 +195,13 @@ def test_per_sample_compose_file(images: dict[str, str], tmp_path: Path, monkeyp
 def test_unsupported_keys_fail_the_task_in_one_message(images: dict[str, str], tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "compose.yaml").write_text(textwrap.dedent(f"""\
+    task = _task(tmp_path, f"""\
         services:
           default:
             image: {images['debian']}
             pid: host
             devices: ["/dev/kvm:/dev/kvm"]
-        """))
-    task = Task(dataset=[Sample(input="x", target="")], solver=[use_tools([bash()]), generate()],
-                scorer=output_has("x"), sandbox=("nsbox", str(tmp_path / "compose.yaml")), name="nsbox_compose_bad")
+        """, "nsbox_compose_bad", output_has("x"))
     before = {i.id for i in sandbox_registry.entries()}
     script = scripted([])
     # Inspect runs task_init before it opens the log: the error surfaces as
@@ -300,7 +301,8 @@ def test_no_sandbox_cleanup_keeps_every_service(images: dict[str, str], tmp_path
     from nsbox import manage
 
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "compose.yaml").write_text(textwrap.dedent(f"""\
+    name = "nsbox_compose_keep"
+    task = _task(tmp_path, f"""\
         services:
           default:
             image: {images['debian']}
@@ -310,10 +312,7 @@ def test_no_sandbox_cleanup_keeps_every_service(images: dict[str, str], tmp_path
             image: {images['busybox']}
             command: ["httpd", "-f", "-p", "127.0.0.1:8000", "-h", "/etc"]
             network_mode: none
-        """))
-    name = "nsbox_compose_keep"
-    task = Task(dataset=[Sample(input="x", target="")], solver=[use_tools([bash()]), generate()],
-                scorer=output_has("ok"), sandbox=("nsbox", str(tmp_path / "compose.yaml")), name=name)
+        """, name, output_has("ok"))
     steps = [("bash", {"command": "echo ok"})]
     [log] = eval(task, model=get_model(MODEL, custom_outputs=scripted(steps)), log_dir=str(tmp_path),
                  display="none", sandbox_cleanup=False)
