@@ -104,7 +104,7 @@ class Network:
 
     async def _join(self, sandbox: "Sandbox", pid: int, pidfd: int, aliases: Sequence[str] = ()) -> None:
         """Between clone and go: the member's interface, address and outbound."""
-        ns = Namespaces.of_pid(pid, with_user=False)
+        ns = Namespaces.of_pid(pid)  # with its user namespace (unprivileged: for pasta to enter)
         try:
             await self._net.connect(sandbox.hostname, ns, aliases=aliases, watch_pidfd=pidfd)
         finally:

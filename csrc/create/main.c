@@ -24,6 +24,7 @@
 #include <fcntl.h>
 #include <linux/sched.h>
 #include <net/if.h>
+#include <poll.h>
 #include <signal.h>
 #include <spawn.h>
 #include <stdbool.h>
@@ -63,6 +64,14 @@ static void reply(int sock, int pid, int err, int stage, int pidfd, const char *
  *           it, whose maps it writes directly (no setuid helper). */
 enum role { ZYGOTE, POD, HOLDER };
 static enum role role = ZYGOTE;
+
+/* Whether the process of `pidfd` has exited, waiting a moment for one
+ * that is on its way out. */
+static bool exited(int pidfd)
+{
+    struct pollfd p = {.fd = pidfd, .events = POLLIN};
+    return poll(&p, 1, 100) == 1;
+}
 
 /* Reads and unpacks the spec memfd `fd`; 0, or -1 with nothing allocated
  * (*buf is freed by the caller either way). Its size bounds what we read. */
@@ -126,6 +135,12 @@ static void serve(int *fds, int nfds)
     char msg[NSBOX_ZYGOTE_MSG_MAX];
     int msglen = 0;
     int err = role == POD ? 0 : write_id_maps(&spec, (pid_t)pid, msg, &msglen);
+    if (err && exited(pidfd)) {
+        /* The child failed before we could write its maps (its first steps
+         * failed): its own report on the error pipe says why, not the maps. */
+        err = 0;
+        msglen = 0;
+    }
     if (err) {
         /* The child never started: it is ours to stop (our parent reaps it). */
         syscall(SYS_pidfd_send_signal, pidfd, SIGKILL, NULL, 0);
