@@ -335,11 +335,12 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
 
     @classmethod
     def default_concurrency(cls) -> int | None:
-        # A sandbox costs ~1 MiB and milliseconds; what it runs is the limit.
-        # Four per CPU, and no more than one per 256 MiB of memory.
-        cpus = len(os.sched_getaffinity(0))
-        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return max(2, min(4 * cpus, mem // (256 << 20)))
+        # None, as Inspect's `local` sandbox: a sandbox costs ~1 MiB and
+        # milliseconds, and max_samples bounds how many run. With a default
+        # limit, Inspect 0.3.285 delays every sample by a random 0-1 s
+        # (sandboxenv_context), which made a 200-sample eval 1.3x slower than
+        # `local`. --max-sandboxes still sets one.
+        return None
 
     # ---- lifecycle -----------------------------------------------------
 

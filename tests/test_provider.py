@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 
 import pytest
@@ -76,9 +75,8 @@ async def test_tarball_rootfs_and_named_sandboxes(tmp_path: Path) -> None:
 
 
 def test_default_concurrency_is_sane() -> None:
-    n = NsboxSandboxEnvironment.default_concurrency()
-    cpus = len(os.sched_getaffinity(0))
-    assert n is not None and 2 <= n <= 4 * max(cpus, 1)
+    # No default limit (as `local`): Inspect would delay each sample by up to 1 s.
+    assert NsboxSandboxEnvironment.default_concurrency() is None
     assert NsboxSandboxEnvironment.config_files() == ["nsbox.yaml", "nsbox.yml", "compose.yaml", "compose.yml",
                                                       "docker-compose.yaml", "docker-compose.yml", "Dockerfile"]
     assert NsboxSandboxEnvironment.is_docker_compatible()
