@@ -460,9 +460,15 @@ async def bench_pull(n: int, notes: list[str]) -> list[Row]:
 
 
 def _walk(top: str) -> list[os.DirEntry[str]]:
+    """Every entry under `top` this user can list (subuid mode: directories
+    of other sandbox users may not be; the size is for the report only)."""
     out, stack = [], [top]
     while stack:
-        with os.scandir(stack.pop()) as it:
+        try:
+            it = os.scandir(stack.pop())
+        except PermissionError:
+            continue
+        with it:
             for e in it:
                 out.append(e)
                 if e.is_dir(follow_symlinks=False):
