@@ -13,13 +13,14 @@ a Dockerfile, or its ComposeConfig) runs as nsbox services.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import dirs, idmap
+from . import dirs, idmap, registry
 from .compose import (ComposeError, Project, Service, aliases, dockerfile_project, load_project, main_command,
                       project_from_config, sample_network, service_spec)
 from .layers import give
@@ -110,8 +111,8 @@ class Sample:
 
     async def close(self) -> None:
         await self.services.close()
-        if self.volumes is not None and self.volumes.exists():
-            remove_layer(self.volumes, self.mapping)
+        if self.volumes is not None:
+            _remove_volumes(self.volumes, self.mapping)
 
 
 async def start_sample(task: ComposeTask, label: str, *, output_limit_mode: str = "truncate") -> tuple[Sample, dict[str, Any]]:
@@ -147,10 +148,47 @@ async def start_sample(task: ComposeTask, label: str, *, output_limit_mode: str 
             await sample.close()
             raise
     except BaseException:
-        if volumes is not None and volumes.exists():
-            remove_layer(volumes, mapping)
+        if volumes is not None:
+            _remove_volumes(volumes, mapping)
         raise
+    if volumes is not None:
+        # Who uses them: kept services (--no-sandbox-cleanup) outlive this
+        # process; remove_orphan_volumes() deletes them once those are gone.
+        _marker(volumes).write_text(json.dumps([sb.id for sb in sandboxes.values()]))
     return sample, sandboxes
+
+
+def _marker(volumes: Path) -> Path:
+    return volumes.with_name(volumes.name + ".sandboxes")
+
+
+def _remove_volumes(volumes: Path, mapping: idmap.IdMap) -> None:
+    if volumes.exists():
+        remove_layer(volumes, mapping)
+    _marker(volumes).unlink(missing_ok=True)
+
+
+def remove_orphan_volumes() -> list[Path]:
+    """Deletes the named volumes of samples none of whose sandboxes runs
+    any more (left by --no-sandbox-cleanup); returns what it deleted."""
+    base = _volume_base()
+    gone = []
+    for marker in base.glob("*.sandboxes") if base.is_dir() else ():
+        try:
+            ids = json.loads(marker.read_text())
+        except (OSError, ValueError):
+            continue
+        if any((info := registry.read(i)) is not None and info.init_alive for i in ids):
+            continue
+        volumes = marker.with_name(marker.name.removesuffix(".sandboxes"))
+        _remove_volumes(volumes, idmap.detect())
+        gone.append(volumes)
+    return gone
+
+
+def _volume_base() -> Path:
+    """Where samples' named volumes live: on disk, as Docker's do."""
+    return dirs.data_dir() / "volumes"
 
 
 def _uses_named_volumes(project: Project) -> bool:
@@ -160,8 +198,8 @@ def _uses_named_volumes(project: Project) -> bool:
 def _volume_root(project: Project, mapping: idmap.IdMap) -> Path:
     """A fresh directory for this sample's named volumes, owned by sandbox
     root (a volume starts empty and belongs to root, as in Docker)."""
-    base = dirs.runtime_dir() / "volumes"
-    base.mkdir(mode=0o700, exist_ok=True)
+    base = _volume_base()
+    base.mkdir(mode=0o700, parents=True, exist_ok=True)
     digest = hashlib.sha256(os.urandom(16)).hexdigest()[:12]
     root = base / f"{project.name}-{digest}"
     root.mkdir(mode=0o755)

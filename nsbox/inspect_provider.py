@@ -45,7 +45,8 @@ from inspect_ai.util import (
 from . import dirs, manage
 from .errors import NsboxError, OutputLimitExceeded, SandboxUnavailable, UserUnsupported
 from .idmap import detect as detect_idmap
-from .inspect_compose import COMPOSE_FILES, DOCKERFILES, ComposeTask, Sample, is_docker_config, prepare, start_sample
+from .inspect_compose import (COMPOSE_FILES, DOCKERFILES, ComposeTask, Sample, is_docker_config, prepare,
+                              remove_orphan_volumes, start_sample)
 from .images import import_tarball
 from .limits import exec_output_limit, human_size
 from .network import Network
@@ -492,12 +493,14 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
             print(f"removed nsbox sandbox {info.id}")
             return
         # Every sandbox Inspect left behind (detached by --no-sandbox-cleanup,
-        # or orphaned), plus anything dead.
+        # or orphaned), plus anything dead, then compose samples' volumes.
         for e in manage.entries():
             inspect_leftover = e.info.origin == "inspect" and e.state in ("detached", "orphaned")
             if inspect_leftover or e.state == "dead":
                 manage.remove(e.info, force=True)
                 print(f"removed nsbox sandbox {e.info.id} {e.info.label}")
+        for volumes in remove_orphan_volumes():
+            print(f"removed the volumes of a compose sample: {volumes}")
 
     # ---- the sandbox contract -------------------------------------------
 

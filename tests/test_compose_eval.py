@@ -308,12 +308,16 @@ def test_no_sandbox_cleanup_keeps_every_service(images: dict[str, str], tmp_path
             image: {images['debian']}
             command: tail -f /dev/null
             network_mode: none
+            volumes: [data:/data]
           web:
             image: {images['busybox']}
             command: ["httpd", "-f", "-p", "127.0.0.1:8000", "-h", "/etc"]
             network_mode: none
+            volumes: [data:/shared]
+        volumes:
+          data:
         """, name, output_has("ok"))
-    steps = [("bash", {"command": "echo ok"})]
+    steps = [("bash", {"command": "echo written-by-default > /data/note && echo ok"})]
     [log] = eval(task, model=get_model(MODEL, custom_outputs=scripted(steps)), log_dir=str(tmp_path),
                  display="none", sandbox_cleanup=False)
     kept = {}
@@ -333,8 +337,20 @@ def test_no_sandbox_cleanup_keeps_every_service(images: dict[str, str], tmp_path
                 await sb.close()  # only disconnects
 
         assert "200 OK" in anyio.run(fetch)  # web still serves the default service, on their network
+
+        async def shared_note() -> str:
+            sb = await nsbox.Sandbox.attach(kept["web"].id)
+            try:
+                return (await sb.exec(["cat", "/shared/note"])).stdout
+            finally:
+                await sb.close()
+
+        assert anyio.run(shared_note) == "written-by-default\n"  # the named volume, shared
+        volumes = nsbox.dirs.data_dir() / "volumes"
+        assert [p for p in volumes.iterdir() if p.is_dir()]
         anyio.run(NsboxSandboxEnvironment.cli_cleanup, None)
         assert all(sandbox_registry.read(i.id) is None for i in kept.values())
+        assert list(volumes.iterdir()) == []  # the sample's volumes went with its last sandbox
     finally:
         for info in kept.values():
             if sandbox_registry.read(info.id) is not None:
