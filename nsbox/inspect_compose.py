@@ -135,7 +135,8 @@ async def start_sample(task: ComposeTask, label: str, *, output_limit_mode: str 
                 check = Healthcheck.from_test(h.test, interval=h.interval, timeout=h.timeout, retries=h.retries,
                                               start_period=h.start_period) if h.test else \
                     Healthcheck.from_image(image.config.healthcheck)
-            specs.append(ServiceSpec(service.name, spec, command=main_command(service, image.config),
+            # main_command applied Docker's rules already: [] runs nothing (not the image's).
+            specs.append(ServiceSpec(service.name, spec, command=main_command(service, image.config) or [],
                                      depends_on=dict(service.depends_on), healthcheck=check,
                                      names=[n for n in names.get(service.name, []) if n != service.name]))
         if volumes is not None:
