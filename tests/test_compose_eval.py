@@ -355,3 +355,48 @@ def test_no_sandbox_cleanup_keeps_every_service(images: dict[str, str], tmp_path
         for info in kept.values():
             if sandbox_registry.read(info.id) is not None:
                 manage.remove(info, force=True)
+
+
+async def test_default_network_has_outbound_access_and_names(images: dict[str, str], tmp_path: Path) -> None:
+    """On compose's default network a sample has outbound access (nat): here
+    the host's loopback as host.nsbox.internal (mapped by extra_hosts
+    host-gateway too, as Docker users write it), and its services reach each
+    other by name."""
+    import http.server
+    import threading
+
+    from nsbox.inspect_compose import prepare, start_sample
+
+    from .net_members import tun_usable
+
+    if not tun_usable():
+        pytest.skip("/dev/net/tun is not usable by this user (CI makes it so); nat's refusal is tested elsewhere")
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    (tmp_path / "compose.yaml").write_text(textwrap.dedent(f"""\
+        services:
+          default:
+            image: {images['debian']}
+            command: tail -f /dev/null
+            extra_hosts: ["host.docker.internal:host-gateway"]
+          web:
+            image: {images['busybox']}
+            command: ["httpd", "-f", "-p", "8000", "-h", "/etc"]
+        """))
+    sample = None
+    try:
+        task = await prepare(str(tmp_path / "compose.yaml"))
+        assert task.network == "nat"
+        sample, boxes = await start_sample(task, "default-network")
+        port = server.server_port
+        for host in ("host.nsbox.internal", "host.docker.internal"):
+            r = await boxes["default"].exec(["bash", "-c", f"exec 3<>/dev/tcp/{host}/{port}; "
+                                             "printf 'GET / HTTP/1.0\\r\\n\\r\\n' >&3; head -1 <&3"])
+            assert "200" in r.stdout, (host, r)
+        r = await boxes["default"].exec(["bash", "-c", "exec 3<>/dev/tcp/web/8000; "
+                                         "printf 'GET /hostname HTTP/1.0\\r\\n\\r\\n' >&3; head -1 <&3"])
+        assert "200" in r.stdout, r
+    finally:
+        if sample is not None:
+            await sample.close()
+        server.shutdown()
