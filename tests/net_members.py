@@ -5,12 +5,18 @@ the test can rewrite."""
 
 from __future__ import annotations
 
+import http.server
 import os
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
+from typing import Iterator
+
+import pytest
 
 import nsbox
 from nsbox.net import usernet
@@ -100,3 +106,52 @@ def _comm(pid: int) -> str:
         return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return ""
+
+
+# ---- servers on the host's 127.0.0.1 (test modules import the fixtures by name)
+
+@pytest.fixture
+def host_server() -> Iterator[int]:
+    """A TCP server on the host's 127.0.0.1 answering "host"."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+    stop = False
+
+    def serve() -> None:
+        while not stop:
+            try:
+                c, _ = listener.accept()
+            except OSError:
+                continue
+            c.sendall(b"host")
+            c.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield listener.getsockname()[1]
+    stop = True
+    thread.join()
+    listener.close()
+
+
+@pytest.fixture
+def http_server() -> Iterator[int]:
+    """An HTTP server on the host's 127.0.0.1 answering "hello from <Host header>"."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = f"hello from {self.headers['Host'].split(':')[0]}".encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()

@@ -38,6 +38,7 @@ from nsbox.errors import NsboxError
 from nsbox.inspect_provider import NsboxSandboxEnvironment
 
 from .imagekit import Registry, busybox_oci, fixture_tar, push, registry, self_check_failures, umoci_image  # noqa: F401
+from .net_members import http_server, tun_usable  # noqa: F401 (fixture)
 from .test_inspect_eval import MODEL, sample_problems, scripted
 
 pytestmark = pytest.mark.timeout(240)
@@ -357,22 +358,16 @@ def test_no_sandbox_cleanup_keeps_every_service(images: dict[str, str], tmp_path
                 manage.remove(info, force=True)
 
 
-async def test_default_network_has_outbound_access_and_names(images: dict[str, str], tmp_path: Path) -> None:
+async def test_default_network_has_outbound_access_and_names(images: dict[str, str], tmp_path: Path,
+                                                             http_server: int) -> None:
     """On compose's default network a sample has outbound access (nat): here
     the host's loopback as host.nsbox.internal (mapped by extra_hosts
     host-gateway too, as Docker users write it), and its services reach each
     other by name."""
-    import http.server
-    import threading
-
     from nsbox.inspect_compose import prepare, start_sample
-
-    from .net_members import tun_usable
 
     if not tun_usable():
         pytest.skip("/dev/net/tun is not usable by this user (CI makes it so); nat's refusal is tested elsewhere")
-    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
     (tmp_path / "compose.yaml").write_text(textwrap.dedent(f"""\
         services:
           default:
@@ -388,10 +383,10 @@ async def test_default_network_has_outbound_access_and_names(images: dict[str, s
         task = await prepare(str(tmp_path / "compose.yaml"))
         assert task.network == "nat"
         sample, boxes = await start_sample(task, "default-network")
-        port = server.server_port
+        port = http_server
         for host in ("host.nsbox.internal", "host.docker.internal"):
             r = await boxes["default"].exec(["bash", "-c", f"exec 3<>/dev/tcp/{host}/{port}; "
-                                             "printf 'GET / HTTP/1.0\\r\\n\\r\\n' >&3; head -1 <&3"])
+                                             f"printf 'GET / HTTP/1.0\\r\\nHost: {host}\\r\\n\\r\\n' >&3; head -1 <&3"])
             assert "200" in r.stdout, (host, r)
         r = await boxes["default"].exec(["bash", "-c", "exec 3<>/dev/tcp/web/8000; "
                                          "printf 'GET /hostname HTTP/1.0\\r\\n\\r\\n' >&3; head -1 <&3"])
@@ -399,4 +394,3 @@ async def test_default_network_has_outbound_access_and_names(images: dict[str, s
     finally:
         if sample is not None:
             await sample.close()
-        server.shutdown()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -20,37 +19,12 @@ from nsbox.net import usernet
 from nsbox.net.client import NetError, Namespaces
 from nsbox.net.hosts import render_hosts
 
-from .net_members import CLIENT, Member, tun_usable
+from .net_members import CLIENT, Member, host_server, tun_usable  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.timeout(60)
 needs_tun = pytest.mark.skipif(not tun_usable(), reason="/dev/net/tun is not usable by this user (CI makes it so)")
 TOOLS = [pytest.param(t, marks=pytest.mark.skipif(not shutil.which(t), reason=f"{t} is not installed"))
          for t in usernet.TOOLS]
-
-
-@pytest.fixture
-def host_server() -> Iterator[int]:
-    """A server on the host's 127.0.0.1 answering "host" to every connection."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    listener.settimeout(0.2)
-    stop = False
-
-    def serve() -> None:
-        while not stop:
-            try:
-                c, _ = listener.accept()
-            except OSError:
-                continue
-            c.sendall(b"host")
-            c.close()
-
-    import threading
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    yield listener.getsockname()[1]
-    stop = True
-    thread.join()
-    listener.close()
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ map to 127.0.0.1 through its trusted hosts table (NSBOX_PROXY_HOSTS)."""
 
 from __future__ import annotations
 
-import http.server
 import json
 import os
 import signal
@@ -20,10 +19,8 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import threading
 import time
 from pathlib import Path
-from typing import Iterator
 
 import anyio
 import pytest
@@ -33,7 +30,7 @@ from nsbox import netplan
 from nsbox.net import usernet
 from nsbox.net.client import NetError
 
-from .net_members import CLIENT, tun_usable
+from .net_members import CLIENT, host_server, http_server, tun_usable  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.timeout(90)
 needs_tun = pytest.mark.skipif(not tun_usable(), reason="/dev/net/tun is not usable by this user (CI makes it so)")
@@ -54,53 +51,6 @@ SERVE_INSIDE = textwrap.dedent("""
     while True:
         c, _ = s.accept(); c.sendall(b"inside"); c.close()
 """)
-
-
-@pytest.fixture
-def host_server() -> Iterator[int]:
-    """A TCP server on the host's 127.0.0.1 answering "host"."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    listener.settimeout(0.2)
-    stop = False
-
-    def serve() -> None:
-        while not stop:
-            try:
-                c, _ = listener.accept()
-            except OSError:
-                continue
-            c.sendall(b"host")
-            c.close()
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    yield listener.getsockname()[1]
-    stop = True
-    thread.join()
-    listener.close()
-
-
-@pytest.fixture
-def http_server() -> Iterator[int]:
-    """An HTTP server on the host's 127.0.0.1 answering "hello from <Host header>"."""
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            body = f"hello from {self.headers['Host'].split(':')[0]}".encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server.server_address[1]
-    server.shutdown()
-    server.server_close()
 
 
 def _refused(port: int) -> bool:

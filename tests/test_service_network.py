@@ -21,7 +21,7 @@ import pytest
 import nsbox
 from nsbox.net.client import NetError
 
-from .net_members import tun_usable
+from .net_members import http_server, tun_usable  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -67,22 +67,14 @@ async def test_members_talk_by_name_and_others_cannot_reach_them() -> None:
             assert "web" not in (await db.exec(["cat", "/etc/hosts"])).stdout
 
 
-async def test_outbound_network_reaches_the_host_loopback_as_nat_does() -> None:
+async def test_outbound_network_reaches_the_host_loopback_as_nat_does(http_server: int) -> None:
     if not tun_usable():
         pytest.skip("/dev/net/tun is not usable by this user (CI makes it so); the refusal is tested in test_net_usernet.py")
-    import http.server
-    import threading
-
-    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        async with nsbox.Network("out", host_access=True) as net:
-            async with nsbox.Sandbox(network=net, hostname="a") as a:
-                url = f"http://host.nsbox.internal:{server.server_port}/"
-                r = await a.exec(["python3", "-c", f"import urllib.request as u; print(u.urlopen('{url}', timeout=5).status)"])
-                assert r.stdout == "200\n", r
-    finally:
-        server.shutdown()
+    async with nsbox.Network("out", host_access=True) as net:
+        async with nsbox.Sandbox(network=net, hostname="a") as a:
+            url = f"http://host.nsbox.internal:{http_server}/"
+            r = await a.exec(["python3", "-c", f"import urllib.request as u; print(u.urlopen('{url}', timeout=5).status)"])
+            assert r.stdout == "200\n", r
 
 
 async def test_spec_and_lookup_errors() -> None:
