@@ -11,7 +11,6 @@ import contextlib
 import hashlib
 import logging
 import os
-import re
 import secrets
 import shlex
 import sys
@@ -53,7 +52,7 @@ from .network import Network
 from .rootfs import Bind
 from .sandbox import Sandbox
 from .streaming import Exit, Output, Process, decoder
-from .spec import SandboxSpec, parse_size
+from .spec import NET, NETWORK_NAME, SandboxSpec, parse_size
 
 CONFIG_FILES = ["nsbox.yaml", "nsbox.yml"]
 
@@ -117,7 +116,10 @@ class SandboxSettings(BaseModel):
     @field_validator("network")
     @classmethod
     def _network(cls, v: str) -> str:
-        if v not in ("none", "host", "nat", "proxy") and not re.fullmatch(r"net:[A-Za-z0-9][A-Za-z0-9_.-]{0,40}", v):
+        # net:NAME: a network name, short enough for the sample's suffix (_sample_network).
+        name = v[len(NET):]
+        if v not in ("none", "host", "nat", "proxy") and not (
+                v.startswith(NET) and NETWORK_NAME.fullmatch(name) and len(name) <= 41):
             raise ValueError(f"Input should be 'none', 'host', 'nat', 'proxy' or 'net:NAME', not {v!r}")
         return v
 
@@ -184,7 +186,7 @@ class NsboxConfig(SandboxSettings):
 async def _sample_network(cfg: NsboxConfig, value: str, networks: dict[str, Network]) -> Network:
     """The sample's network `value` ("net:NAME") names, started on first use
     (under a name of its own: samples never share one)."""
-    name = value[len("net:"):]
+    name = value[len(NET):]
     if name not in networks:
         settings = cfg.networks.get(name, NetworkSettings())
         networks[name] = await Network(f"{name}-{secrets.token_hex(4)}", internal=settings.internal,
@@ -405,7 +407,7 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
                 key = (spec.rootfs, cfg.id_mapping)
                 if key not in cls._rootfs:  # sample_init without task_init (tests, tools)
                     cls._rootfs[key] = await _resolve_rootfs(spec.rootfs, cfg.id_mapping)
-                on_net = spec.network.startswith("net:")
+                on_net = spec.network.startswith(NET)
                 if on_net:  # known to the other members by its name in the configuration
                     spec = spec.model_copy(update={"network": (await _sample_network(cfg, spec.network, networks))
                                                    .spec_value})

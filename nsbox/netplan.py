@@ -48,7 +48,7 @@ from .net.proxy import DEFAULT_PORT, ProxyServer, proxy_env
 from . import registry
 from .idmap import IdMap
 from .layers import write_file
-from .spec import CONTAINER, SandboxSpec
+from .spec import CONTAINER, NET, SandboxSpec
 
 PROXY_PORT = DEFAULT_PORT
 # Names the proxy resolves itself, to addresses it trusts (even loopback):
@@ -59,7 +59,7 @@ PROXY_HOSTS_ENV = "NSBOX_PROXY_HOSTS"
 def mode(spec: SandboxSpec) -> str:
     """The network mode in effect: a sandbox joining another's network
     (container:ID) has that sandbox's (its proxy, its nat and DNS forwarder)."""
-    if spec.network.startswith("net:"):
+    if spec.network.startswith(NET):
         # A service network member: outbound (and its resolver) as in nat,
         # unless the network is internal.
         from .network import find
@@ -74,7 +74,7 @@ def mode(spec: SandboxSpec) -> str:
 
 def service_network(spec: SandboxSpec) -> Any:
     """The nsbox.Network a "net:NAME" spec joins (None for other modes)."""
-    if not spec.network.startswith("net:"):
+    if not spec.network.startswith(NET):
         return None
     from .network import lookup
 

@@ -27,7 +27,6 @@ no such owner is needed.
 from __future__ import annotations
 
 import os
-import re
 from typing import TYPE_CHECKING, Sequence
 
 import anyio
@@ -35,12 +34,11 @@ import anyio
 from . import idmap, native
 from .net import bridge
 from .net.client import Namespaces, NetError
+from .spec import NET, NETWORK_NAME
 
 if TYPE_CHECKING:
     from .sandbox import Sandbox
 
-NET = "net:"  # network "net:NAME" in a SandboxSpec: this process's Network NAME
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _networks: dict[str, "Network"] = {}
 
 
@@ -50,7 +48,7 @@ class Network:
 
     def __init__(self, name: str, *, internal: bool = False, host_access: bool = False,
                  id_mapping: idmap.Requested = "auto") -> None:
-        if not _NAME.fullmatch(name):
+        if not NETWORK_NAME.fullmatch(name):
             raise ValueError(f"network name must be 1-64 letters, digits, '.', '_' or '-', not {name!r}")
         self.name = name
         self.internal = internal
@@ -69,8 +67,8 @@ class Network:
             raise NetError(f"a network called {self.name} exists already in this process")
         owner = None
         if os.geteuid() != 0:
-            holder = native.holder(self.mapping.how_to_write())
-            if holder is None or self.mapping.host_root != (os.geteuid(), os.getegid()):
+            holder = native.holder(self.mapping)
+            if holder is None:
                 raise NetError("service networks need nsbox's holder user namespace, which this host refused",
                                hint="check `nsbox doctor`; NSBOX_HOLDER=0 turns it off")
             owner = bridge.OwnerUserns(os.open(f"/proc/{holder.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC))
@@ -139,8 +137,9 @@ class Network:
 
 
 def find(value: str) -> Network | None:
-    """The running Network a "net:NAME" spec value names, if any."""
-    return _networks.get(value[len(NET):])
+    """The running Network a "net:NAME" spec value names, if any (None for
+    any other network mode)."""
+    return _networks.get(value[len(NET):]) if value.startswith(NET) else None
 
 
 def lookup(value: str) -> Network:

@@ -21,6 +21,8 @@ PullPolicy = Literal["missing", "always", "never"]
 PULL_POLICIES = ("missing", "always", "never")
 NETWORKS = ("none", "host", "nat", "proxy")
 CONTAINER = "container:"  # network "container:ID": join sandbox ID's network namespace
+NET = "net:"  # network "net:NAME": this process's service network NAME (nsbox.Network)
+NETWORK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _SANDBOX_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 OUTPUT_LIMIT_MODES = ("truncate", "raise")
 _HOSTNAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,62})?")
@@ -57,7 +59,7 @@ def _check_network(spec: "SandboxSpec") -> None:
         if isinstance(value, str):
             value = (value,)
         object.__setattr__(spec, name, tuple(value))
-    if spec.network.startswith("net:") and not re.fullmatch(r"net:[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", spec.network):
+    if spec.network.startswith(NET) and not NETWORK_NAME.fullmatch(spec.network[len(NET):]):
         raise ValueError(f"network {spec.network!r}: expected net:NAME, the name of an nsbox.Network")
     if spec.network.startswith(CONTAINER):
         if not _SANDBOX_ID.fullmatch(spec.network[len(CONTAINER):]):
@@ -161,7 +163,7 @@ class SandboxSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.network, str):  # an nsbox.Network
             object.__setattr__(self, "network", self.network.spec_value)
-        if not self.network.startswith((CONTAINER, "net:")):
+        if not self.network.startswith((CONTAINER, NET)):
             _choice("network", self.network, NETWORKS)
         _check_network(self)
         _choice("output_limit_mode", self.output_limit_mode, OUTPUT_LIMIT_MODES)
