@@ -55,11 +55,10 @@ async def launch(plan: Plan, launched: Launched, *, sandbox_id: str, socket_path
                     via = sub = native.SubZygote(*plan.join)
                 except OSError as e:
                     raise SandboxSetupError(f"cannot join the other sandbox's network: {e.strerror}") from None
-            elif "CLONE_NEWUSER" in plan.namespaces and plan.idmap.host_root == (os.geteuid(), os.getegid()):
-                # Sandbox root is the owner's own uid (subuid and single
-                # modes): a holder saves writing maps with newuidmap per
-                # sandbox. (As real root, maps are written directly anyway.)
-                via = native.holder(plan.idmap.how_to_write())
+            elif "CLONE_NEWUSER" in plan.namespaces:
+                # Subuid and single modes: a holder saves writing maps with
+                # newuidmap per sandbox (None as real root).
+                via = native.holder(plan.idmap)
             reply = _request(plan, launched, sandbox_id, socket_path, err_w, go_r, via)
         finally:
             os.close(err_w)

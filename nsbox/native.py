@@ -16,10 +16,13 @@ import struct
 import threading
 import weakref
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from ._native import ffi, lib
 from .steps import PATH_FD_BASE, Kind, Step
+
+if TYPE_CHECKING:
+    from .idmap import IdMap
 
 INIT_BINARY = Path(__file__).resolve().parent / "nsbox-init"
 CREATE_HELPER = os.fsencode(Path(__file__).resolve().parent / "nsbox-create")
@@ -278,12 +281,14 @@ _holder_failed: set[tuple[str, str]] = set()
 _closers: "weakref.WeakSet[_SubZygote]" = weakref.WeakSet()
 
 
-def holder(idmaps: tuple[str, str, str | None, str | None, bool]) -> Holder | None:
-    """This process's holder for these id maps, started on first use; None
-    if this host cannot have one (the caller then creates sandboxes the
-    direct way, as before)."""
-    if os.environ.get("NSBOX_HOLDER", "1") == "0":
+def holder(mapping: "IdMap") -> Holder | None:
+    """This process's holder for `mapping`, started on first use. None where
+    sandbox root is not the owner's own uid and gid (real root writes maps
+    directly anyway: a holder's root would not be the owner), or where this
+    host cannot have one: the caller then creates sandboxes the direct way."""
+    if os.environ.get("NSBOX_HOLDER", "1") == "0" or mapping.host_root != (os.geteuid(), os.getegid()):
         return None
+    idmaps = mapping.how_to_write()
     key = (idmaps[0], idmaps[1])
     with _holder_lock:
         h = _holders.get(key)
