@@ -65,6 +65,18 @@ static void reply(int sock, int pid, int err, int stage, int pidfd, const char *
 enum role { ZYGOTE, POD, HOLDER };
 static enum role role = ZYGOTE;
 
+/* Makes `sock` our socket (fd NSBOX_ZYGOTE_SOCKET, close-on-exec) and
+ * closes every descriptor above it: a zygote keeps nothing else (0-2 are
+ * /dev/null), a sub-zygote nothing of the request it came from. */
+static int take_socket(int sock)
+{
+    if (sock != NSBOX_ZYGOTE_SOCKET && dup2(sock, NSBOX_ZYGOTE_SOCKET) < 0)
+        return -1;
+    if (fcntl(NSBOX_ZYGOTE_SOCKET, F_SETFD, FD_CLOEXEC) < 0)
+        return -1;
+    return (int)syscall(SYS_close_range, NSBOX_ZYGOTE_SOCKET + 1, ~0U, 0);
+}
+
 /* Whether the process of `pidfd` has exited, waiting a moment for one
  * that is on its way out. */
 static bool exited(int pidfd)
@@ -197,15 +209,12 @@ static void enter(int *fds, int nfds)
     if (pid == 0) {
         close(status[0]);
         int err = 0;
-        if (setns(fds[2], CLONE_NEWUSER) < 0 || setns(fds[3], CLONE_NEWNET) < 0 ||
-            dup2(fds[1], NSBOX_ZYGOTE_SOCKET) < 0 || fcntl(NSBOX_ZYGOTE_SOCKET, F_SETFD, FD_CLOEXEC) < 0)
+        if (setns(fds[2], CLONE_NEWUSER) < 0 || setns(fds[3], CLONE_NEWNET) < 0)
             err = errno;
         ssize_t w = write(status[1], &err, sizeof err);
         (void)w;
-        if (err)
+        if (err || take_socket(fds[1]) < 0) /* the latter: the owner's first request finds us gone */
             _exit(1);
-        /* Keep only the socket (0-2 are /dev/null, as in the zygote). */
-        syscall(SYS_close_range, NSBOX_ZYGOTE_SOCKET + 1, ~0U, 0);
         role = POD;
         return; /* back to the serving loop, on the new socket */
     }
@@ -269,10 +278,8 @@ static void hold(int *fds, int nfds)
          * ids made us non-dumpable, which would hand the /proc files of the
          * children we clone (their id maps among them) to host root. */
         if (read(ready[0], &go, 1) != 1 || setresgid(0, 0, 0) < 0 || setresuid(0, 0, 0) < 0 ||
-            prctl(PR_SET_DUMPABLE, 1, 0, 0, 0) < 0 || dup2(fds[1], NSBOX_ZYGOTE_SOCKET) < 0 ||
-            fcntl(NSBOX_ZYGOTE_SOCKET, F_SETFD, FD_CLOEXEC) < 0)
+            prctl(PR_SET_DUMPABLE, 1, 0, 0, 0) < 0 || take_socket(fds[1]) < 0)
             _exit(1);
-        syscall(SYS_close_range, NSBOX_ZYGOTE_SOCKET + 1, ~0U, 0);
         nsbox_spec_free(&spec);
         free(buf);
         role = HOLDER;
@@ -329,8 +336,7 @@ int main(void)
      * left the socket inheritable; nothing we run (the setuid id-map
      * helpers) may have it. The children we clone put their own descriptors
      * over fd 3 before they exec. */
-    if (syscall(SYS_close_range, NSBOX_ZYGOTE_SOCKET + 1, ~0U, 0) < 0 ||
-        fcntl(NSBOX_ZYGOTE_SOCKET, F_SETFD, FD_CLOEXEC) < 0)
+    if (take_socket(NSBOX_ZYGOTE_SOCKET) < 0)
         return 1;
     for (;;) {
         char byte;
