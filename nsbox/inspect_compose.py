@@ -12,9 +12,8 @@ a Dockerfile, or its ComposeConfig) runs as nsbox services.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
+import secrets
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any
 from . import dirs, idmap, registry
 from .compose import (ComposeError, Project, Service, aliases, dockerfile_project, load_project, main_command,
                       project_from_config, sample_network, service_spec)
+from .compose.mapping import pull_policy
 from .layers import give
 from .removal import remove_layer
 from .services import Healthcheck, ServiceSpec, Services
@@ -81,23 +81,17 @@ def _tag(project: Project, service: Service) -> str:
 
 async def _image(project: Project, service: Service, id_mapping: str) -> Image:
     store = Store()
-    progress = Progress(sys.stderr, label=f"{service.name}")
     if service.build is not None:
-        try:
-            from .build import build
-        except ImportError:  # pragma: no cover - the build package ships with nsbox
-            raise ComposeError(f"service {service.name} is built from a Dockerfile, and this nsbox cannot build")
+        from .build import build
+
         b = service.build
         ref = await build(b.context, dockerfile=b.dockerfile, tag=_tag(project, service), build_args=b.args,
                           target=b.target)
         return await store.resolve(ref, id_mapping=id_mapping, pull="never")  # type: ignore[arg-type]
     if service.image is None:
         raise ComposeError(f"service {service.name} has neither image nor build")
-    pull = {"always": "always", "never": "never"}.get(service.pull_policy or "", "missing")
-    if service.x_local:
-        pull = "never"  # x-local: built locally, never pulled
-    return await store.resolve(service.image, id_mapping=id_mapping, pull=pull,  # type: ignore[arg-type]
-                               platform=service.platform, progress=progress)
+    return await store.resolve(service.image, id_mapping=id_mapping, pull=pull_policy(service),  # type: ignore[arg-type]
+                               platform=service.platform, progress=Progress(sys.stderr, label=service.name))
 
 
 @dataclass
@@ -201,8 +195,7 @@ def _volume_root(project: Project, mapping: idmap.IdMap) -> Path:
     root (a volume starts empty and belongs to root, as in Docker)."""
     base = _volume_base()
     base.mkdir(mode=0o700, parents=True, exist_ok=True)
-    digest = hashlib.sha256(os.urandom(16)).hexdigest()[:12]
-    root = base / f"{project.name}-{digest}"
+    root = base / f"{project.name}-{secrets.token_hex(6)}"
     root.mkdir(mode=0o755)
     for name in project.volumes:
         (root / name).mkdir(mode=0o755)

@@ -243,8 +243,8 @@ class Sandbox:
         self.id = secrets.token_hex(6)
         self.hostname = self.spec.hostname or self.id
         netplan.check(self.spec)  # nat without a usable tun device: one line, before anything exists
-        if netplan.environment(self.spec):
-            self.spec = self.spec.replace(env={**netplan.environment(self.spec), **self.spec.env})
+        if extra_env := netplan.environment(self.spec):
+            self.spec = self.spec.replace(env={**extra_env, **self.spec.env})
         self._layer = layers.layers_dir() / self.id
         self._rundir = dirs.runtime_dir() / self.id
         self._rundir.mkdir(mode=0o700)

@@ -40,6 +40,12 @@ def main_command(service: Service, image_config: Mapping[str, Any] | Any) -> lis
     return argv or None
 
 
+def pull_policy(service: Service) -> str:
+    """nsbox's pull policy ("missing", "always", "never") for the service's
+    image: `x-local` and `pull_policy: build` mean the image is made here."""
+    return "never" if service.x_local else _PULL.get(service.pull_policy or "missing", "missing")
+
+
 def service_spec(service: Service, project: Project, *, image: str, network: str,
                  volume_root: Path | None = None, **extra: Any) -> SandboxSpec:
     """The SandboxSpec of one service. `image` is the reference to run (the
@@ -52,7 +58,7 @@ def service_spec(service: Service, project: Project, *, image: str, network: str
     expressible (load_project warns)."""
     fields: dict[str, Any] = {
         "image": image,
-        "pull": "never" if service.x_local else _PULL.get(service.pull_policy or "missing", "missing"),
+        "pull": pull_policy(service),
         "platform": service.platform,
         "user": service.user,
         "workdir": service.working_dir,
