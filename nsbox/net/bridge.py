@@ -2,8 +2,8 @@
 
 Layout of one network:
 
-    network namespace of the network (no process in it; held open by a
-    descriptor of this process)
+    network namespace of the network (its only process is the network's
+    bridge worker, nsbox/net/helper.py, which makes the veth pairs)
       br0 ── veth0 ┐  ── veth1 ┐
                    │            │
     member A: eth0 10.89.N.2/24   member B: eth0 10.89.N.3/24
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import socket
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -106,9 +107,8 @@ class Network:
     subnet: ipaddress.IPv4Network | None = None
     members: dict[str, Member] = field(default_factory=dict)
     _netns: int = -1
-    _owner: int | None = None
     _via: NetHelper | None = None
-    _next_veth: int = 0
+    _worker: NetHelper | None = None
     _last_address: int = -1  # index in the subnet's host addresses
 
     async def start(self, owner: OwnerUserns | None, *, via: NetHelper | None = None) -> "Network":
@@ -117,17 +117,13 @@ class Network:
         if owner is None and os.geteuid() != 0:
             raise NetError("a service network needs an owner user namespace unless nsbox runs as root")
         self._via = via or helper()
-        self._owner = owner.fd if owner else None
         if self.subnet is None:
             self.subnet = _allocate_subnet()
-        fds = [self._owner] if self._owner is not None else []
-        _, got = await self._via.request("bridge", fds, user_fd=0 if fds else None, bridge=BRIDGE)
+        fds = [owner.fd] if owner is not None else []
+        _, got = await self._via.request("network", fds, user_fd=0 if fds else None, bridge=BRIDGE)
         self._netns = got[0]
+        self._worker = NetHelper(socket.socket(fileno=got[1]))
         return self
-
-    def _fields(self, *extra: int) -> tuple[list[int], dict[str, int | None]]:
-        fds = [self._netns, self._owner if self._owner is not None else self._netns, *extra]
-        return fds, {"net_fd": 0, "user_fd": 1 if self._owner is not None else None}
 
     async def connect(self, name: str, ns: Namespaces, *, aliases: Sequence[str] = (), ifname: str = "eth0",
                       watch_pidfd: int | None = None, tool: usernet.Tool | None = None) -> Member:
@@ -135,7 +131,7 @@ class Network:
         (not internal) user-mode networking for its outbound traffic. `ns.net`
         must belong to a user namespace inside the owner's one (or, as root,
         anywhere)."""
-        if self._netns < 0 or self._via is None or self.subnet is None:
+        if self._worker is None or self._via is None or self.subnet is None:
             raise NetError(f"network {self.name} is not started")
         check_name(name)
         for alias in aliases:
@@ -144,16 +140,13 @@ class Network:
         if name in taken or taken.intersection(aliases):
             raise NetError(f"network {self.name} already has a member called {name} (or one of {list(aliases)})")
         address = self._free_address()
-        self._next_veth += 1
-        member = Member(name, tuple(aliases), address, ifname, f"veth{self._next_veth}")
-        fds, fields = self._fields(ns.net)
         try:
-            await self._via.request("attach", fds, member_fd=2, bridge=BRIDGE, host_ifname=member.host_ifname,
-                                    ifname=ifname, address=address, **fields)
+            got, _ = await self._worker.request("take", [ns.net], member_fd=0, ifname=ifname, address=address)
         except NetError as e:
             raise NetError(f"joining {name} to network {self.name} failed: {e.message}",
                            hint=None if "not permitted" not in e.message else
                            "the sandbox must be created inside the network owner's user namespace") from None
+        member = Member(name, tuple(aliases), address, ifname, got["host_ifname"])
         self.members[name] = member
         if not self.internal:
             try:
@@ -172,13 +165,12 @@ class Network:
 
     async def disconnect(self, name: str) -> None:
         member = self.members.pop(name, None)
-        if member is None or self._via is None:
+        if member is None or self._worker is None:
             return
         if member.usernet is not None:
             await member.usernet.stop()
-        fds, fields = self._fields()
         try:
-            await self._via.request("detach", fds, host_ifname=member.host_ifname, **fields)
+            await self._worker.request("detach", host_ifname=member.host_ifname)
         except NetError:
             pass  # the member's namespace is gone already: so is the pair
 
@@ -213,6 +205,9 @@ class Network:
             member = self.members.pop(name)
             if member.usernet is not None:
                 await member.usernet.stop()
+        if self._worker is not None:
+            await self._worker.aclose()  # the worker exits, and leaves the namespace
+            self._worker = None
         if self._netns >= 0:
             os.close(self._netns)  # the last reference: the kernel removes the namespace
             self._netns = -1

@@ -62,10 +62,15 @@ class Namespaces:
 
 
 class NetHelper:
-    """Requests to the helper process; one at a time (the helper is sequential)."""
+    """Requests to the helper process; one at a time (the helper is sequential).
+    `NetHelper(chan)` speaks the same protocol over a given socket (a
+    service network's bridge worker) and never starts a process."""
 
-    def __init__(self) -> None:
-        self._chan: socket.socket | None = None
+    def __init__(self, chan: socket.socket | None = None) -> None:
+        self._fixed = chan is not None
+        if chan is not None:
+            chan.setblocking(False)
+        self._chan: socket.socket | None = chan
         self._proc: subprocess.Popen[bytes] | None = None
         self._lock = anyio.Lock()
         self._seq = 0
@@ -89,11 +94,18 @@ class NetHelper:
         self._pid_at_start = os.getpid()
         return ours
 
+    def _channel(self) -> socket.socket:
+        if self._fixed:
+            if self._chan is None:
+                raise NetError("the network's worker has stopped")
+            return self._chan
+        return self._chan if self._chan is not None and self._pid_at_start == os.getpid() else self._start()
+
     async def request(self, op: str, fds: Sequence[int] = (), /, **fields: Any) -> tuple[dict[str, Any], list[int]]:
         """Sends one request; returns the reply and the descriptors it carries
         (the caller owns them). Raises NetError with the helper's message."""
         async with self._lock:
-            chan = self._chan if self._chan is not None and self._pid_at_start == os.getpid() else self._start()
+            chan = self._channel()
             self._seq += 1
             seq = self._seq
             data = json.dumps({"op": op, "seq": seq, **fields}).encode()

@@ -11,7 +11,7 @@ namespace. Forking this small process costs well under a millisecond.
 It runs as a plain script (``python helper.py``), not as ``-m nsbox.net...``,
 so that it does not import the nsbox package (and anyio): it starts in tens
 of milliseconds. It imports only the standard library, and pyroute2 the
-first time a request needs it.
+first time a service network needs it.
 
 Protocol (over a SOCK_SEQPACKET socket whose fd number is the first
 argument; it is also the lifeline):
@@ -33,12 +33,9 @@ Ops:
   kill     {id}                                   -> stops a spawned process
   userns   {uid_map, gid_map, newuidmap?, newgidmap?, deny_setgroups}
                                                   -> a new user namespace (fd)
-  bridge   {user_fd?, bridge}                     -> a new network namespace (fd)
-           holding an up bridge
-  attach   {user_fd?, net_fd, member_fd, bridge, host_ifname, ifname, address}
-           a veth pair: host_ifname on the bridge, ifname with address in the
-           member's network namespace
-  detach   {user_fd?, net_fd, host_ifname}
+  network  {user_fd?, bridge}                     -> the network's namespace (fd)
+           and a socket to its bridge worker (fd): a forked process that
+           stays in that namespace (see "The bridge worker" below)
 
 When the nsbox process closes its end (it exited, crashed or was killed),
 the helper kills every process it spawned and exits.
@@ -47,11 +44,13 @@ the helper kills every process it spawned and exits.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import json
 import os
 import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -119,59 +118,11 @@ def op_connect(req: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], lis
     return {}, [sock.detach()]
 
 
-def op_bridge(req: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
-    if req.get("user_fd") is not None:
-        setns(fds[req["user_fd"]], CLONE_NEWUSER, "user namespace")
-    unshare(CLONE_NEWNET, "network namespace")
-    from pyroute2 import IPRoute
-
-    with IPRoute() as ipr:
-        ipr.link("set", index=1, state="up")
-        ipr.link("add", ifname=req["bridge"], kind="bridge")
-        ipr.link("set", index=ipr.link_lookup(ifname=req["bridge"])[0], state="up")
-    return {}, [os.open("/proc/self/ns/net", os.O_RDONLY)]
-
-
-def op_attach(req: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
-    enter(req, fds)  # the network's namespace, where the bridge is
-    from pyroute2 import IPRoute
-
-    member = fds[req["member_fd"]]
-    with IPRoute() as ipr:
-        bridge = ipr.link_lookup(ifname=req["bridge"])[0]
-        ipr.link("add", ifname=req["host_ifname"], kind="veth",
-                 peer={"ifname": req["ifname"], "net_ns_fd": member})
-        ipr.link("set", index=ipr.link_lookup(ifname=req["host_ifname"])[0], master=bridge, state="up")
-    setns(member, CLONE_NEWNET, "member's network namespace")
-    address, prefix = req["address"].split("/")
-    with IPRoute() as ipr:
-        index = ipr.link_lookup(ifname=req["ifname"])[0]
-        ipr.addr("add", index=index, address=address, prefixlen=int(prefix))
-        ipr.link("set", index=index, state="up")
-        ipr.link("set", index=1, state="up")
-    return {}, []
-
-
-def op_detach(req: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
-    enter(req, fds)
-    from pyroute2 import IPRoute
-
-    with IPRoute() as ipr:
-        found = ipr.link_lookup(ifname=req["host_ifname"])
-        if found:
-            ipr.link("del", index=found[0])  # its peer in the member goes with it
-    return {}, []
-
-
-IN_CHILD = {"listen": op_listen, "connect": op_connect, "bridge": op_bridge, "attach": op_attach,
-            "detach": op_detach}
-NEEDS_PYROUTE2 = {"bridge", "attach", "detach"}
+IN_CHILD = {"listen": op_listen, "connect": op_connect}
 
 
 def run_in_child(chan: socket.socket, req: dict[str, Any], fds: list[int]) -> None:
     """Forks; the child joins namespaces, runs the op and sends the reply itself."""
-    if req["op"] in NEEDS_PYROUTE2:
-        import pyroute2  # noqa: F401  (imported once here, so each child has it)
     pid = os.fork()
     if pid == 0:
         code = 1
@@ -346,7 +297,166 @@ def _write_maps(pid: int, req: dict[str, Any]) -> None:
                 f.write(text)
 
 
-IN_HELPER = {"spawn": op_spawn, "kill": op_kill, "userns": op_userns}
+# ---- the bridge worker: one per service network ----------------------------
+#
+# A member joins a network between its sandbox's clone and its start, so
+# the join is on the path of every member's creation. A forked child per
+# join, entering namespaces and opening netlink sockets afresh, cost
+# ~14 ms. The worker is forked once per network, joins the owner's user
+# namespace, makes the network's namespace and stays there with one warm
+# netlink socket (pyroute2). A join is one netlink request (a veth pair:
+# one end enslaved to the bridge and up, the other made right inside the
+# member's namespace) and a few ioctls inside the member (address, netmask,
+# up): the worker holds CAP_NET_ADMIN over the member's namespace, whose
+# user namespace is a child of the owner's, so it may enter it and come
+# back. (Pairs made in advance and moved in would cost more: moving a
+# device between namespaces waits for an RCU grace period, ~20 ms here.)
+#
+# Requests on its socket (same framing as the helper's):
+#   take    {member_fd, ifname, address}  -> {host_ifname}
+#   detach  {host_ifname}
+# It exits when the nsbox process closes the socket (or dies).
+
+SIOCGIFFLAGS, SIOCSIFFLAGS, SIOCSIFADDR, SIOCSIFNETMASK = 0x8913, 0x8914, 0x8916, 0x891C
+IFF_UP = 0x1
+
+
+class BridgeWorker:
+    def __init__(self, bridge: str) -> None:
+        from pyroute2 import IPRoute
+
+        self.ipr = IPRoute()
+        self.ipr.link("set", index=1, state="up")
+        self.ipr.link("add", ifname=bridge, kind="bridge")
+        self.bridge = self.ipr.link_lookup(ifname=bridge)[0]
+        self.ipr.link("set", index=self.bridge, state="up")
+        self.home = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        self.made = 0
+
+    def take(self, req: dict[str, Any], fds: list[int]) -> dict[str, Any]:
+        self.made += 1
+        host = f"veth{self.made}"
+        member = fds[req["member_fd"]]
+        self.ipr.link("add", ifname=host, kind="veth", master=self.bridge, state="up",
+                      peer={"ifname": req["ifname"], "net_ns_fd": member})
+        try:
+            setns(member, CLONE_NEWNET, "member's network namespace")
+            try:
+                configure(req["ifname"], req["address"])
+            finally:
+                setns(self.home, CLONE_NEWNET, "network's namespace")
+        except BaseException:
+            self.detach({"host_ifname": host}, [])
+            raise
+        return {"host_ifname": host}
+
+    def detach(self, req: dict[str, Any], fds: list[int]) -> dict[str, Any]:
+        found = self.ipr.link_lookup(ifname=req["host_ifname"])
+        if found:
+            self.ipr.link("del", index=found[0])  # its peer in the member goes with it
+        return {}
+
+    def serve(self, chan: socket.socket) -> None:
+        global _seq
+        while True:
+            try:
+                data, fds, _, _ = socket.recv_fds(chan, MAX_MESSAGE, MAX_FDS)
+            except ConnectionResetError:
+                return
+            if not data:
+                return
+            try:
+                req = json.loads(data)
+                _seq = req.get("seq")
+                try:
+                    op = {"take": self.take, "detach": self.detach}[req.get("op")]
+                    reply(chan, {"ok": True, **op(req, fds)}, [])
+                except Exception as e:
+                    reply(chan, {"ok": False, "error": _describe(e)}, [])
+            finally:
+                for fd in fds:
+                    os.close(fd)
+
+
+def configure(ifname: str, address: str) -> None:
+    """Addresses and raises an interface of the namespace this process is
+    in, and its loopback (plain ioctls: no second netlink socket)."""
+    ip, prefix = address.split("/")
+    mask = socket.inet_ntoa(int.to_bytes((0xFFFFFFFF << (32 - int(prefix))) & 0xFFFFFFFF, 4, "big"))
+
+    def ifreq_addr(addr: str) -> bytes:
+        return struct.pack("16sHH4s8x", ifname.encode(), socket.AF_INET, 0, socket.inet_aton(addr))
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        fcntl.ioctl(s, SIOCSIFADDR, ifreq_addr(ip))
+        fcntl.ioctl(s, SIOCSIFNETMASK, ifreq_addr(mask))
+        for name in (ifname, "lo"):
+            flags = struct.unpack("16sH14x", fcntl.ioctl(s, SIOCGIFFLAGS, struct.pack("16sH14x", name.encode(), 0)))[1]
+            fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH14x", name.encode(), flags | IFF_UP))
+
+
+def op_network(req: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
+    """Forks the network's bridge worker (detached: a grandchild, its
+    socket is its lifeline) and answers with its namespace and socket."""
+    import pyroute2  # noqa: F401  (once, in the helper: every worker inherits it)
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            ours.close()
+            if os.fork() == 0:
+                _run_worker(theirs, req, fds)
+            code = 0
+        finally:
+            os._exit(code)
+    theirs.close()
+    os.waitpid(pid, 0)
+    try:
+        ours.settimeout(READY_TIMEOUT)
+        data, got, _, _ = socket.recv_fds(ours, MAX_MESSAGE, 1)
+        ours.settimeout(None)
+        answer = json.loads(data) if data else {"error": "the bridge worker exited while starting"}
+        if "error" in answer:
+            for fd in got:
+                os.close(fd)
+            raise Refused(answer["error"])
+    except BaseException:
+        ours.close()
+        raise
+    return {}, [got[0], ours.detach()]
+
+
+def _run_worker(chan: socket.socket, req: dict[str, Any], fds: list[int]) -> None:
+    keep = {chan.fileno(), *fds}
+    for name in os.listdir("/proc/self/fd"):  # nothing of the helper's (its channel, pasta's pipes)
+        if int(name) > 2 and int(name) not in keep:
+            try:
+                os.close(int(name))
+            except OSError:
+                pass
+    code = 1
+    try:
+        try:
+            if req.get("user_fd") is not None:
+                setns(fds[req["user_fd"]], CLONE_NEWUSER, "user namespace")
+            unshare(CLONE_NEWNET, "network namespace")
+            worker = BridgeWorker(req["bridge"])
+        except Exception as e:
+            chan.send(json.dumps({"error": _describe(e)}).encode())
+            return
+        for fd in fds:
+            os.close(fd)
+        socket.send_fds(chan, [b"{}"], [worker.home])
+        worker.serve(chan)
+        code = 0
+    finally:
+        os._exit(code)
+
+
+IN_HELPER = {"spawn": op_spawn, "kill": op_kill, "userns": op_userns,
+             "network": op_network}
 
 
 # ---- the loop -------------------------------------------------------------
