@@ -20,6 +20,7 @@ from .spec import SandboxSpec
 from .storage import cli as image_cli
 from .storage.cli import image as image_group
 from .build.cli import build as build_command
+from .network_cli import network as network_group
 
 T = TypeVar("T")
 # Exit statuses of `nsbox run` for failures of nsbox itself (as docker run).
@@ -70,10 +71,13 @@ def sandbox_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("-e", "--env", "env", multiple=True, metavar="KEY=VALUE", help="Set an environment variable."),
         click.option("-v", "--volume", "volumes", multiple=True, metavar="SRC:DST[:ro]",
                      help="Bind a host file or directory into the sandbox."),
-        click.option("--network", default="none", show_default=True, metavar="none|host|nat|proxy|container:ID",
+        click.option("--network", default="none", show_default=True,
+                     metavar="none|host|nat|proxy|container:ID|net:NAME",
                      help="'none': loopback only; 'host': the host's network; 'nat': outbound access, the host's "
                           "loopback as host.nsbox.internal; 'proxy': only the hosts --allow names, through a proxy; "
-                          "'container:ID': the network of the running sandbox ID."),
+                          "'container:ID': the network of the running sandbox ID; 'net:NAME': a member of the "
+                          "network `nsbox network create NAME` made, reached by the others as --hostname."),
+        click.option("--hostname", default=None, help="The sandbox's host name (default: its id)."),
         click.option("--add-host", "add_hosts", multiple=True, metavar="NAME:IP",
                      help="An extra /etc/hosts entry."),
         click.option("-p", "--publish", "publish", multiple=True, metavar="[IP:]HOSTPORT:PORT",
@@ -102,7 +106,7 @@ def make_sandbox(rootfs: str, image: str | None, pull: str, platform: str | None
                  workdir: str | None, env: Sequence[str], volumes: Sequence[str], network: str,
                  id_mapping: str, nested_userns: bool, memory: str | None = None, pids_limit: int | None = None,
                  cpus: float | None = None, disk: str | None = None, publish: Sequence[str] = (),
-                 allow: Sequence[str] = (), add_hosts: Sequence[str] = ()) -> Sandbox:
+                 allow: Sequence[str] = (), add_hosts: Sequence[str] = (), hostname: str | None = None) -> Sandbox:
     try:
         hosts = {}
         for item in add_hosts:
@@ -113,7 +117,7 @@ def make_sandbox(rootfs: str, image: str | None, pull: str, platform: str | None
         return Sandbox(spec=SandboxSpec(rootfs=rootfs, image=image, pull=pull, platform=platform,  # type: ignore[arg-type]
                                         user=user, workdir=workdir, env=_parse_env(env),
                                         mounts=tuple(_parse_binds(volumes)), network=network,  # type: ignore[arg-type]
-                                        ports=tuple(publish), allow=tuple(allow), hosts=hosts,
+                                        ports=tuple(publish), allow=tuple(allow), hosts=hosts, hostname=hostname,
                                         id_mapping=id_mapping, nested_userns=nested_userns, origin="cli",
                                         memory=memory, pids_limit=pids_limit, cpus=cpus, disk=disk))  # type: ignore[arg-type]
     except ValueError as e:
@@ -352,5 +356,6 @@ def gc(dry_run: bool) -> None:
 main.add_command(image_group)
 main.add_command(doctor)
 main.add_command(build_command)  # nsbox/build/cli.py
+main.add_command(network_group)  # nsbox/network_cli.py
 # `nsbox image prune` keeps the layers live sandboxes stack.
 image_cli.in_use_hook = lambda: [layer for info in registry.entries() if info.init_alive for layer in info.lowers]

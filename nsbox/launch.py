@@ -25,7 +25,7 @@ import anyio
 
 from . import hostcheck, native
 from .errors import NsboxError, SandboxSetupError
-from .plan import Plan
+from .plan import ParentHook, Plan
 
 
 @dataclass
@@ -55,6 +55,11 @@ async def launch(plan: Plan, launched: Launched, *, sandbox_id: str, socket_path
                     via = sub = native.SubZygote(*plan.join)
                 except OSError as e:
                     raise SandboxSetupError(f"cannot join the other sandbox's network: {e.strerror}") from None
+            elif plan.userns is not None:
+                try:
+                    via = sub = native.JoinedHolder(plan.userns)
+                except OSError as e:
+                    raise SandboxSetupError(f"cannot enter the network's user namespace: {e.strerror}") from None
             elif "CLONE_NEWUSER" in plan.namespaces:
                 # Subuid and single modes: a holder saves writing maps with
                 # newuidmap per sandbox (None as real root).
@@ -82,8 +87,7 @@ async def launch(plan: Plan, launched: Launched, *, sandbox_id: str, socket_path
         native.go(go_w)
         if on_cloned is not None:
             on_cloned()
-        await anyio.wait_readable(err_r)
-        report = os.read(err_r, 64)
+        report = await _setup_alongside(plan.alongside, launched.pid, err_r)
     finally:
         os.close(go_w)
         os.close(err_r)
@@ -92,6 +96,27 @@ async def launch(plan: Plan, launched: Launched, *, sandbox_id: str, socket_path
     if report:
         step, err = struct.unpack("=ii", report[:8])
         raise setup_error(plan, step, err, layer)
+
+
+async def _setup_alongside(hooks: list[ParentHook], pid: int, err_r: int) -> bytes:
+    """Waits for the child's setup report while `hooks` run; a failed step
+    is reported first, else a failed hook is raised."""
+    failed: list[Exception] = []
+
+    async def run(hook: ParentHook) -> None:
+        try:
+            await hook(pid)
+        except Exception as e:  # not cancellation: that ends the task group
+            failed.append(e)
+
+    async with anyio.create_task_group() as tg:
+        for hook in hooks:
+            tg.start_soon(run, hook)
+        await anyio.wait_readable(err_r)
+        report = os.read(err_r, 64)
+    if not report and failed:
+        raise failed[0]
+    return report
 
 
 def _request(plan: Plan, launched: Launched, sandbox_id: str, socket_path: Path, err_w: int,

@@ -312,7 +312,10 @@ class SubZygote(_SubZygote):
     Owned by the caller: close() ends and reaps it."""
 
     def __init__(self, userns_fd: int, netns_fd: int) -> None:
-        ours = self._request(b"j", [userns_fd, netns_fd])
+        self._enter([userns_fd, netns_fd])
+
+    def _enter(self, fds: list[int]) -> None:
+        ours = self._request(b"j", fds)
         with ours:
             data, fds, _, _ = socket.recv_fds(ours, REPLY.size, 1)
         for fd in fds:
@@ -325,6 +328,16 @@ class SubZygote(_SubZygote):
         if err:
             self.close()
             raise OSError(err, f"entering the namespaces of another sandbox: {os.strerror(err)}")
+
+
+class JoinedHolder(Holder, SubZygote):
+    """A holder made by entering an existing holder's user namespace (a
+    named service network's, kept by its bridge worker), so that sandboxes
+    of any process of the owner can be created in it, as its members must.
+    Owned by the caller: close() ends and reaps it."""
+
+    def __init__(self, userns_fd: int) -> None:
+        self._enter([userns_fd])
 
 
 def _send(byte: bytes, anc: list[tuple[int, int, array.array[int]]], sock: socket.socket | None = None) -> None:

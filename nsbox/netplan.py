@@ -62,9 +62,9 @@ def mode(spec: SandboxSpec) -> str:
     if spec.network.startswith(NET):
         # A service network member: outbound (and its resolver) as in nat,
         # unless the network is internal.
-        from .network import find
+        from .network import local
 
-        net = find(spec.network)
+        net = local(spec.network)
         return "none" if net is None or net.internal else "nat"
     if not spec.network.startswith(CONTAINER):
         return spec.network
@@ -73,16 +73,20 @@ def mode(spec: SandboxSpec) -> str:
 
 
 def service_network(spec: SandboxSpec) -> Any:
-    """The nsbox.Network a "net:NAME" spec joins (None for other modes)."""
+    """The nsbox.Network a "net:NAME" spec joins (None for other modes);
+    the sandbox has reached it already (network.lookup)."""
     if not spec.network.startswith(NET):
         return None
-    from .network import lookup
+    from .network import local
 
-    return lookup(spec.network)
+    net = local(spec.network)
+    if net is None:
+        raise NetError(f"network {spec.network[len(NET):]} is not open in this process")
+    return net
 
 
 def needs_etc(spec: SandboxSpec) -> bool:
-    return mode(spec) == "nat" or bool(spec.hosts)
+    return mode(spec) == "nat" or bool(spec.hosts) or spec.network.startswith(NET)
 
 
 def private(spec: SandboxSpec) -> bool:
@@ -186,10 +190,16 @@ def environment(spec: SandboxSpec) -> dict[str, str]:
 def etc_files(spec: SandboxSpec, hostname: str) -> dict[str, str]:
     """The /etc files the mode (and extra hosts) need written into the sandbox once it runs."""
     peers = [(address, [name]) for name, address in spec.hosts.items()]
-    if mode(spec) != "nat":
+    net = service_network(spec)
+    if net is not None:  # a member, reserved already
+        hosts = net.hosts_for(hostname, spec.hosts)
+    elif mode(spec) == "nat":
+        hosts = hosts_mod.render_hosts(hostname, peers, host_address=usernet.GATEWAY)
+    else:
         return {"/etc/hosts": hosts_mod.render_hosts(hostname, peers)} if peers else {}
-    return {"/etc/hosts": hosts_mod.render_hosts(hostname, peers, host_address=usernet.GATEWAY),
-            "/etc/resolv.conf": hosts_mod.render_resolv_conf(usernet.DNS)}
+    if mode(spec) != "nat":
+        return {"/etc/hosts": hosts}
+    return {"/etc/hosts": hosts, "/etc/resolv.conf": hosts_mod.render_resolv_conf(usernet.DNS)}
 
 
 def prepare_layer(spec: SandboxSpec, rootfs: object, layer: os.PathLike[str], hostname: str,

@@ -1,5 +1,5 @@
-"""Service networks, the public side: `nsbox.Network`, which sandboxes of
-this process join with `Sandbox(network=net)`.
+"""Service networks, the public side: `nsbox.Network`, which sandboxes join
+with `Sandbox(network=net)` (or `network="net:NAME"`).
 
     async with nsbox.Network("backend") as net:
         async with nsbox.Sandbox(network=net, hostname="db") as db, \
@@ -14,24 +14,33 @@ share nothing. A network that is not `internal` gives each member outbound
 access as nat mode does (pasta or slirp4netns, `/dev/net/tun` needed), and
 `host.nsbox.internal` where `host_access` allows it.
 
-The plumbing is nsbox/net/bridge.py: a bridge in a network namespace of
-its own, a veth pair per member. Unprivileged, the kernel lets one process
-link two network namespaces only if it holds CAP_NET_ADMIN over both
-owners: so the network's namespace belongs to this process's holder user
-namespace (native.Holder) and members are created in it (their user
-namespaces are its children), where the network helper, entering the
-holder's namespace, holds that capability over all of them. As real root
-no such owner is needed.
+A network belongs to the process that made it, or, made with `named=True`
+(`nsbox network create`), it outlives that process: any process of the
+same user then joins sandboxes to it by name (`network="net:NAME"`,
+`nsbox run --network net:NAME`) until `remove()` (`nsbox network rm`).
+
+The plumbing is nsbox/net/bridge.py and its worker: a bridge in a network
+namespace of its own, a veth pair per member. Unprivileged, the kernel lets
+one process link two network namespaces only if it holds CAP_NET_ADMIN over
+both owners: so the network's namespace belongs to a holder user namespace
+(native.Holder, with the owner's maps) and members are created in it (their
+user namespaces are its children), where the worker, having entered it,
+holds that capability over all of them. A named network's members, made by
+other processes, are created by a holder that enters its user namespace
+(native.JoinedHolder). As real root no such owner is needed.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
-from typing import TYPE_CHECKING, Sequence
+import select
+from pathlib import Path
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import anyio
 
-from . import idmap, native
+from . import dirs, idmap, native
 from .net import bridge
 from .net.client import Namespaces, NetError
 from .spec import NET, NETWORK_NAME
@@ -39,24 +48,25 @@ from .spec import NET, NETWORK_NAME
 if TYPE_CHECKING:
     from .sandbox import Sandbox
 
-_networks: dict[str, "Network"] = {}
+_networks: dict[str, "Network"] = {}  # this process's networks and the named ones it reached
 
 
 class Network:
-    """A private network that sandboxes of this process join. Start it with
-    `await net.start()` (or `async with`); close() removes it."""
+    """A private network for sandboxes. Start it with `await net.start()`
+    (or `async with`); close() removes it, or, for a named network, lets go
+    of it (`remove()` ends it)."""
 
     def __init__(self, name: str, *, internal: bool = False, host_access: bool = False,
-                 id_mapping: idmap.Requested = "auto") -> None:
-        if not NETWORK_NAME.fullmatch(name):
-            raise ValueError(f"network name must be 1-64 letters, digits, '.', '_' or '-', not {name!r}")
+                 id_mapping: idmap.Requested = "auto", named: bool = False) -> None:
+        check_network_name(name)
         self.name = name
         self.internal = internal
         self.host_access = host_access
+        self.named = named
         self.mapping = idmap.detect(id_mapping)
-        self.members: dict[str, "Sandbox"] = {}
+        self.members: dict[str, "Sandbox"] = {}  # this process's members
         self._net = bridge.Network(name, internal=internal, host_access=host_access)
-        self._owner: bridge.OwnerUserns | None = None
+        self._owner: int | None = None  # a named network's user namespace (unprivileged)
 
     @property
     def spec_value(self) -> str:
@@ -65,6 +75,14 @@ class Network:
     async def start(self) -> "Network":
         if self.name in _networks:
             raise NetError(f"a network called {self.name} exists already in this process")
+        path = None
+        if self.named:
+            path = os.fspath(socket_path(self.name))
+            if await _reachable(self.name) is not None:
+                raise NetError(f"a network called {self.name} exists already",
+                               hint=f"`nsbox network rm {self.name}` removes it")
+            _clear_stale(self.name)
+            self._net.subnet = await _subnet_for_named()
         owner = None
         if os.geteuid() != 0:
             holder = native.holder(self.mapping)
@@ -73,14 +91,33 @@ class Network:
                                hint="check `nsbox doctor`; NSBOX_HOLDER=0 turns it off")
             owner = bridge.OwnerUserns(os.open(f"/proc/{holder.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC))
         try:
-            await self._net.start(owner)
-        except BaseException:
+            await self._net.start(owner, path=path, mapping=_mapping_key(self.mapping))
+        finally:
             if owner is not None:
-                owner.close()
-            raise
-        self._owner = owner
+                owner.close()  # the worker lives in it, and keeps it
         _networks[self.name] = self
         return self
+
+    @classmethod
+    async def open(cls, name: str) -> "Network":
+        """The named network `name` (made by this or any process of this user)."""
+        check_network_name(name)
+        net = _networks.get(name)
+        if net is not None:
+            return net
+        reached = await _reachable(name)
+        if reached is None:
+            raise NetError(f"network {name}: no such network",
+                           hint=f"create it first: `nsbox network create {name}`")
+        inner, owner = reached
+        net = cls(name, internal=inner.internal, host_access=inner.host_access, named=True)
+        net._net = inner
+        if os.geteuid() != 0:
+            net._owner = owner
+        else:
+            os.close(owner)
+        _networks[name] = net
+        return net
 
     async def __aenter__(self) -> "Network":
         return await self.start()
@@ -89,45 +126,108 @@ class Network:
         await self.close()
 
     async def close(self) -> None:
-        """Removes the network; its members lose their interface on it."""
+        """A network of this process: removes it (its members lose their
+        interface on it). A named network: lets go of it; it stays."""
         if _networks.get(self.name) is self:
             del _networks[self.name]
         with anyio.CancelScope(shield=True):
             await self._net.close()
         if self._owner is not None:
-            self._owner.close()
+            os.close(self._owner)
             self._owner = None
+
+    async def remove(self) -> None:
+        """Ends a named network; refused while sandboxes are on it."""
+        await self._net.refresh()
+        live = sorted(self._net.members)
+        if live:
+            raise NetError(f"network {self.name} has members: {', '.join(live)}",
+                           hint="remove those sandboxes first (`nsbox rm`)")
+        await self._net.stop()
+        await self.close()
+
+    def describe(self) -> dict[str, object]:
+        return {"name": self.name, "internal": self.internal, "host_access": self.host_access,
+                "subnet": str(self._net.subnet), "members": {n: m.ip for n, m in self._net.members.items()}}
 
     # ---- membership (Sandbox calls these) ---------------------------------
 
-    async def _join(self, sandbox: "Sandbox", pid: int, pidfd: int, aliases: Sequence[str] = ()) -> None:
-        """Between clone and go: the member's interface, address and outbound."""
-        ns = Namespaces.of_pid(pid)  # with its user namespace (unprivileged: for pasta to enter)
-        try:
-            await self._net.connect(sandbox.hostname, ns, aliases=aliases, watch_pidfd=pidfd)
-        finally:
-            ns.close()
+    def owner_userns(self) -> int | None:
+        """For a named network of an unprivileged user: its user namespace,
+        which this process's sandboxes must be created in (a new descriptor,
+        the caller's). None: this process's holder is the owner already."""
+        return os.dup(self._owner) if self._owner is not None else None
+
+    def check_mapping(self, mapping: idmap.IdMap) -> None:
+        if self.named and self._net.mapping and self._net.mapping != _mapping_key(mapping):
+            raise NetError(f"network {self.name} was created with another id mapping than this sandbox's",
+                           hint="create its members with the id_mapping the network was created with")
+
+    async def _reserve(self, sandbox: "Sandbox", aliases: Sequence[str] = ()) -> None:
+        """Before its clone: the member's name and address (so its own
+        /etc/hosts is written with its other files)."""
+        await self._net.reserve(sandbox.hostname, aliases, sandbox=sandbox.id)
         self.members[sandbox.hostname] = sandbox
 
-    async def _settle(self, sandbox: "Sandbox") -> None:
-        """Once the member runs: every member's /etc/hosts. (Its resolver,
-        on an outbound network, is nat mode's: nsbox/netplan.py.)"""
-        await self._announce()
+    async def _join(self, sandbox: "Sandbox", pid: int, pidfd: int) -> None:
+        """While the member's setup runs: its interface, address and
+        outbound (its init keeps its user and network namespace)."""
+        ns = Namespaces.of_pid(pid)  # with its user namespace (unprivileged: for pasta to enter)
+        try:
+            if _exited(pidfd):
+                raise NetError(f"{sandbox.hostname} exited while joining network {self.name}")
+            await self._net.connect(sandbox.hostname, ns, watch_pidfd=pidfd)
+        finally:
+            ns.close()
 
-    async def _announce(self) -> None:
-        """Rewrites /etc/hosts in every member (after a join or a leave)."""
+    def hosts_for(self, hostname: str, extra_hosts: Mapping[str, str] = {}) -> str:
+        """A member's /etc/hosts: its peers, its own extra hosts (name ->
+        address), the host."""
+        return self._net.hosts_for(hostname, [(address, [name]) for name, address in extra_hosts.items()])
+
+    async def _settle(self, sandbox: "Sandbox") -> None:
+        """Once the member runs: the other members' /etc/hosts. (Its own was
+        written with its files; its resolver, on an outbound network, is
+        nat mode's: nsbox/netplan.py.)"""
+        await self._announce(but=sandbox.hostname)
+
+    async def _announce(self, but: str | None = None) -> None:
+        """Rewrites /etc/hosts in every member (after a join or a leave),
+        those of other processes too (a named network's)."""
+        if self.named:
+            await self._net.refresh()
         async with anyio.create_task_group() as tg:
-            for name, sb in list(self.members.items()):
-                if sb._client is not None:  # running, or starting (a member that just joined)
-                    tg.start_soon(sb._write_as_root, "/etc/hosts", self._net.hosts_for(name))
+            for name, member in list(self._net.members.items()):
+                if name != but:
+                    tg.start_soon(self._rewrite_hosts, name, member.sandbox)
+
+    async def _rewrite_hosts(self, name: str, sandbox_id: str | None) -> None:
+        from .sandbox import Sandbox
+
+        sb = self.members.get(name)
+        if sb is not None:
+            if sb._client is not None:  # running, or starting
+                await sb._write_as_root("/etc/hosts", self.hosts_for(name, sb.spec.hosts))
+            return
+        if sandbox_id is None:
+            return
+        try:  # another process's member
+            other = await Sandbox.attach(sandbox_id)
+        except Exception:
+            return  # gone: the worker forgets it when its init exits
+        try:
+            await other._write_as_root("/etc/hosts", self.hosts_for(name))
+        finally:
+            await other.close()
 
     async def _leave(self, sandbox: "Sandbox") -> None:
+        """Its leaving (or failed) member: the others forget it."""
         if self.members.get(sandbox.hostname) is not sandbox:
             return
         del self.members[sandbox.hostname]
-        self._net.forget(sandbox.hostname)  # its veth pair goes with its namespace
         with anyio.CancelScope(shield=True):
             try:
+                await self._net.forget(sandbox.hostname)  # its veth pair goes with its namespace
                 await self._announce()
             except Exception:
                 pass  # a member closing at the same time: its next join rewrites all
@@ -136,17 +236,85 @@ class Network:
         return self._net.members[name].ip
 
 
-def find(value: str) -> Network | None:
-    """The running Network a "net:NAME" spec value names, if any (None for
-    any other network mode)."""
+def check_network_name(name: str) -> None:
+    if not NETWORK_NAME.fullmatch(name):
+        raise ValueError(f"network name must be 1-64 letters, digits, '.', '_' or '-', not {name!r}")
+
+
+def socket_path(name: str) -> Path:
+    """Where a named network's worker listens."""
+    return dirs.runtime_dir() / "networks" / f"{name}.sock"
+
+
+def named_networks() -> list[str]:
+    """The names of this user's named networks (some may have died)."""
+    d = dirs.runtime_dir() / "networks"
+    return sorted(p.name[:-len(".sock")] for p in d.glob("*.sock")) if d.is_dir() else []
+
+
+async def _reachable(name: str) -> "tuple[bridge.Network, int] | None":
+    """The named network's client and owner user namespace, if its worker runs."""
+    path = socket_path(name)
+    if not path.exists():
+        return None
+    try:
+        return await bridge.Network.open(name, os.fspath(path))
+    except (ConnectionError, FileNotFoundError, NetError):
+        return None  # its worker was killed (a stale socket), or is stopping
+
+
+async def _subnet_for_named() -> "ipaddress.IPv4Network":
+    """A subnet no other named network of this user has, so that a member
+    never shares an address with a member of another network."""
+    used = set()
+    for name in named_networks():
+        reached = await _reachable(name)
+        if reached is not None:
+            used.add(reached[0].subnet)
+            await reached[0].close()
+            os.close(reached[1])
+    return bridge.allocate_subnet(avoid=used)
+
+
+def _clear_stale(name: str) -> None:
+    path = socket_path(name)
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def _mapping_key(mapping: idmap.IdMap) -> str:
+    uid_map, gid_map, *_ = mapping.how_to_write()
+    return f"{uid_map}|{gid_map}"
+
+
+def _exited(pidfd: int) -> bool:
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(0))
+
+
+async def find(value: str) -> Network | None:
+    """The Network a "net:NAME" spec value names, if any: this process's, or
+    a named one (None for any other network mode, or none by that name)."""
+    if not value.startswith(NET):
+        return None
+    name = value[len(NET):]
+    if name in _networks:
+        return _networks[name]
+    try:
+        return await Network.open(name)
+    except NetError:
+        return None
+
+
+def local(value: str) -> Network | None:
+    """The Network a "net:NAME" value names among those this process holds."""
     return _networks.get(value[len(NET):]) if value.startswith(NET) else None
 
 
-def lookup(value: str) -> Network:
-    """The running Network a "net:NAME" spec value names."""
-    name = value[len(NET):]
-    net = _networks.get(name)
-    if net is None:
-        raise NetError(f"network {name}: no such network in this process",
-                       hint="create it first: `async with nsbox.Network(name) as net`")
-    return net
+async def lookup(value: str) -> Network:
+    """The Network a "net:NAME" spec value names: this process's, or named."""
+    return _networks.get(value[len(NET):]) or await Network.open(value[len(NET):])

@@ -68,10 +68,14 @@ class Plan:
     root: str  # where the child mounts the new root, as it names it
     namespaces: set[str] = field(default_factory=lambda: set(BASE_NAMESPACES))
     hooks: list[ParentHook] = field(default_factory=list)
+    # Host work that needs the child's namespaces but not its waiting: it runs
+    # alongside the setup steps, and is done before the sandbox is.
+    alongside: list[ParentHook] = field(default_factory=list)
     init_args: list[str] = field(default_factory=list)  # nsbox-init's argv after the sandbox id
     cleanups: list[Cleanup] = field(default_factory=list)  # run by the host after the init exits
     writable: Writable | None = None  # where upper layers go, if not in the layer directory
     join: tuple[int, int] | None = None  # user and network namespace to create the sandbox in (network container:ID)
+    userns: int | None = None  # a holder's user namespace to create it in (a named service network's)
     _steps: dict[Phase, list[Step]] = field(default_factory=lambda: {p: [] for p in Phase})
     _host_dirs: list[str] = field(default_factory=list)
     _slots: dict[str, int] = field(default_factory=dict)

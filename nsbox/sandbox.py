@@ -34,7 +34,7 @@ from .client import DEFAULT_PATH, Command, ExecResult, InitClient, failed_start
 from .errors import CommandTimeout, OutputLimitExceeded, SandboxSetupError, SandboxUnavailable, UserUnsupported
 from .launch import Launched, launch
 from .limits import exec_output_limit, human_size
-from .spec import Network, OutputLimitMode, SandboxSpec
+from .spec import NET, Network, OutputLimitMode, SandboxSpec
 
 if TYPE_CHECKING:
     from . import streaming
@@ -174,6 +174,7 @@ class Sandbox:
             await self._settle_identity()
         except BaseException as e:
             with anyio.CancelScope(shield=True):
+                await self._leave_network()
                 await self._teardown()
             if isinstance(e, TimeoutError):
                 raise SandboxSetupError(f"creating the sandbox took more than {SETUP_TIMEOUT:.0f}s") from None
@@ -242,6 +243,8 @@ class Sandbox:
         self.idmap = idmap.detect(self.spec.id_mapping)  # type: ignore[arg-type]
         self.id = secrets.token_hex(6)
         self.hostname = self.spec.hostname or self.id
+        if self.spec.network.startswith(NET):  # this process's network, or a named one it reaches now
+            (await network_mod.lookup(self.spec.network)).check_mapping(self.idmap)
         netplan.check(self.spec)  # nat without a usable tun device: one line, before anything exists
         if extra_env := netplan.environment(self.spec):
             self.spec = self.spec.replace(env={**extra_env, **self.spec.env})
@@ -249,19 +252,22 @@ class Sandbox:
         self._rundir = dirs.runtime_dir() / self.id
         self._rundir.mkdir(mode=0o700)
         self.rootfs.prepare(self._layer, self.hostname, self.idmap.host_root)
+        service_net = netplan.service_network(self.spec)
+        if service_net is not None:
+            await service_net._reserve(self)
         etc_written = netplan.prepare_layer(self.spec, self.rootfs, self._layer, self.hostname, self.idmap.host_root)
         plan = self._plan()
         # Known now or later: record the sandbox while its setup runs.
         self.workdir = self.spec.workdir or self._known_default_home() or ""
         plan.join = netplan.open_join(self.spec, self.idmap)
-        service_net = netplan.service_network(self.spec)
         if service_net is not None:
-            plan.hooks.append(lambda pid: service_net._join(self, pid, self._launched.pidfd))
+            plan.userns = service_net.owner_userns()
+            plan.alongside.append(lambda pid: service_net._join(self, pid, self._launched.pidfd))
         try:
             await launch(plan, self._launched, sandbox_id=self.id, socket_path=self._rundir / registry.SOCKET,
                          layer=self._layer, on_cloned=self._register)
         finally:
-            for fd in plan.join or ():
+            for fd in [*(plan.join or ()), *([plan.userns] if plan.userns is not None else [])]:
                 os.close(fd)
         if _exited(self._launched.pidfd):
             raise SandboxSetupError("the sandbox's init exited right after starting")
@@ -387,10 +393,13 @@ class Sandbox:
             self._state = "closed"
             return
         with anyio.CancelScope(shield=True):
-            service_net = network_mod.find(self.spec.network) if not self._attached else None
-            if service_net is not None:
-                await service_net._leave(self)
+            await self._leave_network()
             await self._teardown()
+
+    async def _leave_network(self) -> None:
+        service_net = network_mod.local(self.spec.network) if not self._attached else None
+        if service_net is not None:
+            await service_net._leave(self)
 
     async def _teardown(self) -> None:
         self._state = "closed"

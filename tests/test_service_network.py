@@ -110,6 +110,7 @@ def test_nothing_is_left_after_the_owner_is_killed(kind: str) -> None:
         assert line, "the owner did not start its network"
         inits = json.loads(line)["inits"]
         descendants = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
+        assert any(psutil.Process(p).name() == "nsbox-bridge" for p in descendants if psutil.pid_exists(p))
         if kind == "nat":
             assert any(psutil.Process(p).name().startswith(("pasta", "passt", "slirp4netns")) for p in descendants
                        if psutil.pid_exists(p))

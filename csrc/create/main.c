@@ -180,6 +180,11 @@ out:
  * and share that network namespace: services of one sample reach each
  * other on its loopback, as the containers of a pod do.
  *
+ * With no network namespace given (3 descriptors), it enters only the user
+ * namespace, which must be a holder's (one with the owner's maps, such as a
+ * named service network's), and serves as a holder does: its children get
+ * nested user namespaces and network namespaces of their own.
+ *
  * Entering needs CAP_SYS_ADMIN over the user namespace: we have it as its
  * owner (our uid created it, from our namespace); a user namespace owned
  * by anyone else is refused by the kernel (EPERM).
@@ -188,7 +193,7 @@ static void enter(int *fds, int nfds)
 {
     if (nfds < 1)
         return;
-    if (nfds != 4 || role == POD) {
+    if ((nfds != 4 && nfds != 3) || role != ZYGOTE) {
         reply(fds[0], -1, EINVAL, NSBOX_ZYGOTE_REQUEST, -1, NULL, 0);
         goto out;
     }
@@ -209,13 +214,13 @@ static void enter(int *fds, int nfds)
     if (pid == 0) {
         close(status[0]);
         int err = 0;
-        if (setns(fds[2], CLONE_NEWUSER) < 0 || setns(fds[3], CLONE_NEWNET) < 0)
+        if (setns(fds[2], CLONE_NEWUSER) < 0 || (nfds == 4 && setns(fds[3], CLONE_NEWNET) < 0))
             err = errno;
         ssize_t w = write(status[1], &err, sizeof err);
         (void)w;
         if (err || take_socket(fds[1]) < 0) /* the latter: the owner's first request finds us gone */
             _exit(1);
-        role = POD;
+        role = nfds == 4 ? POD : HOLDER;
         return; /* back to the serving loop, on the new socket */
     }
     close(status[1]);

@@ -41,7 +41,7 @@ import ipaddress
 import os
 import socket
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 from ..idmap import IdMap
 from . import usernet
@@ -87,67 +87,122 @@ class OwnerUserns:
 class Member:
     name: str
     aliases: tuple[str, ...]
-    address: str            # with prefix, e.g. 10.89.3.2/24
-    ifname: str             # inside the member
-    host_ifname: str        # in the network's namespace
-    usernet: usernet.UserNet | None = None
-
-    @property
-    def ip(self) -> str:
-        return self.address.split("/")[0]
+    ip: str
+    host_ifname: str = ""   # in the network's namespace, once joined
+    sandbox: str | None = None  # its sandbox's id
+    usernet: "usernet.UserNet | None" = None  # this process's, for its outbound traffic
 
 
 @dataclass
 class Network:
-    """A service network. `await start()`, then `connect()` members."""
+    """A service network: a client of its bridge worker (bridge_worker.py),
+    which keeps the member table. `await start()` makes one (of this
+    process, or named: `path`), `await Network.open(path)` reaches a named
+    one; then `reserve()` and `connect()` members."""
 
     name: str
     internal: bool = False
     host_access: bool = False
     subnet: ipaddress.IPv4Network | None = None
-    members: dict[str, Member] = field(default_factory=dict)
+    mapping: str = ""  # the owner's id maps: members must have the same
+    members: dict[str, Member] = field(default_factory=dict)  # the worker's table, as last seen
     _netns: int = -1
     _via: NetHelper | None = None
     _worker: NetHelper | None = None
-    _last_address: int = -1  # index in the subnet's host addresses
+    _own_subnet: bool = False
 
-    async def start(self, owner: OwnerUserns | None, *, via: NetHelper | None = None) -> "Network":
-        """Creates the network's namespace and bridge. owner: where members
-        live (None only as real root)."""
+    async def start(self, owner: OwnerUserns | None, *, via: NetHelper | None = None,
+                    path: str | None = None, mapping: str = "") -> "Network":
+        """Creates the network's namespace, bridge and worker. owner: where
+        members live (None only as real root). path: a named network's
+        socket, which outlives this process."""
         if owner is None and os.geteuid() != 0:
             raise NetError("a service network needs an owner user namespace unless nsbox runs as root")
         self._via = via or helper()
+        self.mapping = mapping
         if self.subnet is None:
-            self.subnet = _allocate_subnet()
+            self.subnet, self._own_subnet = _allocate_subnet(), True
         fds = [owner.fd] if owner is not None else []
-        _, got = await self._via.request("network", fds, user_fd=0 if fds else None, bridge=BRIDGE)
+        _, got = await self._via.request("network", fds, user_fd=0 if fds else None, bridge=BRIDGE,
+                                         subnet=str(self.subnet), internal=self.internal,
+                                         host_access=self.host_access, mapping=mapping, path=path)
         self._netns = got[0]
         self._worker = NetHelper(socket.socket(fileno=got[1]))
         return self
 
-    async def connect(self, name: str, ns: Namespaces, *, aliases: Sequence[str] = (), ifname: str = "eth0",
-                      watch_pidfd: int | None = None, tool: usernet.Tool | None = None) -> Member:
-        """Adds a member: a veth pair from the bridge into `ns`, an address, and
-        (not internal) user-mode networking for its outbound traffic. `ns.net`
-        must belong to a user namespace inside the owner's one (or, as root,
-        anywhere)."""
-        if self._worker is None or self._via is None or self.subnet is None:
-            raise NetError(f"network {self.name} is not started")
+    @classmethod
+    async def open(cls, name: str, path: str, *, via: NetHelper | None = None) -> tuple["Network", int]:
+        """Reaches the named network listening at `path`. Also returns its
+        owner's user namespace (a descriptor, the caller's)."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            sock.connect(path)
+        except OSError:
+            sock.close()
+            raise
+        net = cls(name, _via=via or helper(), _worker=NetHelper(sock))
+        try:
+            info, fds = await net._worker.request("info")  # type: ignore[union-attr]
+        except BaseException:
+            await net.close()
+            raise
+        net.internal, net.host_access = info["internal"], info["host_access"]
+        net.subnet, net.mapping = ipaddress.IPv4Network(info["subnet"]), info["mapping"]
+        net._mirror(info["members"])
+        return net, fds[0]
+
+    def _mirror(self, table: list[dict[str, Any]]) -> None:
+        mine = {name: m.usernet for name, m in self.members.items()}
+        self.members = {m["name"]: Member(m["name"], tuple(m["aliases"]), m["address"], m["host_ifname"],
+                                          m.get("sandbox"), mine.get(m["name"])) for m in table}
+
+    async def _ask(self, op: str, fds: Sequence[int] = (), **fields: Any) -> dict[str, Any]:
+        if self._worker is None:
+            raise NetError(f"network {self.name} is closed")
+        try:
+            answer, _ = await self._worker.request(op, fds, **fields)
+        except NetError as e:
+            raise NetError(f"network {self.name}: {e.message}") from None
+        if "members" in answer:
+            self._mirror(answer["members"])
+        return answer
+
+    async def refresh(self) -> None:
+        """The member table as it is now (members of other processes too)."""
+        answer, fds = await self._worker.request("info") if self._worker else ({"members": []}, [])
+        for fd in fds:
+            os.close(fd)
+        self._mirror(answer["members"])
+
+    async def reserve(self, name: str, aliases: Sequence[str] = (), *, sandbox: str | None = None) -> Member:
+        """Gives `name` its address before its sandbox exists (its /etc/hosts
+        can then be written with the rest of its files); connect() joins it."""
         check_name(name)
         for alias in aliases:
             check_name(alias)
-        taken = {n for m in self.members.values() for n in (m.name, *m.aliases)}
-        if name in taken or taken.intersection(aliases):
-            raise NetError(f"network {self.name} already has a member called {name} (or one of {list(aliases)})")
-        address = self._free_address()
+        await self._ask("reserve", name=name, aliases=list(aliases), sandbox=sandbox)
+        return self.members[name]
+
+    async def connect(self, name: str, ns: Namespaces, *, aliases: Sequence[str] = (),
+                      watch_pidfd: int | None = None, tool: usernet.Tool | None = None) -> Member:
+        """Joins a member (reserved before, or now): a veth pair from the
+        bridge into `ns` (its eth0, with its address), and (not internal)
+        user-mode networking for its outbound traffic. `ns.net` must belong
+        to a user namespace inside the owner's one (or, as root, anywhere).
+        The worker forgets the member when `watch_pidfd` (its init) exits."""
+        member = self.members.get(name)
+        if member is None or member.host_ifname:
+            member = await self.reserve(name, aliases)
+        fds = [ns.net, *([watch_pidfd] if watch_pidfd is not None else [])]
         try:
-            got, _ = await self._worker.request("take", [ns.net], member_fd=0, ifname=ifname, address=address)
+            got = await self._ask("take", fds, name=name, member_fd=0,
+                                  pidfd_fd=1 if watch_pidfd is not None else None)
         except NetError as e:
-            raise NetError(f"joining {name} to network {self.name} failed: {e.message}",
+            await self.forget(name)
+            raise NetError(f"joining {name} to {e.message[len('network '):]}",
                            hint=None if "not permitted" not in e.message else
                            "the sandbox must be created inside the network owner's user namespace") from None
-        member = Member(name, tuple(aliases), address, ifname, got["host_ifname"])
-        self.members[name] = member
+        member.host_ifname = got["host_ifname"]
         if not self.internal:
             try:
                 member.usernet = await usernet.start(ns, host_loopback=self.host_access, tool=tool,
@@ -157,67 +212,64 @@ class Network:
                 raise
         return member
 
-    def forget(self, name: str) -> None:
+    async def forget(self, name: str) -> None:
         """Drops a member whose namespace is going away with its sandbox: the
         kernel removes its veth pair with the namespace, and its user-mode
         networking stops when the sandbox's init exits (watch_pidfd)."""
-        self.members.pop(name, None)
+        if self._worker is not None:
+            await self._ask("leave", name=name, unlink=False)
 
     async def disconnect(self, name: str) -> None:
-        member = self.members.pop(name, None)
-        if member is None or self._worker is None:
-            return
-        if member.usernet is not None:
+        """Removes a member whose sandbox stays: its pair and outbound go."""
+        member = self.members.get(name)
+        if member is not None and member.usernet is not None:
             await member.usernet.stop()
-        try:
-            await self._worker.request("detach", host_ifname=member.host_ifname)
-        except NetError:
-            pass  # the member's namespace is gone already: so is the pair
-
-    def _free_address(self) -> str:
-        """The next free address after the last one given: an address is not
-        reused while the subnet has others (members may still hold the
-        previous owner's in their neighbour tables)."""
-        assert self.subnet is not None
-        used = {m.ip for m in self.members.values()}
-        hosts = list(self.subnet.hosts())[1:]  # .1 stays free (no gateway on a service network)
-        for i in range(len(hosts)):
-            ip = str(hosts[(self._last_address + 1 + i) % len(hosts)])
-            if ip not in used:
-                self._last_address = hosts.index(ipaddress.ip_address(ip))
-                return f"{ip}/{self.subnet.prefixlen}"
-        raise NetError(f"network {self.name} is full ({len(hosts)} members)")
+        await self._ask("leave", name=name, unlink=True)
 
     def peers(self, of: str | None = None) -> list[tuple[str, list[str]]]:
         """(address, [name, aliases...]) of every member but `of`."""
         return [(m.ip, [m.name, *m.aliases]) for m in self.members.values() if m.name != of]
 
-    def hosts_for(self, name: str, hostname: str | None = None) -> str:
-        """The /etc/hosts text of member `name` (its hostname defaults to its name)."""
+    def hosts_for(self, name: str, extra: Sequence[tuple[str, Sequence[str]]] = ()) -> str:
+        """The /etc/hosts text of member `name`: its peers, `extra` entries
+        (address, names), and host.nsbox.internal where the network allows."""
         member = self.members[name]
-        host = member.usernet.host_address if member.usernet else None
-        return render_hosts(hostname or name, self.peers(name), host_address=host, own_address=member.ip)
+        host = usernet.GATEWAY if self.host_access and not self.internal else None
+        return render_hosts(name, [*self.peers(name), *extra], host_address=host, own_address=member.ip)
+
+    async def stop(self) -> None:
+        """Ends a named network (refused while it has members)."""
+        await self._ask("stop")
+        await self.close()
 
     async def close(self) -> None:
-        """Removes every member's interface and user-mode networking, and the
-        network's namespace (with its bridge and the veth pairs)."""
-        for name in list(self.members):
-            member = self.members.pop(name)
+        """Stops this process's members' user-mode networking and lets go of
+        the worker: a network of this process ends with it (its namespace,
+        bridge and veth pairs), a named one stays."""
+        for member in self.members.values():
             if member.usernet is not None:
                 await member.usernet.stop()
         if self._worker is not None:
-            await self._worker.aclose()  # the worker exits, and leaves the namespace
+            await self._worker.aclose()
             self._worker = None
         if self._netns >= 0:
-            os.close(self._netns)  # the last reference: the kernel removes the namespace
+            os.close(self._netns)
             self._netns = -1
-        if self.subnet is not None:
+        if self._own_subnet and self.subnet is not None:
             _subnets_in_use.discard(int(self.subnet.network_address.packed[2]))
 
 
 def _allocate_subnet() -> ipaddress.IPv4Network:
+    """A subnet for a network of this process."""
+    subnet = allocate_subnet()
+    _subnets_in_use.add(int(subnet.network_address.packed[2]))
+    return subnet
+
+
+def allocate_subnet(avoid: set[ipaddress.IPv4Network] = set()) -> ipaddress.IPv4Network:
+    """The first 10.89.N.0/24 that neither this process's networks nor `avoid` use."""
     for n in range(1, 255):
-        if n not in _subnets_in_use:
-            _subnets_in_use.add(n)
-            return ipaddress.IPv4Network(f"10.89.{n}.0/24")
+        subnet = ipaddress.IPv4Network(f"10.89.{n}.0/24")
+        if n not in _subnets_in_use and subnet not in avoid:
+            return subnet
     raise NetError("no free subnet left for another network (254 in use)")

@@ -33,9 +33,10 @@ Ops:
   kill     {id}                                   -> stops a spawned process
   userns   {uid_map, gid_map, newuidmap?, newgidmap?, deny_setgroups}
                                                   -> a new user namespace (fd)
-  network  {user_fd?, bridge}                     -> the network's namespace (fd)
+  network  {user_fd?, bridge, subnet, internal, host_access, mapping, path?}
+                                                  -> the network's namespace (fd)
            and a socket to its bridge worker (fd): a forked process that
-           stays in that namespace (see "The bridge worker" below)
+           stays in that namespace (bridge_worker.py)
 
 When the nsbox process closes its end (it exited, crashed or was killed),
 the helper kills every process it spawned and exits.
@@ -43,45 +44,24 @@ the helper kills every process it spawned and exits.
 
 from __future__ import annotations
 
-import ctypes
-import fcntl
 import json
 import os
 import select
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import time
 from typing import Any
 
-CLONE_NEWUSER = 0x10000000
-CLONE_NEWNET = 0x40000000
-PR_SET_PDEATHSIG = 1
-MAX_MESSAGE = 65536
-MAX_FDS = 16
 READY_TIMEOUT = 10.0
 
-_libc = ctypes.CDLL(None, use_errno=True)
+from nscalls import (CLONE_NEWNET, CLONE_NEWUSER, MAX_FDS, MAX_MESSAGE, PR_SET_NAME,  # noqa: E402
+                     PR_SET_PDEATHSIG, describe as _describe, libc as _libc, send_reply, setns, unshare)
 
 
 class Refused(Exception):
     """A request that cannot be served; the message goes back to the caller."""
-
-
-def _check(result: int, what: str) -> None:
-    if result != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
-
-
-def setns(fd: int, nstype: int, what: str) -> None:
-    _check(_libc.setns(fd, nstype), f"joining the {what}")
-
-
-def unshare(flags: int, what: str) -> None:
-    _check(_libc.unshare(flags), f"creating a {what}")
 
 
 def enter(req: dict[str, Any], fds: list[int]) -> None:
@@ -138,12 +118,6 @@ def run_in_child(chan: socket.socket, req: dict[str, Any], fds: list[int]) -> No
     _, status = os.waitpid(pid, 0)
     if status != 0:
         reply(chan, {"ok": False, "error": f"the helper's worker failed (status {status})"}, [])
-
-
-def _describe(e: BaseException) -> str:
-    if isinstance(e, OSError) and e.strerror:
-        return e.strerror if not e.filename else f"{e.filename}: {e.strerror}"
-    return f"{type(e).__name__}: {e}"
 
 
 # ---- ops that run in the helper itself ----------------------------------
@@ -297,122 +271,29 @@ def _write_maps(pid: int, req: dict[str, Any]) -> None:
                 f.write(text)
 
 
-# ---- the bridge worker: one per service network ----------------------------
-#
-# A member joins a network between its sandbox's clone and its start, so
-# the join is on the path of every member's creation. A forked child per
-# join, entering namespaces and opening netlink sockets afresh, cost
-# ~14 ms. The worker is forked once per network, joins the owner's user
-# namespace, makes the network's namespace and stays there with one warm
-# netlink socket (pyroute2). A join is one netlink request (a veth pair:
-# one end enslaved to the bridge and up, the other made right inside the
-# member's namespace) and a few ioctls inside the member (address, netmask,
-# up): the worker holds CAP_NET_ADMIN over the member's namespace, whose
-# user namespace is a child of the owner's, so it may enter it and come
-# back. (Pairs made in advance and moved in would cost more: moving a
-# device between namespaces waits for an RCU grace period, ~20 ms here.)
-#
-# Requests on its socket (same framing as the helper's):
-#   take    {member_fd, ifname, address}  -> {host_ifname}
-#   detach  {host_ifname}
-# It exits when the nsbox process closes the socket (or dies).
-
-SIOCGIFFLAGS, SIOCSIFFLAGS, SIOCSIFADDR, SIOCSIFNETMASK = 0x8913, 0x8914, 0x8916, 0x891C
-IFF_UP = 0x1
-
-
-class BridgeWorker:
-    def __init__(self, bridge: str) -> None:
-        from pyroute2 import IPRoute
-
-        self.ipr = IPRoute()
-        self.ipr.link("set", index=1, state="up")
-        self.ipr.link("add", ifname=bridge, kind="bridge")
-        self.bridge = self.ipr.link_lookup(ifname=bridge)[0]
-        self.ipr.link("set", index=self.bridge, state="up")
-        self.home = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-        self.made = 0
-
-    def take(self, req: dict[str, Any], fds: list[int]) -> dict[str, Any]:
-        self.made += 1
-        host = f"veth{self.made}"
-        member = fds[req["member_fd"]]
-        self.ipr.link("add", ifname=host, kind="veth", master=self.bridge, state="up",
-                      peer={"ifname": req["ifname"], "net_ns_fd": member})
-        try:
-            setns(member, CLONE_NEWNET, "member's network namespace")
-            try:
-                configure(req["ifname"], req["address"])
-            finally:
-                setns(self.home, CLONE_NEWNET, "network's namespace")
-        except BaseException:
-            self.detach({"host_ifname": host}, [])
-            raise
-        return {"host_ifname": host}
-
-    def detach(self, req: dict[str, Any], fds: list[int]) -> dict[str, Any]:
-        found = self.ipr.link_lookup(ifname=req["host_ifname"])
-        if found:
-            self.ipr.link("del", index=found[0])  # its peer in the member goes with it
-        return {}
-
-    def serve(self, chan: socket.socket) -> None:
-        global _seq
-        while True:
-            try:
-                data, fds, _, _ = socket.recv_fds(chan, MAX_MESSAGE, MAX_FDS)
-            except ConnectionResetError:
-                return
-            if not data:
-                return
-            try:
-                req = json.loads(data)
-                _seq = req.get("seq")
-                try:
-                    op = {"take": self.take, "detach": self.detach}[req.get("op")]
-                    reply(chan, {"ok": True, **op(req, fds)}, [])
-                except Exception as e:
-                    reply(chan, {"ok": False, "error": _describe(e)}, [])
-            finally:
-                for fd in fds:
-                    os.close(fd)
-
-
-def configure(ifname: str, address: str) -> None:
-    """Addresses and raises an interface of the namespace this process is
-    in, and its loopback (plain ioctls: no second netlink socket)."""
-    ip, prefix = address.split("/")
-    mask = socket.inet_ntoa(int.to_bytes((0xFFFFFFFF << (32 - int(prefix))) & 0xFFFFFFFF, 4, "big"))
-
-    def ifreq_addr(addr: str) -> bytes:
-        return struct.pack("16sHH4s8x", ifname.encode(), socket.AF_INET, 0, socket.inet_aton(addr))
-
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        fcntl.ioctl(s, SIOCSIFADDR, ifreq_addr(ip))
-        fcntl.ioctl(s, SIOCSIFNETMASK, ifreq_addr(mask))
-        for name in (ifname, "lo"):
-            flags = struct.unpack("16sH14x", fcntl.ioctl(s, SIOCGIFFLAGS, struct.pack("16sH14x", name.encode(), 0)))[1]
-            fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH14x", name.encode(), flags | IFF_UP))
-
-
 def op_network(req: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
-    """Forks the network's bridge worker (detached: a grandchild, its
-    socket is its lifeline) and answers with its namespace and socket."""
+    """Forks the network's bridge worker (bridge_worker.py) and answers with
+    the network's namespace and a socket to the worker.
+
+    A network of this process: the worker stays this helper's child (reaped
+    on SIGCHLD) and dies with it (PR_SET_PDEATHSIG) or when its socket
+    closes. A named one (``path`` given, where it listens) outlives us: it
+    is forked twice, so that it is nobody's child here."""
+    import bridge_worker
     import pyroute2  # noqa: F401  (once, in the helper: every worker inherits it)
 
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     pid = os.fork()
     if pid == 0:
-        code = 1
-        try:
-            ours.close()
-            if os.fork() == 0:
-                _run_worker(theirs, req, fds)
-            code = 0
-        finally:
-            os._exit(code)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        ours.close()
+        if not req.get("path"):
+            _pdeathsig()
+        elif os.fork() != 0:
+            os._exit(0)
+        bridge_worker.run(theirs, req, fds)
+    workers.add(pid)
     theirs.close()
-    os.waitpid(pid, 0)
     try:
         ours.settimeout(READY_TIMEOUT)
         data, got, _, _ = socket.recv_fds(ours, MAX_MESSAGE, 1)
@@ -428,31 +309,16 @@ def op_network(req: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], lis
     return {}, [got[0], ours.detach()]
 
 
-def _run_worker(chan: socket.socket, req: dict[str, Any], fds: list[int]) -> None:
-    keep = {chan.fileno(), *fds}
-    for name in os.listdir("/proc/self/fd"):  # nothing of the helper's (its channel, pasta's pipes)
-        if int(name) > 2 and int(name) not in keep:
-            try:
-                os.close(int(name))
-            except OSError:
-                pass
-    code = 1
-    try:
+workers: set[int] = set()
+
+
+def _reap_workers(signum: int, frame: object) -> None:
+    for pid in list(workers):  # only these: pasta and slirp4netns are subprocess's to reap
         try:
-            if req.get("user_fd") is not None:
-                setns(fds[req["user_fd"]], CLONE_NEWUSER, "user namespace")
-            unshare(CLONE_NEWNET, "network namespace")
-            worker = BridgeWorker(req["bridge"])
-        except Exception as e:
-            chan.send(json.dumps({"error": _describe(e)}).encode())
-            return
-        for fd in fds:
-            os.close(fd)
-        socket.send_fds(chan, [b"{}"], [worker.home])
-        worker.serve(chan)
-        code = 0
-    finally:
-        os._exit(code)
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                workers.discard(pid)
+        except ChildProcessError:
+            workers.discard(pid)
 
 
 IN_HELPER = {"spawn": op_spawn, "kill": op_kill, "userns": op_userns,
@@ -468,11 +334,7 @@ _seq: Any = None
 
 
 def reply(chan: socket.socket, message: dict[str, Any], fds: list[int]) -> None:
-    data = json.dumps({**message, "seq": _seq}).encode()
-    if fds:
-        socket.send_fds(chan, [data], fds)
-    else:
-        chan.send(data)
+    send_reply(chan, message, fds, _seq)
 
 
 def serve(chan: socket.socket) -> None:
@@ -527,6 +389,7 @@ def handle(chan: socket.socket, data: bytes, fds: list[int]) -> None:
 
 def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is for the nsbox process
+    signal.signal(signal.SIGCHLD, _reap_workers)
     chan = socket.socket(fileno=int(sys.argv[1]))
     try:
         serve(chan)

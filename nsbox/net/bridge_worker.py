@@ -1,0 +1,281 @@
+"""The bridge worker: the process that is a service network.
+
+The network helper (helper.py) forks one per network. It joins the owner's
+user namespace (unprivileged), makes the network's namespace with its
+bridge, and stays there: it holds both alive, keeps the member table (names,
+aliases, addresses) and makes each member's veth pair.
+
+Why a process that stays: a member joins between its sandbox's clone and
+its start, so the join is on the path of every member's creation. A forked
+child per join, entering namespaces and opening netlink sockets afresh,
+cost ~14 ms; here a join is one netlink request on a warm socket (pyroute2:
+a veth pair, one end enslaved to the bridge and up, the other made right
+inside the member's namespace) and a few ioctls inside the member (address,
+netmask, up). The worker holds CAP_NET_ADMIN over the member's namespace,
+whose user namespace is a child of the owner's, so it may enter it and
+come back. (Pairs made in advance and moved in would cost more: moving a
+device between namespaces waits for an RCU grace period, ~20 ms here.)
+
+A network of one nsbox process lives as long as its socket to that
+process. A named network (`nsbox network create`) outlives the process
+that made it: the worker then also listens on a unix socket in the owner's
+runtime directory, where any process of the owner finds it, and stops on
+a "stop" request. Its members' inits are watched through their pidfds: a
+member whose sandbox is gone leaves the table.
+
+Requests (the helper's framing: one JSON object plus descriptors, fields
+``*_fd`` index the descriptors; replies carry the request's ``seq``):
+  info                                   -> {subnet, internal, host_access, mapping, members}
+                                            + the owner's user namespace (fd)
+  reserve {name, aliases, sandbox}       -> {address, members}
+  take    {name, member_fd, pidfd_fd?}   -> {host_ifname}
+  leave   {name, unlink}                 -> {members}
+  stop                                   (named networks; refused while members live)
+"""
+
+from __future__ import annotations
+
+import fcntl
+import ipaddress
+import json
+import os
+import select
+import socket
+import struct
+from typing import Any
+
+from nscalls import (CLONE_NEWNET, CLONE_NEWUSER, MAX_FDS, MAX_MESSAGE, PR_SET_NAME, describe, libc, send_reply,
+                     setns, unshare)
+
+SIOCGIFFLAGS, SIOCSIFFLAGS, SIOCSIFADDR, SIOCSIFNETMASK = 0x8913, 0x8914, 0x8916, 0x891C
+IFF_UP = 0x1
+IFNAME = "eth0"
+
+
+class Stop(Exception):
+    """Ends the worker once its reply is sent."""
+
+
+class BridgeWorker:
+    def __init__(self, req: dict[str, Any]) -> None:
+        from pyroute2 import IPRoute
+
+        _no_ipv6("all", "default")  # nothing in here speaks IPv6; it makes every new link slower
+        self.ipr = IPRoute()
+        self.ipr.link("set", index=1, state="up")
+        self.ipr.link("add", ifname=req["bridge"], kind="bridge")
+        self.bridge = self.ipr.link_lookup(ifname=req["bridge"])[0]
+        self.ipr.link("set", index=self.bridge, state="up")
+        self.home = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        self.settings = {k: req[k] for k in ("subnet", "internal", "host_access", "mapping")}
+        self.hosts = list(ipaddress.IPv4Network(req["subnet"]).hosts())[1:]  # .1: no gateway here
+        self.last = -1  # index in self.hosts of the last address given
+        self.members: dict[str, dict[str, Any]] = {}
+        self.watched: dict[int, str] = {}  # a member's init pidfd -> its name
+        self.made = 0
+        self.path = req.get("path") or ""  # a named network's socket
+        self.named = bool(self.path)
+
+    # ---- requests ------------------------------------------------------
+
+    def info(self, req: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
+        return {**self.settings, "members": self.table()}, [os.open("/proc/self/ns/user", os.O_RDONLY)]
+
+    def reserve(self, req: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
+        name, aliases = req["name"], list(req.get("aliases", []))
+        taken = {n for m in self.members.values() for n in (m["name"], *m["aliases"])}
+        if name in taken or taken.intersection(aliases):
+            raise ValueError(f"already has a member called {name} (or one of {aliases})")
+        address = self._free_address()
+        self.members[name] = {"name": name, "aliases": aliases, "address": address, "host_ifname": "",
+                              "sandbox": req.get("sandbox")}
+        return {"address": address, "members": self.table()}, []
+
+    def take(self, req: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
+        member = self.members.get(req["name"])
+        if member is None or member["host_ifname"]:
+            raise ValueError(f"{req['name']} is not a reserved member")
+        self.made += 1
+        host = f"veth{self.made}"
+        netns = fds[req["member_fd"]]
+        made = False
+        # Inside the member for its sysctl and ioctls; the netlink socket
+        # stays bound to the network's namespace.
+        setns(netns, CLONE_NEWNET, "member's network namespace")
+        try:
+            _no_ipv6("default")  # its eth0, as Docker's: IPv4 only (its loopback keeps ::1)
+            self.ipr.link("add", ifname=host, kind="veth", master=self.bridge, state="up",
+                          peer={"ifname": IFNAME, "net_ns_fd": netns})
+            made = True
+            configure(IFNAME, member["address"])
+        except BaseException:
+            if made:
+                self._unlink(host)
+            raise
+        finally:
+            setns(self.home, CLONE_NEWNET, "network's namespace")
+        member["host_ifname"] = host
+        if req.get("pidfd_fd") is not None:
+            self.watched[os.dup(fds[req["pidfd_fd"]])] = member["name"]
+        return {"host_ifname": host}, []
+
+    def leave(self, req: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
+        member = self.members.pop(req["name"], None)
+        for pidfd in [fd for fd, name in self.watched.items() if name == req["name"]]:
+            del self.watched[pidfd]
+            os.close(pidfd)
+        if member is not None and member["host_ifname"] and req.get("unlink"):
+            self._unlink(member["host_ifname"])  # else it goes with the member's namespace
+        return {"members": self.table()}, []
+
+    def stop(self, req: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
+        if self.members:
+            raise ValueError(f"it has members: {', '.join(sorted(self.members))}")
+        if self.path:
+            os.unlink(self.path)  # gone by name before the caller hears it is
+            self.path = ""
+        raise Stop
+
+    # ---- helpers -------------------------------------------------------
+
+    def table(self) -> list[dict[str, Any]]:
+        return list(self.members.values())
+
+    def _free_address(self) -> str:
+        """The next free address after the last one given: an address is not
+        reused while the subnet has others (members may still hold the
+        previous owner's in their neighbour tables)."""
+        used = {m["address"] for m in self.members.values()}
+        for i in range(len(self.hosts)):
+            at = (self.last + 1 + i) % len(self.hosts)
+            if str(self.hosts[at]) not in used:
+                self.last = at
+                return str(self.hosts[at])
+        raise ValueError(f"is full ({len(self.hosts)} members)")
+
+    def _unlink(self, host_ifname: str) -> None:
+        found = self.ipr.link_lookup(ifname=host_ifname)
+        if found:
+            self.ipr.link("del", index=found[0])  # its peer in the member goes with it
+
+    def _forget_exited(self, pidfd: int) -> None:
+        name = self.watched.pop(pidfd)
+        os.close(pidfd)
+        if name in self.members:
+            del self.members[name]  # its veth pair went with its namespace
+
+    # ---- the loop ------------------------------------------------------
+
+    def serve(self, first: socket.socket, listener: socket.socket | None) -> None:
+        """Serves `first` (the socket to the process that made it) and, for
+        a named network, every client of `listener`, until told to stop
+        (named) or until `first` closes (a network of one process)."""
+        ops = {"info": self.info, "reserve": self.reserve, "take": self.take, "leave": self.leave,
+               "stop": self.stop}
+        clients = {first.fileno(): first}
+        while True:
+            poller = select.poll()
+            for fd in [*clients, *self.watched, *([listener.fileno()] if listener else [])]:
+                poller.register(fd, select.POLLIN)
+            for fd, _ in poller.poll():
+                if fd in self.watched:
+                    self._forget_exited(fd)
+                elif listener is not None and fd == listener.fileno():
+                    conn, _ = listener.accept()
+                    clients[conn.fileno()] = conn
+                elif fd in clients and not self._handle(clients[fd], ops):
+                    if clients[fd] is first and not self.named:
+                        return
+                    clients.pop(fd).close()
+
+    def _handle(self, chan: socket.socket, ops: dict[str, Any]) -> bool:
+        """Serves one request; False when the client is gone."""
+        try:
+            data, fds, _, _ = socket.recv_fds(chan, MAX_MESSAGE, MAX_FDS)
+        except (ConnectionResetError, BlockingIOError):
+            return False
+        if not data:
+            return False
+        out: list[int] = []
+        try:
+            req = json.loads(data)
+            seq = req.get("seq")
+            try:
+                result, out = ops[req.get("op")](req, fds)
+                send_reply(chan, {"ok": True, **result}, out, seq)
+            except Stop:
+                send_reply(chan, {"ok": True}, [], seq)
+                raise
+            except Exception as e:
+                send_reply(chan, {"ok": False, "error": describe(e)}, [], seq)
+        except (BrokenPipeError, ConnectionResetError):
+            return False
+        finally:
+            for fd in [*fds, *out]:
+                os.close(fd)
+        return True
+
+
+def _no_ipv6(*which: str) -> None:
+    """IPv6 off for these interface settings of the current network namespace."""
+    for name in which:
+        with open(f"/proc/sys/net/ipv6/conf/{name}/disable_ipv6", "w") as f:
+            f.write("1")
+
+
+def configure(ifname: str, address: str) -> None:
+    """Addresses (a /24) and raises an interface of the namespace this
+    process is in, and its loopback (plain ioctls: no second netlink socket)."""
+
+    def ifreq_addr(addr: str) -> bytes:
+        return struct.pack("16sHH4s8x", ifname.encode(), socket.AF_INET, 0, socket.inet_aton(addr))
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        fcntl.ioctl(s, SIOCSIFADDR, ifreq_addr(address))
+        fcntl.ioctl(s, SIOCSIFNETMASK, ifreq_addr("255.255.255.0"))
+        for name in (ifname, "lo"):
+            flags = struct.unpack("16sH14x", fcntl.ioctl(s, SIOCGIFFLAGS, struct.pack("16sH14x", name.encode(), 0)))[1]
+            fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH14x", name.encode(), flags | IFF_UP))
+
+
+def run(chan: socket.socket, req: dict[str, Any], fds: list[int]) -> None:
+    """The forked worker's life: set up, say ready on `chan` (with the
+    network's namespace), serve. Never returns."""
+    libc.prctl(PR_SET_NAME, b"nsbox-bridge", 0, 0, 0)  # findable in ps
+    if req.get("path"):  # outliving the nsbox process: not holding its output open
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        os.close(null)
+    keep = {chan.fileno(), *fds}
+    for name in os.listdir("/proc/self/fd"):  # nothing of the helper's (its channel, pasta's pipes)
+        if int(name) > 2 and int(name) not in keep:
+            try:
+                os.close(int(name))
+            except OSError:
+                pass
+    code = 1
+    try:
+        listener = None
+        try:
+            if req.get("user_fd") is not None:
+                setns(fds[req["user_fd"]], CLONE_NEWUSER, "user namespace")
+            unshare(CLONE_NEWNET, "network namespace")
+            worker = BridgeWorker(req)
+            if req.get("path"):
+                listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                listener.bind(req["path"])
+                listener.listen(16)
+        except Exception as e:
+            chan.send(json.dumps({"error": describe(e)}).encode())
+            return
+        for fd in fds:
+            os.close(fd)
+        socket.send_fds(chan, [b"{}"], [worker.home])
+        try:
+            worker.serve(chan, listener)
+        except Stop:
+            pass
+        code = 0
+    finally:
+        os._exit(code)
