@@ -47,7 +47,7 @@ def contribute(plan: Plan, rootfs: Rootfs, layer: Path, mount_dir: Path, binds: 
 
 
 def _dev_tmp(plan: Plan, tmpfs_tmp: bool = True) -> None:
-    tmp = "mode=1777" + (f",size={plan.writable.size}" if plan.writable else "")  # the disk cap, if any
+    tmp = plan.tmpfs_options("1777")
     plan.add(Phase.INSIDE, s.mkdir("/dev"),
              s.mount("tmpfs", "/dev", "tmpfs", ("MS_NOSUID", "MS_NOEXEC"), "mode=755,size=1m", "mount a tmpfs on /dev"))
     for dev in DEVICES:
@@ -61,7 +61,7 @@ def _dev_tmp(plan: Plan, tmpfs_tmp: bool = True) -> None:
         s.mount("devpts", "/dev/pts", "devpts", ("MS_NOSUID", "MS_NOEXEC"), pts, "mount a private devpts"),
         s.symlink("pts/ptmx", "/dev/ptmx"),
         s.mkdir("/dev/shm"),
-        s.mount("tmpfs", "/dev/shm", "tmpfs", NOSUID_NODEV, "mode=1777", "mount a tmpfs on /dev/shm"),
+        s.mount("tmpfs", "/dev/shm", "tmpfs", NOSUID_NODEV, tmp, "mount a tmpfs on /dev/shm"),
         s.symlink("/proc/self/fd", "/dev/fd"),
         s.symlink("/proc/self/fd/0", "/dev/stdin"),
         s.symlink("/proc/self/fd/1", "/dev/stdout"),

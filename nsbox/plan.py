@@ -48,7 +48,7 @@ Cleanup = Callable[[], None]
 class Writable:
     """A size-capped tmpfs that holds the sandbox's upper layers instead of
     its layer directory (nsbox/resources.py): `path` names it as the child
-    does in the MOUNT phase; /tmp gets the same cap."""
+    does in the MOUNT phase; /tmp, /dev/shm and /run get the same cap."""
 
     path: str
     size: int
@@ -95,6 +95,11 @@ class Plan:
         self._host_dirs.append(os.fspath(path))
         self.add(Phase.HOST, steps.path_fd(os.fspath(path), slot))
         return f"{steps.PROC_FD}/{steps.PATH_FD_BASE + slot}"
+
+    def tmpfs_options(self, mode: str) -> str:
+        """Mount options of a writable tmpfs in the sandbox (/tmp, /dev/shm,
+        /run): capped at the disk limit, if any, as the writable layer is."""
+        return f"mode={mode}" + (f",size={self.writable.size}" if self.writable else "")
 
     def slot(self, name: str) -> int:
         """A slot number for a mount tree detached under `name` (a tree

@@ -218,7 +218,7 @@ async def test_cpus(capfd: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.timeout(30)
 async def test_disk() -> None:
     async with nsbox.Sandbox(disk="16m") as sb:
-        for path in ("/root/big", "/tmp/big", "/etc/big"):
+        for path in ("/root/big", "/tmp/big", "/etc/big", "/dev/shm/big", "/run/big"):
             r = await sb.exec(["dd", "if=/dev/zero", f"of={path}", "bs=1M", "count=32"])
             assert r.returncode != 0 and "No space left on device" in r.stderr, (path, r)
             await sb.exec(["rm", path])
