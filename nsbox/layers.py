@@ -58,10 +58,17 @@ def cached_dir(kind: str, content: object, build: "Callable[[Path], None]", owne
 def write_file(path: str | os.PathLike[str], text: str, owner: tuple[int, int]) -> None:
     """Writes a small file nsbox puts into a layer (never through a
     symlink), owned by sandbox root's host ids."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    # Overwritten in place, truncated only if it was longer: a recycled
+    # layer has these files already, and O_TRUNC of a file with data costs
+    # a journal transaction on ext4 (~0.15 ms here, against ~8 us).
+    data = text.encode()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
-        os.write(fd, text.encode())
-        if owner != (os.geteuid(), os.getegid()):
+        os.pwrite(fd, data, 0)
+        st = os.fstat(fd)
+        if st.st_size != len(data):
+            os.ftruncate(fd, len(data))
+        if (st.st_uid, st.st_gid) != owner:
             os.fchown(fd, *owner)
     finally:
         os.close(fd)
