@@ -78,6 +78,8 @@ def sandbox_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                           "'container:ID': the network of the running sandbox ID; 'net:NAME': a member of the "
                           "network `nsbox network create NAME` made, reached by the others as --hostname."),
         click.option("--hostname", default=None, help="The sandbox's host name (default: its id)."),
+        click.option("--network-alias", "network_aliases", multiple=True, metavar="NAME",
+                     help="With --network net:NAME: another name the others reach this sandbox by."),
         click.option("--add-host", "add_hosts", multiple=True, metavar="NAME:IP",
                      help="An extra /etc/hosts entry."),
         click.option("-p", "--publish", "publish", multiple=True, metavar="[IP:]HOSTPORT:PORT",
@@ -106,7 +108,8 @@ def make_sandbox(rootfs: str, image: str | None, pull: str, platform: str | None
                  workdir: str | None, env: Sequence[str], volumes: Sequence[str], network: str,
                  id_mapping: str, nested_userns: bool, memory: str | None = None, pids_limit: int | None = None,
                  cpus: float | None = None, disk: str | None = None, publish: Sequence[str] = (),
-                 allow: Sequence[str] = (), add_hosts: Sequence[str] = (), hostname: str | None = None) -> Sandbox:
+                 allow: Sequence[str] = (), add_hosts: Sequence[str] = (), hostname: str | None = None,
+                 network_aliases: Sequence[str] = ()) -> Sandbox:
     try:
         hosts = {}
         for item in add_hosts:
@@ -118,6 +121,7 @@ def make_sandbox(rootfs: str, image: str | None, pull: str, platform: str | None
                                         user=user, workdir=workdir, env=_parse_env(env),
                                         mounts=tuple(_parse_binds(volumes)), network=network,  # type: ignore[arg-type]
                                         ports=tuple(publish), allow=tuple(allow), hosts=hosts, hostname=hostname,
+                                        network_aliases=tuple(network_aliases),
                                         id_mapping=id_mapping, nested_userns=nested_userns, origin="cli",
                                         memory=memory, pids_limit=pids_limit, cpus=cpus, disk=disk))  # type: ignore[arg-type]
     except ValueError as e:

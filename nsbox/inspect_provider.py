@@ -85,6 +85,8 @@ class SandboxSettings(BaseModel):
     the sample's sandboxes naming it share, each with its own address."""
     allow: tuple[str, ...] = ()
     """The proxy mode's allowlist: "example.com", "*.example.org", "host:443", "*"."""
+    network_aliases: tuple[str, ...] = ()
+    """On a service network: other names the sandbox answers to (besides its name in `sandboxes`)."""
     ports: tuple[str, ...] = ()
     """Published ports, "[IP:]HOSTPORT:PORT", on 127.0.0.1 unless IP is given."""
     mounts: tuple[str, ...] = ()
@@ -385,7 +387,8 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
         return Sandbox(spec=SandboxSpec(
             rootfs=rootfs, image=settings.image, pull="missing" if pulled else settings.pull,
             platform=settings.platform, user=settings.user, workdir=settings.workdir, env=settings.env,
-            network=settings.network, allow=settings.allow, ports=settings.ports, output_limit_mode=cfg.output_limit_mode, id_mapping=cfg.id_mapping,
+            network=settings.network, allow=settings.allow, ports=settings.ports,
+            network_aliases=settings.network_aliases, output_limit_mode=cfg.output_limit_mode, id_mapping=cfg.id_mapping,
             timeout=settings.timeout, mounts=tuple(Bind.parse(m) for m in settings.mounts), label=label,
             nested_userns=settings.nested_userns, memory=settings.memory, hostname=hostname,  # type: ignore[arg-type]
             pids_limit=settings.pids_limit, cpus=settings.cpus, disk=settings.disk,  # type: ignore[arg-type]

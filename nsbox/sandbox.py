@@ -85,6 +85,7 @@ class Sandbox:
         ports: Sequence[str] = (),
         hosts: Mapping[str, str] | None = None,
         hostname: str | None = None,
+        network_aliases: Sequence[str] = (),
         output_limit_mode: OutputLimitMode = "truncate",
         id_mapping: idmap.Requested = "auto",
         timeout: float | None = None,
@@ -101,7 +102,7 @@ class Sandbox:
             spec = SandboxSpec(
                 rootfs=os.fspath(rootfs) if rootfs is not None else "host", image=image, user=user, workdir=workdir,
                 env=dict(env or {}), network=network, allow=tuple(allow), ports=tuple(ports), hosts=dict(hosts or {}), hostname=hostname,
-                mounts=tuple(mounts),
+                network_aliases=tuple(network_aliases), mounts=tuple(mounts),
                 id_mapping=id_mapping, output_limit_mode=output_limit_mode, timeout=timeout, label=label,
                 nested_userns=nested_userns, memory=memory, pids_limit=pids_limit, cpus=cpus,  # type: ignore[arg-type]
                 disk=disk)  # type: ignore[arg-type]
@@ -254,7 +255,7 @@ class Sandbox:
         self.rootfs.prepare(self._layer, self.hostname, self.idmap.host_root)
         service_net = netplan.service_network(self.spec)
         if service_net is not None:
-            await service_net._reserve(self)
+            await service_net._reserve(self, self.spec.network_aliases)
         etc_written = netplan.prepare_layer(self.spec, self.rootfs, self._layer, self.hostname, self.idmap.host_root)
         plan = self._plan()
         # Known now or later: record the sandbox while its setup runs.

@@ -54,7 +54,7 @@ def _check_network(spec: "SandboxSpec") -> None:
     from .net.ports import PortSpec
     from .net.proxy import Allowlist
 
-    for name in ("allow", "ports"):
+    for name in ("allow", "ports", "network_aliases"):
         value = getattr(spec, name)
         if isinstance(value, str):
             value = (value,)
@@ -73,6 +73,11 @@ def _check_network(spec: "SandboxSpec") -> None:
     for name, address in dict(spec.hosts).items():
         hosts[check_name(name)] = str(ipaddress.ip_address(address))
     object.__setattr__(spec, "hosts", hosts)
+    for alias in spec.network_aliases:
+        check_name(alias)
+    if spec.network_aliases and not spec.network.startswith(NET):
+        raise ValueError("network_aliases apply to a service network (net:NAME), not to "
+                         f"{spec.network!r}")
     if spec.allow and spec.network != "proxy":
         raise ValueError(f"allow applies to the proxy network mode, not to {spec.network!r}")
     Allowlist(spec.allow)  # raises ValueError naming a bad entry
@@ -119,6 +124,8 @@ class SandboxSpec:
     ports: published ports, "[ADDRESS:]HOSTPORT:PORT" (ADDRESS defaults to
         127.0.0.1), as Docker's -p.
     hostname: default: the sandbox's id.
+    network_aliases: other names the sandbox answers to on its service
+        network (Docker's --network-alias).
     mounts: host files or directories bound into the sandbox.
     id_mapping: "auto", "single" or "host-root" (see nsbox/idmap.py).
     nested_userns: let commands create user namespaces and mount (to run
@@ -148,6 +155,7 @@ class SandboxSpec:
     ports: tuple[str, ...] = ()
     hosts: Mapping[str, str] = field(default_factory=dict)
     hostname: str | None = None
+    network_aliases: tuple[str, ...] = ()
     mounts: tuple[Bind, ...] = ()
     id_mapping: str = "auto"
     nested_userns: bool = False

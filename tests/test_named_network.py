@@ -73,7 +73,8 @@ def test_members_of_two_processes_talk_by_name_and_removal_leaves_nothing(names:
     r = nsbox_cli("network", "create", lab)
     assert r.returncode != 0 and "exists already" in r.stderr and "Traceback" not in r.stderr
     # db, detached, in this process's child; web in another: both on lab.
-    r = nsbox_cli("run", "-d", "--network", f"net:{lab}", "--hostname", "db", "--", "python3", "-c", SERVE)
+    r = nsbox_cli("run", "-d", "--network", f"net:{lab}", "--hostname", "db", "--network-alias", "www", "--",
+                  "python3", "-c", SERVE)
     assert r.returncode == 0, r.stderr
     db = r.stdout.strip()
     # (The network's worker socket, from which its member table and user
@@ -82,8 +83,8 @@ def test_members_of_two_processes_talk_by_name_and_removal_leaves_nothing(names:
     assert worker_socket.exists()
     r = nsbox_cli("run", "--network", f"net:{lab}", "--hostname", "web", "--",
                   "sh", "-c", f"! test -e {worker_socket} && ! test -e {worker_socket.parent} && "
-                              f"grep -w db /etc/hosts && python3 -c \"{FETCH}\" db")
-    assert r.returncode == 0 and r.stdout.strip().endswith("200"), (r.stdout, r.stderr)
+                              f"grep -w db /etc/hosts && python3 -c \"{FETCH}\" db && python3 -c \"{FETCH}\" www")
+    assert r.returncode == 0 and r.stdout.strip().endswith("200\n200"), (r.stdout, r.stderr)
     listed = [json.loads(line) for line in nsbox_cli("network", "ls", "--json").stdout.splitlines()]
     row = next(x for x in listed if x["name"] == lab)
     assert list(row["members"]) == ["db"]  # web left when its run ended

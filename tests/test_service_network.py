@@ -44,11 +44,13 @@ async def serve(sb: nsbox.Sandbox) -> None:
 
 async def test_members_talk_by_name_and_others_cannot_reach_them() -> None:
     async with nsbox.Network("backend", internal=True) as net, nsbox.Network("other", internal=True) as other:
-        async with nsbox.Sandbox(network=net, hostname="db") as db:
+        async with nsbox.Sandbox(network=net, hostname="db", network_aliases=["postgres"]) as db:
             await serve(db)
             async with nsbox.Sandbox(network=net, hostname="web") as web, \
                     nsbox.Sandbox(network=other, hostname="stranger") as stranger:
                 r = await web.exec(fetch("db"))
+                assert r.stdout == "db\n", r
+                r = await web.exec(fetch("postgres"))  # by its alias
                 assert r.stdout == "db\n", r
                 # Own addresses on the private subnet, not the loopback.
                 ip = net.address_of("db")
@@ -78,6 +80,10 @@ async def test_outbound_network_reaches_the_host_loopback_as_nat_does(http_serve
 
 
 async def test_spec_and_lookup_errors() -> None:
+    with pytest.raises(ValueError, match="network_aliases apply to a service network"):
+        nsbox.SandboxSpec(network="nat", network_aliases=("x",))
+    with pytest.raises(ValueError, match="cannot be a host name"):
+        nsbox.SandboxSpec(network="net:x", network_aliases=("a b",))
     with pytest.raises(ValueError, match="net:NAME"):
         nsbox.SandboxSpec(network="net:bad name")
     with pytest.raises(NetError, match="no such network"):
@@ -133,7 +139,8 @@ async def test_nsbox_yaml_sandboxes_share_a_network_per_sample(tmp_path) -> None
     from nsbox.inspect_provider import NsboxSandboxEnvironment as Env
 
     config = tmp_path / "nsbox.yaml"
-    config.write_text("sandboxes:\n  default: {network: 'net:lan'}\n  db: {network: 'net:lan'}\n"
+    config.write_text("sandboxes:\n  default: {network: 'net:lan'}\n"
+                      "  db: {network: 'net:lan', network_aliases: [postgres]}\n"
                       "networks:\n  lan: {internal: true}\n")
     one = await Env.sample_init("nets", str(config), {"__sample_id__": "1"})
     two = await Env.sample_init("nets", str(config), {"__sample_id__": "2"})
@@ -141,6 +148,8 @@ async def test_nsbox_yaml_sandboxes_share_a_network_per_sample(tmp_path) -> None
         db1 = one["db"].as_type(Env).sandbox
         await serve(db1)
         r = await one["default"].exec(fetch("db"))
+        assert r.stdout == "db\n", r
+        r = await one["default"].exec(fetch("postgres"))
         assert r.stdout == "db\n", r
         nets = {n.name for env in (one["default"], two["default"]) for n in env.as_type(Env)._networks}
         assert len(nets) == 2  # one per sample
