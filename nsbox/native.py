@@ -11,6 +11,7 @@ from __future__ import annotations
 import array
 import errno
 import os
+import select
 import socket
 import struct
 import threading
@@ -233,6 +234,12 @@ class _SubZygote:
         return ours
 
     def alive(self) -> bool:
+        # A killed one closes its socket before it can be reaped: a hang-up
+        # on ours means it is dying, though waitpid does not say so yet.
+        poller = select.poll()
+        poller.register(self.sock, select.POLLIN)
+        if poller.poll(0):
+            return False
         try:
             return os.waitpid(self.pid, os.WNOHANG) == (0, 0)
         except ChildProcessError:

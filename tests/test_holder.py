@@ -17,7 +17,9 @@ import fcntl
 import os
 import subprocess
 import sys
+import time
 
+import anyio
 import psutil
 import pytest
 
@@ -106,12 +108,22 @@ async def test_root_in_a_sandbox_cannot_enter_another_or_the_holder(mode: str) -
         assert sleepers[b.id].is_running()
 
 
+def _exited(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 async def test_a_killed_holder_is_replaced(mode: str) -> None:
     if mode == "root":
         pytest.skip("real root uses no holder: maps are written directly")
     async with nsbox.Sandbox():
         [holder] = _holders()
     os.kill(holder.pid, 9)
+    deadline = time.monotonic() + 10  # dead, not merely signalled (its exit is what is detected)
+    while time.monotonic() < deadline and not _exited(holder.pid):
+        await anyio.sleep(0.01)
     async with nsbox.Sandbox() as sb:
         assert (await sb.exec(["true"])).success
         [again] = _holders()
