@@ -192,7 +192,7 @@ def etc_files(spec: SandboxSpec, hostname: str) -> dict[str, str]:
     peers = [(address, [name]) for name, address in spec.hosts.items()]
     net = service_network(spec)
     if net is not None:  # a member, reserved already
-        hosts = net.hosts_for(hostname, spec.hosts)
+        hosts = net.hosts_for(hostname)
     elif mode(spec) == "nat":
         hosts = hosts_mod.render_hosts(hostname, peers, host_address=usernet.GATEWAY)
     else:

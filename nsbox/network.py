@@ -32,11 +32,13 @@ other processes, are created by a holder that enters its user namespace
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import ipaddress
 import os
 import select
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import anyio
 
@@ -49,6 +51,7 @@ if TYPE_CHECKING:
     from .sandbox import Sandbox
 
 _networks: dict[str, "Network"] = {}  # this process's networks and the named ones it reached
+OTHERS_TIMEOUT = 5.0  # rewriting another process's member's /etc/hosts
 
 
 class Network:
@@ -73,16 +76,31 @@ class Network:
         return NET + self.name
 
     async def start(self) -> "Network":
+        existing = _networks.get(self.name)
+        if existing is not None and existing.named:
+            try:
+                await existing._net.refresh()
+            except NetError:
+                await existing.close()  # removed since by another process: forget it here too
         if self.name in _networks:
             raise NetError(f"a network called {self.name} exists already in this process")
-        path = None
-        if self.named:
-            path = os.fspath(socket_path(self.name))
-            if await _reachable(self.name) is not None:
-                raise NetError(f"a network called {self.name} exists already",
-                               hint=f"`nsbox network rm {self.name}` removes it")
-            _clear_stale(self.name)
-            self._net.subnet = await _subnet_for_named()
+        if not self.named:
+            await self._start(None)
+        else:
+            with name_lock(self.name):  # one creator at a time: no worker may lose its socket to another
+                reached = await _reachable(self.name)
+                if reached is not None:
+                    await reached[0].close()
+                    os.close(reached[1])
+                    raise NetError(f"a network called {self.name} exists already",
+                                   hint=f"`nsbox network rm {self.name}` removes it")
+                clear_stale(self.name)
+                self._net.subnet = await _subnet_for_named()
+                await self._start(os.fspath(socket_path(self.name)))
+        _networks[self.name] = self
+        return self
+
+    async def _start(self, path: str | None) -> None:
         owner = None
         if os.geteuid() != 0:
             holder = native.holder(self.mapping)
@@ -95,8 +113,6 @@ class Network:
         finally:
             if owner is not None:
                 owner.close()  # the worker lives in it, and keeps it
-        _networks[self.name] = self
-        return self
 
     @classmethod
     async def open(cls, name: str) -> "Network":
@@ -104,7 +120,13 @@ class Network:
         check_network_name(name)
         net = _networks.get(name)
         if net is not None:
-            return net
+            if not net.named:
+                return net
+            try:
+                await net._net.refresh()  # still there? (another process may have removed it)
+                return net
+            except NetError:
+                await net.close()
         reached = await _reachable(name)
         if reached is None:
             raise NetError(f"network {name}: no such network",
@@ -166,8 +188,15 @@ class Network:
     async def _reserve(self, sandbox: "Sandbox", aliases: Sequence[str] = ()) -> None:
         """Before its clone: the member's name and address (so its own
         /etc/hosts is written with its other files)."""
-        await self._net.reserve(sandbox.hostname, aliases, sandbox=sandbox.id)
-        self.members[sandbox.hostname] = sandbox
+        name = sandbox.hostname
+        if name in self.members:
+            raise NetError(f"network {self.name} already has a member called {name}")
+        self.members[name] = sandbox  # first: a reservation cut short is still forgotten on leave
+        try:
+            await self._net.reserve(name, aliases, sandbox=sandbox.id, extra=dict(sandbox.spec.hosts))
+        except NetError:
+            del self.members[name]  # refused: nothing of ours to forget
+            raise
 
     async def _join(self, sandbox: "Sandbox", pid: int, pidfd: int) -> None:
         """While the member's setup runs: its interface, address and
@@ -180,16 +209,16 @@ class Network:
         finally:
             ns.close()
 
-    def hosts_for(self, hostname: str, extra_hosts: Mapping[str, str] = {}) -> str:
-        """A member's /etc/hosts: its peers, its own extra hosts (name ->
-        address), the host."""
-        return self._net.hosts_for(hostname, [(address, [name]) for name, address in extra_hosts.items()])
+    def hosts_for(self, hostname: str) -> str:
+        """A member's /etc/hosts: its peers, its own extra hosts, the host."""
+        return self._net.hosts_for(hostname)
 
     async def _settle(self, sandbox: "Sandbox") -> None:
         """Once the member runs: the other members' /etc/hosts. (Its own was
-        written with its files; its resolver, on an outbound network, is
-        nat mode's: nsbox/netplan.py.)"""
-        await self._announce(but=sandbox.hostname)
+        written with its files, but on a named network members of other
+        processes may have come since. Its resolver, on an outbound network,
+        is nat mode's: nsbox/netplan.py.)"""
+        await self._announce(but=None if self.named else sandbox.hostname)
 
     async def _announce(self, but: str | None = None) -> None:
         """Rewrites /etc/hosts in every member (after a join or a leave),
@@ -207,18 +236,24 @@ class Network:
         sb = self.members.get(name)
         if sb is not None:
             if sb._client is not None:  # running, or starting
-                await sb._write_as_root("/etc/hosts", self.hosts_for(name, sb.spec.hosts))
+                await sb._write_as_root("/etc/hosts", self.hosts_for(name))
             return
         if sandbox_id is None:
             return
-        try:  # another process's member
-            other = await Sandbox.attach(sandbox_id)
-        except Exception:
-            return  # gone: the worker forgets it when its init exits
-        try:
-            await other._write_as_root("/etc/hosts", self.hosts_for(name))
-        finally:
-            await other.close()
+        # Another process's member: through its init, bounded (a member
+        # that does not answer keeps its old file).
+        with anyio.move_on_after(OTHERS_TIMEOUT):
+            try:
+                other = await Sandbox.attach(sandbox_id)
+            except Exception:
+                return  # gone: the worker forgets it when its init exits
+            try:
+                await other._write_as_root("/etc/hosts", self.hosts_for(name))
+            except Exception:
+                pass
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await other.close()
 
     async def _leave(self, sandbox: "Sandbox") -> None:
         """Its leaving (or failed) member: the others forget it."""
@@ -227,7 +262,7 @@ class Network:
         del self.members[sandbox.hostname]
         with anyio.CancelScope(shield=True):
             try:
-                await self._net.forget(sandbox.hostname)  # its veth pair goes with its namespace
+                await self._net.forget(sandbox.hostname, sandbox=sandbox.id)  # its veth pair goes with its namespace
                 await self._announce()
             except Exception:
                 pass  # a member closing at the same time: its next join rewrites all
@@ -253,13 +288,14 @@ def named_networks() -> list[str]:
 
 
 async def _reachable(name: str) -> "tuple[bridge.Network, int] | None":
-    """The named network's client and owner user namespace, if its worker runs."""
+    """The named network's client and owner user namespace, if its worker
+    runs; None if nothing listens there (never made, removed, or killed)."""
     path = socket_path(name)
     if not path.exists():
         return None
     try:
         return await bridge.Network.open(name, os.fspath(path))
-    except (ConnectionError, FileNotFoundError, NetError):
+    except (ConnectionRefusedError, FileNotFoundError, ConnectionResetError):
         return None  # its worker was killed (a stale socket), or is stopping
 
 
@@ -268,7 +304,10 @@ async def _subnet_for_named() -> "ipaddress.IPv4Network":
     never shares an address with a member of another network."""
     used = set()
     for name in named_networks():
-        reached = await _reachable(name)
+        try:
+            reached = await _reachable(name)
+        except NetError:
+            continue  # not answering: its subnet is unknown
         if reached is not None:
             used.add(reached[0].subnet)
             await reached[0].close()
@@ -276,13 +315,39 @@ async def _subnet_for_named() -> "ipaddress.IPv4Network":
     return bridge.allocate_subnet(avoid=used)
 
 
-def _clear_stale(name: str) -> None:
-    path = socket_path(name)
-    path.parent.mkdir(mode=0o700, exist_ok=True)
+async def is_stale(name: str) -> bool:
+    """Whether `name` has a socket but no worker behind it (killed)."""
+    if not socket_path(name).exists():
+        return False
+    reached = await _reachable(name)
+    if reached is None:
+        return True
+    await reached[0].close()
+    os.close(reached[1])
+    return False
+
+
+def clear_stale(name: str) -> None:
+    """Removes the socket of a named network whose worker was killed (the
+    caller holds name_lock and found nothing answering there)."""
+    socket_path(name).unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def name_lock(name: str) -> Iterator[None]:
+    """Serializes creating and clearing the named network `name` among this
+    user's processes."""
+    d = socket_path(name).parent
+    d.mkdir(mode=0o700, exist_ok=True)
+    fd = os.open(d / f"{name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     try:
-        path.unlink()
-    except FileNotFoundError:
-        pass
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise NetError(f"network {name} is being created or removed by another process") from None
+        yield
+    finally:
+        os.close(fd)
 
 
 def _mapping_key(mapping: idmap.IdMap) -> str:

@@ -94,14 +94,12 @@ def rm(names: tuple[str, ...]) -> None:
 
 async def _remove(name: str) -> None:
     network_mod.check_network_name(name)
-    try:
+    with network_mod.name_lock(name):
+        if await network_mod.is_stale(name):
+            network_mod.clear_stale(name)  # its worker was killed: only the socket was left
+            return
         net = await network_mod.Network.open(name)
-    except NsboxError:
-        if name not in network_mod.named_networks():
-            raise
-        network_mod.socket_path(name).unlink()  # its worker was killed: only the socket was left
-        return
-    try:
-        await net.remove()
-    finally:
-        await net.close()
+        try:
+            await net.remove()
+        finally:
+            await net.close()

@@ -73,8 +73,8 @@ def test_members_of_two_processes_talk_by_name_and_removal_leaves_nothing(names:
     r = nsbox_cli("network", "create", lab)
     assert r.returncode != 0 and "exists already" in r.stderr and "Traceback" not in r.stderr
     # db, detached, in this process's child; web in another: both on lab.
-    r = nsbox_cli("run", "-d", "--network", f"net:{lab}", "--hostname", "db", "--network-alias", "www", "--",
-                  "python3", "-c", SERVE)
+    r = nsbox_cli("run", "-d", "--network", f"net:{lab}", "--hostname", "db", "--network-alias", "www",
+                  "--add-host", "extra:10.9.9.9", "--", "python3", "-c", SERVE)
     assert r.returncode == 0, r.stderr
     db = r.stdout.strip()
     # (The network's worker socket, from which its member table and user
@@ -88,6 +88,9 @@ def test_members_of_two_processes_talk_by_name_and_removal_leaves_nothing(names:
     listed = [json.loads(line) for line in nsbox_cli("network", "ls", "--json").stdout.splitlines()]
     row = next(x for x in listed if x["name"] == lab)
     assert list(row["members"]) == ["db"]  # web left when its run ended
+    # web's process rewrote db's /etc/hosts as it came and went: db keeps its own extra host.
+    hosts = nsbox_cli("exec", db, "--", "cat", "/etc/hosts").stdout
+    assert "10.9.9.9\textra" in hosts and "web" not in hosts, hosts
     assert len(bridge_workers() - before) == 1
 
     r = nsbox_cli("network", "rm", lab)
@@ -178,4 +181,57 @@ def test_members_must_have_the_networks_id_mapping(names: list[str]) -> None:
     r = nsbox_cli("run", "--network", f"net:{names[0]}", "--", "true")
     assert r.returncode == 125 and "another id mapping" in r.stderr, r.stderr
     r = nsbox_cli("run", "--id-mapping", "single", "--network", f"net:{names[0]}", "--", "true")
+    assert r.returncode == 0, r.stderr
+
+
+GHOST = textwrap.dedent("""
+    import anyio, os, sys, nsbox
+    async def main():
+        net = await nsbox.Network.open(sys.argv[1])
+        await net._net.reserve("ghost", sandbox="0123456789ab")  # and dies before joining
+        print("reserved", flush=True)
+        os._exit(0)
+    anyio.run(main)
+""")
+
+
+def test_a_reservation_dies_with_its_process(names: list[str]) -> None:
+    lab = names[0]
+    assert nsbox_cli("network", "create", "--internal", lab).returncode == 0
+    r = subprocess.run([sys.executable, "-c", GHOST, lab], capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip() == "reserved", r.stderr
+    listed = {x["name"]: x for x in map(json.loads, nsbox_cli("network", "ls", "--json").stdout.splitlines())}
+    assert listed[lab]["members"] == {}
+    assert nsbox_cli("network", "rm", lab).returncode == 0
+
+
+def test_concurrent_creates_make_one_network(names: list[str]) -> None:
+    lab = names[0]
+    before = bridge_workers()
+    procs = [subprocess.Popen([sys.executable, "-m", "nsbox", "network", "create", "--internal", lab], cwd="/tmp",
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    results = [(p.wait(timeout=60), p.stderr.read()) for p in procs]  # type: ignore[union-attr]
+    assert sum(code == 0 for code, _ in results) == 1, results
+    for code, err in results:
+        assert code == 0 or ("exists already" in err or "being created" in err) and "Traceback" not in err, err
+    assert len(bridge_workers() - before) == 1
+    assert nsbox_cli("network", "rm", lab).returncode == 0
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and bridge_workers() - before:
+        time.sleep(0.1)
+    assert bridge_workers() - before == set()
+
+
+def test_a_malformed_request_does_not_end_the_network(names: list[str]) -> None:
+    lab = names[0]
+    assert nsbox_cli("network", "create", "--internal", lab).returncode == 0
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+        s.settimeout(10)
+        s.connect(str(network_mod.socket_path(lab)))
+        for junk in (b"not json", b"[1, 2]", b'{"op": "nonsense"}', b'{"op": "take"}'):
+            s.send(junk)
+            assert json.loads(s.recv(65536))["ok"] is False
+    r = nsbox_cli("run", "--network", f"net:{lab}", "--", "true")
     assert r.returncode == 0, r.stderr

@@ -43,12 +43,15 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import anyio
+
 from ..idmap import IdMap
 from . import usernet
 from .client import NetError, NetHelper, Namespaces, helper
 from .hosts import check_name, render_hosts
 
 BRIDGE = "br0"
+REQUEST_TIMEOUT = 10.0  # a worker answers in milliseconds; one that does not is wedged
 _subnets_in_use: set[int] = set()
 
 
@@ -91,6 +94,7 @@ class Member:
     host_ifname: str = ""   # in the network's namespace, once joined
     sandbox: str | None = None  # its sandbox's id
     usernet: "usernet.UserNet | None" = None  # this process's, for its outbound traffic
+    extra: dict[str, str] = field(default_factory=dict)  # its own extra /etc/hosts entries, name -> address
 
 
 @dataclass
@@ -135,14 +139,22 @@ class Network:
         """Reaches the named network listening at `path`. Also returns its
         owner's user namespace (a descriptor, the caller's)."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sock.setblocking(False)  # a worker whose backlog is full: EAGAIN, not a hang
         try:
             sock.connect(path)
+        except BlockingIOError:
+            sock.close()
+            raise NetError(f"network {name} is not answering") from None
         except OSError:
             sock.close()
             raise
         net = cls(name, _via=via or helper(), _worker=NetHelper(sock))
         try:
-            info, fds = await net._worker.request("info")  # type: ignore[union-attr]
+            with anyio.fail_after(REQUEST_TIMEOUT):
+                info, fds = await net._worker.request("info")  # type: ignore[union-attr]
+        except TimeoutError:
+            await net.close()
+            raise NetError(f"network {name} is not answering") from None
         except BaseException:
             await net.close()
             raise
@@ -154,33 +166,41 @@ class Network:
     def _mirror(self, table: list[dict[str, Any]]) -> None:
         mine = {name: m.usernet for name, m in self.members.items()}
         self.members = {m["name"]: Member(m["name"], tuple(m["aliases"]), m["address"], m["host_ifname"],
-                                          m.get("sandbox"), mine.get(m["name"])) for m in table}
+                                          m.get("sandbox"), mine.get(m["name"]), m.get("extra", {}))
+                        for m in table}
 
     async def _ask(self, op: str, fds: Sequence[int] = (), **fields: Any) -> dict[str, Any]:
+        """One request to the worker (descriptors in its reply are closed)."""
         if self._worker is None:
             raise NetError(f"network {self.name} is closed")
         try:
-            answer, _ = await self._worker.request(op, fds, **fields)
+            with anyio.fail_after(REQUEST_TIMEOUT):
+                answer, got = await self._worker.request(op, fds, **fields)
+            for fd in got:
+                os.close(fd)
         except NetError as e:
             raise NetError(f"network {self.name}: {e.message}") from None
+        except TimeoutError:
+            raise NetError(f"network {self.name}: its worker did not answer within {REQUEST_TIMEOUT:g}s") from None
         if "members" in answer:
             self._mirror(answer["members"])
         return answer
 
     async def refresh(self) -> None:
         """The member table as it is now (members of other processes too)."""
-        answer, fds = await self._worker.request("info") if self._worker else ({"members": []}, [])
-        for fd in fds:
-            os.close(fd)
+        answer = await self._ask("info")
         self._mirror(answer["members"])
 
-    async def reserve(self, name: str, aliases: Sequence[str] = (), *, sandbox: str | None = None) -> Member:
+    async def reserve(self, name: str, aliases: Sequence[str] = (), *, sandbox: str | None = None,
+                      extra: dict[str, str] | None = None) -> Member:
         """Gives `name` its address before its sandbox exists (its /etc/hosts
-        can then be written with the rest of its files); connect() joins it."""
+        can then be written with the rest of its files); connect() joins it.
+        extra: the member's own extra /etc/hosts entries (name -> address),
+        kept with it for whichever process rewrites its /etc/hosts."""
         check_name(name)
         for alias in aliases:
             check_name(alias)
-        await self._ask("reserve", name=name, aliases=list(aliases), sandbox=sandbox)
+        await self._ask("reserve", name=name, aliases=list(aliases), sandbox=sandbox, extra=extra or {})
         return self.members[name]
 
     async def connect(self, name: str, ns: Namespaces, *, aliases: Sequence[str] = (),
@@ -212,12 +232,13 @@ class Network:
                 raise
         return member
 
-    async def forget(self, name: str) -> None:
+    async def forget(self, name: str, *, sandbox: str | None = None) -> None:
         """Drops a member whose namespace is going away with its sandbox: the
         kernel removes its veth pair with the namespace, and its user-mode
-        networking stops when the sandbox's init exits (watch_pidfd)."""
+        networking stops when the sandbox's init exits (watch_pidfd).
+        sandbox: only if the name is still that sandbox's."""
         if self._worker is not None:
-            await self._ask("leave", name=name, unlink=False)
+            await self._ask("leave", name=name, sandbox=sandbox, unlink=False)
 
     async def disconnect(self, name: str) -> None:
         """Removes a member whose sandbox stays: its pair and outbound go."""
@@ -235,7 +256,8 @@ class Network:
         (address, names), and host.nsbox.internal where the network allows."""
         member = self.members[name]
         host = usernet.GATEWAY if self.host_access and not self.internal else None
-        return render_hosts(name, [*self.peers(name), *extra], host_address=host, own_address=member.ip)
+        own = [(address, [n]) for n, address in member.extra.items()]
+        return render_hosts(name, [*self.peers(name), *(extra or own)], host_address=host, own_address=member.ip)
 
     async def stop(self) -> None:
         """Ends a named network (refused while it has members)."""

@@ -27,9 +27,9 @@ Requests (the helper's framing: one JSON object plus descriptors, fields
 ``*_fd`` index the descriptors; replies carry the request's ``seq``):
   info                                   -> {subnet, internal, host_access, mapping, members}
                                             + the owner's user namespace (fd)
-  reserve {name, aliases, sandbox}       -> {address, members}
+  reserve {name, aliases, sandbox, extra} -> {address, members}   (extra: its extra /etc/hosts entries)
   take    {name, member_fd, pidfd_fd?}   -> {host_ifname}
-  leave   {name, unlink}                 -> {members}
+  leave   {name, sandbox?, unlink}       -> {members}   (only if the name is still that sandbox's)
   stop                                   (named networks; refused while members live)
 """
 
@@ -72,6 +72,8 @@ class BridgeWorker:
         self.last = -1  # index in self.hosts of the last address given
         self.members: dict[str, dict[str, Any]] = {}
         self.watched: dict[int, str] = {}  # a member's init pidfd -> its name
+        self.reserved_by: dict[str, int] = {}  # a name reserved, not joined yet -> the client's fd
+        self.client = -1  # the fd of the client whose request is being served
         self.made = 0
         self.path = req.get("path") or ""  # a named network's socket
         self.named = bool(self.path)
@@ -88,7 +90,8 @@ class BridgeWorker:
             raise ValueError(f"already has a member called {name} (or one of {aliases})")
         address = self._free_address()
         self.members[name] = {"name": name, "aliases": aliases, "address": address, "host_ifname": "",
-                              "sandbox": req.get("sandbox")}
+                              "sandbox": req.get("sandbox"), "extra": dict(req.get("extra", {}))}
+        self.reserved_by[name] = self.client  # until it joins: dropped if that client goes first
         return {"address": address, "members": self.table()}, []
 
     def take(self, req: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
@@ -115,12 +118,17 @@ class BridgeWorker:
         finally:
             setns(self.home, CLONE_NEWNET, "network's namespace")
         member["host_ifname"] = host
+        self.reserved_by.pop(member["name"], None)
         if req.get("pidfd_fd") is not None:
             self.watched[os.dup(fds[req["pidfd_fd"]])] = member["name"]
         return {"host_ifname": host}, []
 
     def leave(self, req: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
-        member = self.members.pop(req["name"], None)
+        member = self.members.get(req["name"])
+        if member is not None and req.get("sandbox") not in (None, member["sandbox"]):
+            return {"members": self.table()}, []  # that name is another sandbox's now
+        self.members.pop(req["name"], None)
+        self.reserved_by.pop(req["name"], None)
         for pidfd in [fd for fd, name in self.watched.items() if name == req["name"]]:
             del self.watched[pidfd]
             os.close(pidfd)
@@ -187,6 +195,9 @@ class BridgeWorker:
                     if clients[fd] is first and not self.named:
                         return
                     clients.pop(fd).close()
+                    for name in [n for n, by in self.reserved_by.items() if by == fd]:
+                        del self.reserved_by[name]  # its process went before the member joined
+                        self.members.pop(name, None)
 
     def _handle(self, chan: socket.socket, ops: dict[str, Any]) -> bool:
         """Serves one request; False when the client is gone."""
@@ -197,10 +208,12 @@ class BridgeWorker:
         if not data:
             return False
         out: list[int] = []
+        seq = None
         try:
-            req = json.loads(data)
-            seq = req.get("seq")
             try:
+                req = json.loads(data)
+                seq = req.get("seq")
+                self.client = chan.fileno()
                 result, out = ops[req.get("op")](req, fds)
                 send_reply(chan, {"ok": True, **result}, out, seq)
             except Stop:
@@ -219,8 +232,11 @@ class BridgeWorker:
 def _no_ipv6(*which: str) -> None:
     """IPv6 off for these interface settings of the current network namespace."""
     for name in which:
-        with open(f"/proc/sys/net/ipv6/conf/{name}/disable_ipv6", "w") as f:
-            f.write("1")
+        try:
+            with open(f"/proc/sys/net/ipv6/conf/{name}/disable_ipv6", "w") as f:
+                f.write("1")
+        except FileNotFoundError:
+            return  # a kernel without IPv6: nothing to turn off
 
 
 def configure(ifname: str, address: str) -> None:
@@ -241,21 +257,22 @@ def configure(ifname: str, address: str) -> None:
 def run(chan: socket.socket, req: dict[str, Any], fds: list[int]) -> None:
     """The forked worker's life: set up, say ready on `chan` (with the
     network's namespace), serve. Never returns."""
-    libc.prctl(PR_SET_NAME, b"nsbox-bridge", 0, 0, 0)  # findable in ps
-    if req.get("path"):  # outliving the nsbox process: not holding its output open
-        null = os.open(os.devnull, os.O_RDWR)
-        for fd in (0, 1, 2):
-            os.dup2(null, fd)
-        os.close(null)
-    keep = {chan.fileno(), *fds}
-    for name in os.listdir("/proc/self/fd"):  # nothing of the helper's (its channel, pasta's pipes)
-        if int(name) > 2 and int(name) not in keep:
-            try:
-                os.close(int(name))
-            except OSError:
-                pass
     code = 1
     try:
+        libc.prctl(PR_SET_NAME, b"nsbox-bridge", 0, 0, 0)  # findable in ps
+        if req.get("path"):  # outliving the nsbox process: not holding its output or a mount open
+            os.chdir("/")
+            null = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(null, fd)
+            os.close(null)
+        keep = {chan.fileno(), *fds}
+        for name in os.listdir("/proc/self/fd"):  # nothing of the helper's (its channel, pasta's pipes)
+            if int(name) > 2 and int(name) not in keep:
+                try:
+                    os.close(int(name))
+                except OSError:
+                    pass
         listener = None
         try:
             if req.get("user_fd") is not None:

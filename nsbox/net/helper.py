@@ -283,16 +283,25 @@ def op_network(req: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], lis
     import pyroute2  # noqa: F401  (once, in the helper: every worker inherits it)
 
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    pid = os.fork()
-    if pid == 0:
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        ours.close()
-        if not req.get("path"):
-            _pdeathsig()
-        elif os.fork() != 0:
-            os._exit(0)
-        bridge_worker.run(theirs, req, fds)
-    workers.add(pid)
+    # SIGCHLD held until the pid is recorded, so that the reaper knows it.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+    try:
+        pid = os.fork()
+        if pid == 0:
+            try:  # never back into the helper's loop, whatever fails
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
+                ours.close()
+                if not req.get("path"):
+                    _pdeathsig()
+                elif os.fork() != 0:
+                    os._exit(0)
+                bridge_worker.run(theirs, req, fds)
+            finally:
+                os._exit(1)
+        workers.add(pid)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
     theirs.close()
     try:
         ours.settimeout(READY_TIMEOUT)
