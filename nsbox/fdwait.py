@@ -15,6 +15,15 @@ import select
 import anyio
 
 
+def readable_now(fd: int) -> bool:
+    """Whether `fd` is readable (or hung up) right now, without waiting: an
+    exited process's pidfd, a socket whose peer is gone. poll, not select:
+    the descriptor may be above 1023."""
+    p = select.poll()
+    p.register(fd, select.POLLIN)
+    return bool(p.poll(0))
+
+
 class Poller:
     """Level-triggered readiness for a changing set of descriptors.
 

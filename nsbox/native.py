@@ -11,7 +11,6 @@ from __future__ import annotations
 import array
 import errno
 import os
-import select
 import socket
 import struct
 import threading
@@ -19,6 +18,7 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Sequence
 
+from . import fdwait
 from ._native import ffi, lib
 from .steps import PATH_FD_BASE, Kind, Step
 
@@ -236,9 +236,7 @@ class _SubZygote:
     def alive(self) -> bool:
         # A killed one closes its socket before it can be reaped: a hang-up
         # on ours means it is dying, though waitpid does not say so yet.
-        poller = select.poll()
-        poller.register(self.sock, select.POLLIN)
-        if poller.poll(0):
+        if fdwait.readable_now(self.sock.fileno()):
             return False
         try:
             return os.waitpid(self.pid, os.WNOHANG) == (0, 0)

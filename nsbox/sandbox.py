@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import posixpath
 import secrets
-import select
 import signal
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
 import anyio
 
 from . import network as network_mod
-from . import dirs, files, idmap, layers, mounts, netplan, procmask, process, protocol, registry, removal, resources, rlimits
+from . import dirs, fdwait, files, idmap, layers, mounts, netplan, procmask, process, protocol, registry, removal, resources, rlimits
 from . import users
 from . import plan as plan_mod
 from . import rootfs as rootfs_mod
@@ -735,9 +734,4 @@ def _creds(identity: users.Identity) -> protocol.Creds:
 
 
 def _exited(pidfd: int) -> bool:
-    if pidfd < 0:
-        return True
-    # poll, not select: the descriptor may be above 1024.
-    p = select.poll()
-    p.register(pidfd, select.POLLIN)
-    return bool(p.poll(0))
+    return pidfd < 0 or fdwait.readable_now(pidfd)
