@@ -36,13 +36,12 @@ import contextlib
 import fcntl
 import ipaddress
 import os
-import select
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 import anyio
 
-from . import dirs, idmap, native
+from . import dirs, fdwait, idmap, native
 from .net import bridge
 from .net.client import Namespaces, NetError
 from .spec import NET, NETWORK_NAME
@@ -76,22 +75,13 @@ class Network:
         return NET + self.name
 
     async def start(self) -> "Network":
-        existing = _networks.get(self.name)
-        if existing is not None and existing.named:
-            try:
-                await existing._net.refresh()
-            except NetError:
-                await existing.close()  # removed since by another process: forget it here too
-        if self.name in _networks:
+        if await _cached(self.name) is not None:
             raise NetError(f"a network called {self.name} exists already in this process")
         if not self.named:
             await self._start(None)
         else:
             with name_lock(self.name):  # one creator at a time: no worker may lose its socket to another
-                reached = await _reachable(self.name)
-                if reached is not None:
-                    await reached[0].close()
-                    os.close(reached[1])
+                if await _let_go(await _reachable(self.name)):
                     raise NetError(f"a network called {self.name} exists already",
                                    hint=f"`nsbox network rm {self.name}` removes it")
                 clear_stale(self.name)
@@ -118,15 +108,9 @@ class Network:
     async def open(cls, name: str) -> "Network":
         """The named network `name` (made by this or any process of this user)."""
         check_network_name(name)
-        net = _networks.get(name)
+        net = await _cached(name)
         if net is not None:
-            if not net.named:
-                return net
-            try:
-                await net._net.refresh()  # still there? (another process may have removed it)
-                return net
-            except NetError:
-                await net.close()
+            return net
         reached = await _reachable(name)
         if reached is None:
             raise NetError(f"network {name}: no such network",
@@ -203,7 +187,7 @@ class Network:
         outbound (its init keeps its user and network namespace)."""
         ns = Namespaces.of_pid(pid)  # with its user namespace (unprivileged: for pasta to enter)
         try:
-            if _exited(pidfd):
+            if fdwait.readable_now(pidfd):  # its init exited
                 raise NetError(f"{sandbox.hostname} exited while joining network {self.name}")
             await self._net.connect(sandbox.hostname, ns, watch_pidfd=pidfd)
         finally:
@@ -287,6 +271,28 @@ def named_networks() -> list[str]:
     return sorted(p.name[:-len(".sock")] for p in d.glob("*.sock")) if d.is_dir() else []
 
 
+async def _cached(name: str) -> Network | None:
+    """This process's network `name`, or the named one it reached, if that
+    one still runs (another process may have removed it since)."""
+    net = _networks.get(name)
+    if net is not None and net.named:
+        try:
+            await net._net.refresh()
+        except NetError:
+            await net.close()  # forgotten here too
+            return None
+    return net
+
+
+async def _let_go(reached: "tuple[bridge.Network, int] | None") -> bool:
+    """Closes what _reachable returned; whether there was anything."""
+    if reached is None:
+        return False
+    await reached[0].close()
+    os.close(reached[1])
+    return True
+
+
 async def _reachable(name: str) -> "tuple[bridge.Network, int] | None":
     """The named network's client and owner user namespace, if its worker
     runs; None if nothing listens there (never made, removed, or killed)."""
@@ -310,21 +316,13 @@ async def _subnet_for_named() -> "ipaddress.IPv4Network":
             continue  # not answering: its subnet is unknown
         if reached is not None:
             used.add(reached[0].subnet)
-            await reached[0].close()
-            os.close(reached[1])
+        await _let_go(reached)
     return bridge.allocate_subnet(avoid=used)
 
 
 async def is_stale(name: str) -> bool:
     """Whether `name` has a socket but no worker behind it (killed)."""
-    if not socket_path(name).exists():
-        return False
-    reached = await _reachable(name)
-    if reached is None:
-        return True
-    await reached[0].close()
-    os.close(reached[1])
-    return False
+    return socket_path(name).exists() and not await _let_go(await _reachable(name))
 
 
 def clear_stale(name: str) -> None:
@@ -355,31 +353,12 @@ def _mapping_key(mapping: idmap.IdMap) -> str:
     return f"{uid_map}|{gid_map}"
 
 
-def _exited(pidfd: int) -> bool:
-    poller = select.poll()
-    poller.register(pidfd, select.POLLIN)
-    return bool(poller.poll(0))
-
-
-async def find(value: str) -> Network | None:
-    """The Network a "net:NAME" spec value names, if any: this process's, or
-    a named one (None for any other network mode, or none by that name)."""
-    if not value.startswith(NET):
-        return None
-    name = value[len(NET):]
-    if name in _networks:
-        return _networks[name]
-    try:
-        return await Network.open(name)
-    except NetError:
-        return None
-
-
 def local(value: str) -> Network | None:
     """The Network a "net:NAME" value names among those this process holds."""
     return _networks.get(value[len(NET):]) if value.startswith(NET) else None
 
 
 async def lookup(value: str) -> Network:
-    """The Network a "net:NAME" spec value names: this process's, or named."""
-    return _networks.get(value[len(NET):]) or await Network.open(value[len(NET):])
+    """The Network a "net:NAME" spec value names: this process's, or named
+    (reached again if another process removed and made it anew)."""
+    return await Network.open(value[len(NET):])

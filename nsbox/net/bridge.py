@@ -150,17 +150,12 @@ class Network:
             raise
         net = cls(name, _via=via or helper(), _worker=NetHelper(sock))
         try:
-            with anyio.fail_after(REQUEST_TIMEOUT):
-                info, fds = await net._worker.request("info")  # type: ignore[union-attr]
-        except TimeoutError:
-            await net.close()
-            raise NetError(f"network {name} is not answering") from None
+            info, fds = await net._request("info")
         except BaseException:
             await net.close()
             raise
         net.internal, net.host_access = info["internal"], info["host_access"]
         net.subnet, net.mapping = ipaddress.IPv4Network(info["subnet"]), info["mapping"]
-        net._mirror(info["members"])
         return net, fds[0]
 
     def _mirror(self, table: list[dict[str, Any]]) -> None:
@@ -169,27 +164,32 @@ class Network:
                                           m.get("sandbox"), mine.get(m["name"]), m.get("extra", {}))
                         for m in table}
 
-    async def _ask(self, op: str, fds: Sequence[int] = (), **fields: Any) -> dict[str, Any]:
-        """One request to the worker (descriptors in its reply are closed)."""
+    async def _request(self, op: str, fds: Sequence[int] = (), **fields: Any) -> tuple[dict[str, Any], list[int]]:
+        """One request to the worker: its answer (the member table in it is
+        mirrored) and the descriptors it carries (the caller's)."""
         if self._worker is None:
             raise NetError(f"network {self.name} is closed")
         try:
             with anyio.fail_after(REQUEST_TIMEOUT):
                 answer, got = await self._worker.request(op, fds, **fields)
-            for fd in got:
-                os.close(fd)
         except NetError as e:
             raise NetError(f"network {self.name}: {e.message}") from None
         except TimeoutError:
             raise NetError(f"network {self.name}: its worker did not answer within {REQUEST_TIMEOUT:g}s") from None
         if "members" in answer:
             self._mirror(answer["members"])
+        return answer, got
+
+    async def _ask(self, op: str, fds: Sequence[int] = (), **fields: Any) -> dict[str, Any]:
+        """One request to the worker, descriptors in its reply closed."""
+        answer, got = await self._request(op, fds, **fields)
+        for fd in got:
+            os.close(fd)
         return answer
 
     async def refresh(self) -> None:
         """The member table as it is now (members of other processes too)."""
-        answer = await self._ask("info")
-        self._mirror(answer["members"])
+        await self._ask("info")
 
     async def reserve(self, name: str, aliases: Sequence[str] = (), *, sandbox: str | None = None,
                       extra: dict[str, str] | None = None) -> Member:
@@ -219,7 +219,7 @@ class Network:
                                   pidfd_fd=1 if watch_pidfd is not None else None)
         except NetError as e:
             await self.forget(name)
-            raise NetError(f"joining {name} to {e.message[len('network '):]}",
+            raise NetError(f"joining {name}: {e.message}",
                            hint=None if "not permitted" not in e.message else
                            "the sandbox must be created inside the network owner's user namespace") from None
         member.host_ifname = got["host_ifname"]
@@ -251,13 +251,13 @@ class Network:
         """(address, [name, aliases...]) of every member but `of`."""
         return [(m.ip, [m.name, *m.aliases]) for m in self.members.values() if m.name != of]
 
-    def hosts_for(self, name: str, extra: Sequence[tuple[str, Sequence[str]]] = ()) -> str:
-        """The /etc/hosts text of member `name`: its peers, `extra` entries
-        (address, names), and host.nsbox.internal where the network allows."""
+    def hosts_for(self, name: str) -> str:
+        """The /etc/hosts text of member `name`: its peers, its own extra
+        entries, and host.nsbox.internal where the network allows."""
         member = self.members[name]
         host = usernet.GATEWAY if self.host_access and not self.internal else None
         own = [(address, [n]) for n, address in member.extra.items()]
-        return render_hosts(name, [*self.peers(name), *(extra or own)], host_address=host, own_address=member.ip)
+        return render_hosts(name, [*self.peers(name), *own], host_address=host, own_address=member.ip)
 
     async def stop(self) -> None:
         """Ends a named network (refused while it has members)."""

@@ -75,8 +75,7 @@ class BridgeWorker:
         self.reserved_by: dict[str, int] = {}  # a name reserved, not joined yet -> the client's fd
         self.client = -1  # the fd of the client whose request is being served
         self.made = 0
-        self.path = req.get("path") or ""  # a named network's socket
-        self.named = bool(self.path)
+        self.path = req.get("path") or ""  # a named network's socket, until it stops
 
     # ---- requests ------------------------------------------------------
 
@@ -167,10 +166,7 @@ class BridgeWorker:
             self.ipr.link("del", index=found[0])  # its peer in the member goes with it
 
     def _forget_exited(self, pidfd: int) -> None:
-        name = self.watched.pop(pidfd)
-        os.close(pidfd)
-        if name in self.members:
-            del self.members[name]  # its veth pair went with its namespace
+        self.leave({"name": self.watched[pidfd]}, [])  # its veth pair went with its namespace
 
     # ---- the loop ------------------------------------------------------
 
@@ -192,7 +188,7 @@ class BridgeWorker:
                     conn, _ = listener.accept()
                     clients[conn.fileno()] = conn
                 elif fd in clients and not self._handle(clients[fd], ops):
-                    if clients[fd] is first and not self.named:
+                    if clients[fd] is first and listener is None:  # a network of that process
                         return
                     clients.pop(fd).close()
                     for name in [n for n, by in self.reserved_by.items() if by == fd]:
