@@ -68,8 +68,21 @@ def mode(spec: SandboxSpec) -> str:
         return "none" if net is None or net.internal else "nat"
     if not spec.network.startswith(CONTAINER):
         return spec.network
-    info = registry.read(spec.network[len(CONTAINER):])
-    return info.network if info is not None else "none"
+    return _joined_mode(spec.network[len(CONTAINER):])
+
+
+_modes_of: dict[str, str] = {}  # sandbox id -> its network mode, which never changes
+
+
+def _joined_mode(sandbox_id: str) -> str:
+    """The network mode of the sandbox `container:ID` joins, read from its
+    registry entry once (a creation asks several times)."""
+    if sandbox_id not in _modes_of:
+        info = registry.read(sandbox_id)
+        if info is None:
+            return "none"  # not (yet) there: not remembered
+        _modes_of[sandbox_id] = info.network
+    return _modes_of[sandbox_id]
 
 
 def service_network(spec: SandboxSpec) -> Any:
