@@ -18,11 +18,15 @@ import os
 import stat
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 from .errors import NsboxError
 
 
 _checked: dict[Path, Path] = {}
+# Each directory as last found, by what it was found from (the environment
+# variables it depends on): a sandbox's creation asks several times.
+_found: dict[tuple[str | None, ...], Path] = {}
 
 
 def _checked_private_dir(path: Path) -> Path:
@@ -34,6 +38,16 @@ def _checked_private_dir(path: Path) -> Path:
     if path in _checked and os.path.isdir(path):
         return path
     _checked[path] = _check_private_dir(path)
+    return path
+
+
+def _found_dir(key: tuple[str | None, ...], find: Callable[[], Path]) -> Path:
+    """find(), or what it found last time for the same key, if that still
+    exists (whatever removed it may have left something else there)."""
+    path = _found.get(key)
+    if path is not None and os.path.isdir(path):
+        return path
+    _found[key] = path = find()
     return path
 
 
@@ -71,6 +85,12 @@ def _usable_runtime_base(value: str | None) -> Path | None:
 
 def runtime_dir() -> Path:
     """Registry and sockets of live sandboxes: small files, best on tmpfs."""
+    env = os.environ
+    return _found_dir(("run", env.get("NSBOX_STATE_DIR"), env.get("XDG_RUNTIME_DIR"), str(os.geteuid())),
+                      _find_runtime_dir)
+
+
+def _find_runtime_dir() -> Path:
     override = os.environ.get("NSBOX_STATE_DIR")
     if override:
         return _checked_private_dir(Path(override) / "run")
@@ -93,14 +113,20 @@ def _home_based(env: str, default: str) -> Path:
 
 def data_dir() -> Path:
     """Writable layers of sandboxes."""
-    override = os.environ.get("NSBOX_STATE_DIR")
-    if override:
-        return _checked_private_dir(Path(override) / "data")
-    return _checked_private_dir(_home_based("XDG_DATA_HOME", ".local/share") / "nsbox")
+    return _xdg_dir("data", "XDG_DATA_HOME", ".local/share")
 
 
 def cache_dir() -> Path:
-    override = os.environ.get("NSBOX_STATE_DIR")
-    if override:
-        return _checked_private_dir(Path(override) / "cache")
-    return _checked_private_dir(_home_based("XDG_CACHE_HOME", ".cache") / "nsbox")
+    return _xdg_dir("cache", "XDG_CACHE_HOME", ".cache")
+
+
+def _xdg_dir(kind: str, env_var: str, default: str) -> Path:
+    env = os.environ
+
+    def find() -> Path:
+        override = env.get("NSBOX_STATE_DIR")
+        if override:
+            return _checked_private_dir(Path(override) / kind)
+        return _checked_private_dir(_home_based(env_var, default) / "nsbox")
+
+    return _found_dir((kind, env.get("NSBOX_STATE_DIR"), env.get(env_var), env.get("HOME")), find)
