@@ -221,6 +221,50 @@ async def bench_create(n: int, warmup: int, notes: list[str]) -> list[Row]:
     return rows
 
 
+class DirtyWriter:
+    """A process that keeps writing a file (no fsync) on the filesystem of
+    nsbox's writable layers, so that the host always has dirty pages there,
+    as a host running other jobs does."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = directory / ".bench-dirty"
+        self.proc = subprocess.Popen(
+            ["sh", "-c", 'while :; do dd if=/dev/zero of="$1" bs=1M count=256 status=none; done', "sh",
+             os.fspath(self.path)], stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def close(self) -> None:
+        os.killpg(self.proc.pid, 9)
+        self.proc.wait()
+        self.path.unlink(missing_ok=True)
+
+
+async def bench_create_writeback(n: int, warmup: int, notes: list[str]) -> list[Row]:
+    """create+destroy while another process writes to the disk that holds
+    the layers: an overlay unmount that syncs its upper filesystem (without
+    `volatile`) waits for all of that writeback."""
+    op = "create+destroy, host writing to the layers' disk"
+
+    async def ns() -> None:
+        sb = await nsbox.Sandbox.create()
+        await sb.close()
+
+    variants: dict[str, Op] = {"nsbox": ns}
+    bwrap = shutil.which("bwrap")
+    if bwrap:
+        variants["bwrap true"] = sync_op([bwrap, *BWRAP_ARGS])
+    from nsbox import dirs
+
+    writer = DirtyWriter(dirs.data_dir())
+    try:
+        s = await interleaved(variants, n, warmup)
+    finally:
+        writer.close()
+    med = {k: statistics.median(v) for k, v in s.items()}
+    notes.append("create+destroy under writeback: " + "; ".join(f"{k} {ms_spread(v)}" for k, v in s.items()))
+    return [Row(op, n, med["nsbox"], "bwrap --unshare-all ... true (no overlay)", med.get("bwrap true"), "ms",
+                "report")]
+
+
 async def bench_limits(n: int, warmup: int, notes: list[str]) -> list[Row]:
     """What resource limits add to create+destroy (a cgroup where the host
     delegates one, else rlimits and a capped tmpfs: see `nsbox doctor`)."""
@@ -658,6 +702,7 @@ async def amain(args: argparse.Namespace) -> int:
             rows += await bench_output(sb, local, n_out, 3, notes)
             rows += await bench_files(sb, local, n_file, 2, notes)
         rows += await bench_create(n_create, 5, notes)
+        rows += await bench_create_writeback(n_image, 3, notes)
         rows += await bench_limits(n_image, 5, notes)
         rows += await bench_image_create(n_image, 5, notes)
         rows += await bench_compose(n_image, 3, notes)

@@ -169,7 +169,8 @@ if os.fork() == 0:
     work = sys.argv[1]
     r = libc.mount(b"proc", (work + "/proc").encode(), b"proc", ctypes.c_ulong(MS_NOSUID | MS_NODEV | MS_NOEXEC), None)
     res["proc"] = "ok" if r == 0 else name(ctypes.get_errno())
-    opts = "lowerdir=%s/lower,upperdir=%s/upper,workdir=%s/work,userxattr" % (work, work, work)
+    # The options nsbox mounts its overlays with (nsbox/mounts.py).
+    opts = "lowerdir=%s/lower,upperdir=%s/upper,workdir=%s/work,userxattr,volatile" % (work, work, work)
     r = libc.mount(b"overlay", (work + "/merged").encode(), b"overlay", ctypes.c_ulong(0), opts.encode())
     if r != 0:
         res["overlay"] = name(ctypes.get_errno())

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from .dirs import cache_dir, data_dir
-from .removal import remove_tree
+from .removal import remove_tree, sweep_later
 
 _built: dict[str, Path] = {}
 
@@ -120,9 +120,9 @@ _FS_IOC_GETFLAGS = 0x80086601  # chattr's flags (nodump, noatime...)
 HOST_LAYER = "host"  # HostRootfs: the root and the /etc overlays
 DIR_LAYER = "dir"  # DirectoryRootfs, ImageRootfs: one overlay over any lower stack
 _SHAPES: dict[str, tuple[dict[str, set[str]], tuple[str, ...]]] = {
-    HOST_LAYER: ({"work": {"work"}, "etc-work": {"work"}, "upper": set(), "etc-upper": {"hosts", "hostname"}},
+    HOST_LAYER: ({"work": set(), "etc-work": set(), "upper": set(), "etc-upper": {"hosts", "hostname"}},
                  ("etc-upper/hosts", "etc-upper/hostname")),
-    DIR_LAYER: ({"work": {"work"}, "upper": set()}, ()),
+    DIR_LAYER: ({"work": set(), "upper": set()}, ()),
 }
 
 
@@ -138,7 +138,7 @@ def untouched_layer(layer: Path, uid: int, kind: str) -> bool:
     of it can reach the next sandbox: its upper dirs empty but for
     prepare()'s files (regular, single-linked, owned by `uid`), owner,
     group, mode, size, xattrs (but overlay's uuid) and chattr flags as a
-    new one's; the work dirs as overlay leaves them. Times are reset when
+    new one's; the work dirs empty (set_aside_work). Times are reset when
     the layer is reused. Anything else, and the layer is deleted instead."""
     dirs, files = _SHAPES[kind]
     try:
@@ -185,6 +185,35 @@ def untouched_host_layer(layer: Path, uid: int) -> bool:
 
 
 REUSE = ".reuse"  # the directory of layers kept for reuse, in layers_dir()
+TRASH = ".trash"  # what set_aside_work() moved out of layers, in layers_dir()
+WORK_DIRS = ("work", "etc-work")  # a layer's overlay work dirs (the kinds in _SHAPES)
+
+
+def set_aside_work(layer: Path) -> bool:
+    """Moves what overlayfs left in the work dirs of a closed sandbox's
+    layer (their "work" subdirectory; with `volatile`, a marker below it
+    that the kernel refuses to mount over) into the trash, which a thread
+    empties (removal.sweep_later). True if the work dirs are empty now.
+    A rename instead of deleting: removing directories is what costs on a
+    disk filesystem."""
+    trash = layers_dir() / TRASH
+    moved = False
+    for name in WORK_DIRS:
+        work, dest = layer / name / "work", trash / f"{layer.name}.{name}"
+        if not os.path.lexists(work):
+            continue
+        try:
+            try:
+                os.rename(work, dest)
+            except FileNotFoundError:  # no trash directory yet
+                trash.mkdir(mode=0o700, exist_ok=True)
+                os.rename(work, dest)
+        except OSError:
+            return False
+        moved = True
+    if moved:
+        sweep_later(trash)
+    return True
 
 
 def _reuse_dir() -> Path:
@@ -257,8 +286,14 @@ def reuse_layer(layer: Path, owner: tuple[int, int], kind: str = HOST_LAYER) -> 
     return False
 
 
+_layers_dirs: dict[Path, Path] = {}
+
+
 def layers_dir() -> Path:
-    path = data_dir() / "sandboxes"
-    if not path.is_dir():
+    data = data_dir()
+    path = _layers_dirs.get(data)
+    if path is None or not os.path.isdir(path):
+        path = data / "sandboxes"
         path.mkdir(mode=0o700, exist_ok=True)
+        _layers_dirs[data] = path
     return path

@@ -24,7 +24,7 @@ from .idmap import IdMap
 from .idmap import detect as detect_idmap
 from .registry import SandboxInfo
 from .removal import remove_layer
-from .layers import REUSE
+from .layers import REUSE, TRASH
 
 # A layer directory without a registry entry may belong to a sandbox being
 # created right now; only older ones are garbage.
@@ -161,6 +161,9 @@ def garbage() -> tuple[list[SandboxInfo], list[Path]]:
     for layer in _listdir(layers_dir):
         if layer.name == REUSE:
             orphans += _listdir(layer)  # kept for reuse: garbage to gc
+            continue
+        if layer.name == TRASH:
+            orphans += _listdir(layer)  # left by a sweeper that did not finish
             continue
         try:
             age = now - layer.lstat().st_mtime

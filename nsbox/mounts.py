@@ -85,7 +85,12 @@ def overlay(plan: Plan, lowers: Sequence[Path], upper: Path, work: Path, target:
     """An overlayfs on `target` (MOUNT phase), its layers named through
     plan.host_dir. userxattr: overlayfs mounted inside a user namespace
     must keep its metadata in user.* xattrs; without it directory renames
-    fail with EIO."""
+    fail with EIO. volatile: a sandbox's writable layer does not outlive a
+    host crash, so nothing it writes needs syncing; without it every
+    unmount (every sandbox's end) syncs the whole host filesystem of the
+    upper layer, flush included, and fsync inside the sandbox waits for
+    the disk. The kernel then refuses to mount the same work dir again
+    until the marker it leaves there is gone (layers.set_aside_work)."""
     if plan.writable is None:
         upper_dir, work_dir = plan.host_dir(upper), plan.host_dir(work)
     else:
@@ -96,5 +101,5 @@ def overlay(plan: Plan, lowers: Sequence[Path], upper: Path, work: Path, target:
         upper_dir, work_dir = f"{plan.writable.path}/{upper.name}", f"{plan.writable.path}/{work.name}"
         plan.add(Phase.MOUNT, s.mkdir(upper_dir), s.mkdir(work_dir))
     data = (f"lowerdir={':'.join(plan.host_dir(p) for p in lowers)},upperdir={upper_dir},"
-            f"workdir={work_dir},userxattr")
+            f"workdir={work_dir},userxattr,volatile")
     plan.add(Phase.MOUNT, s.mount("overlay", target, "overlay", (), data, what))

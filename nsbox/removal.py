@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -162,6 +163,66 @@ def _where(levels: list[_Level], name: str) -> str:
     """The path of `name` below the current level, shortened to fit a line."""
     path = "/".join([level.name for level in levels] + [name])
     return path if len(path) <= 200 else f"{path[:80]}/.../{path[-100:]}"
+
+
+class _Sweeper:
+    """Empties trash directories (see layers.set_aside_work) on a thread of
+    its own. What goes there is small, but each directory removed costs a
+    journal transaction, on a disk mounted with `discard` a discard as well,
+    and no sandbox needs to wait for that. Whatever a process leaves when it
+    exits is swept by the next one, or by `nsbox gc`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._dirs: set[str] = set()
+        self._thread: threading.Thread | None = None
+
+    def poke(self, trash: Path) -> None:
+        with self._lock:
+            self._dirs.add(os.fspath(trash))
+            self._idle.clear()
+            self._wake.set()
+            if self._thread is None or not self._thread.is_alive():  # or forked since
+                self._thread = threading.Thread(target=self._run, name="nsbox-sweeper", daemon=True)
+                self._thread.start()
+
+    def wait(self, timeout: float) -> bool:
+        """Whether everything poked so far has been swept within `timeout` s."""
+        return self._idle.wait(timeout)
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            with self._lock:
+                dirs = list(self._dirs)
+            for trash in dirs:
+                sweep(trash)
+            with self._lock:
+                if not self._wake.is_set():
+                    self._idle.set()
+
+
+def sweep(trash: str | os.PathLike[str]) -> None:
+    """Deletes what is in `trash`, best effort: another process may be
+    sweeping it too, and what fails now is tried again next time."""
+    try:
+        names = os.listdir(trash)
+    except OSError:
+        return
+    for name in names:
+        try:
+            remove_tree(os.path.join(trash, name))
+        except (OSError, RemovalError):
+            pass
+
+
+_sweeper = _Sweeper()
+sweep_later = _sweeper.poke
+wait_swept = _sweeper.wait
 
 
 def remove_layer(layer: Path, mapping: IdMap | None) -> None:

@@ -430,7 +430,8 @@ class Sandbox:
             assert self.idmap is not None
             # An untouched layer goes with a few syscalls; anything the
             # sandbox wrote may take long, so it is deleted off the event loop.
-            if (not self.rootfs.release_layer(self._layer, self.idmap.host_root)
+            aside = layers.set_aside_work(self._layer)
+            if (not (aside and self.rootfs.release_layer(self._layer, self.idmap.host_root))
                     and not removal.remove_untouched_layer(self._layer)):
                 await anyio.to_thread.run_sync(removal.remove_layer, self._layer, self.idmap)
             self._layer = None

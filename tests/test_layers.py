@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 import nsbox
-from nsbox import layers, manage
+from nsbox import layers, manage, removal
 from nsbox.rootfs import ImageRootfs
 
 
@@ -184,3 +184,59 @@ async def test_host_layer_times_flags_and_fsid_do_not_carry_over(mode: str) -> N
             atime, mtime, gid = map(int, line.split())
             assert atime >= t0 - 1 and mtime >= t0 - 1 and gid == 0, f"{change!r} carried over: {lines}"
         assert "A" not in lines[5] and "d" not in lines[4], f"{change!r} carried over: {lines}"
+
+
+# ---- volatile overlays: their work dirs go to the trash, which is swept --
+
+def trash() -> Path:
+    return layers.layers_dir() / layers.TRASH
+
+
+async def test_overlays_are_volatile_and_their_work_is_swept() -> None:
+    manage.gc(nsbox.idmap.detect())
+    async with nsbox.Sandbox() as a:
+        r = await a.exec(["sh", "-c", "grep ' - overlay ' /proc/self/mountinfo"])
+        overlays = r.stdout.splitlines()
+        assert len(overlays) == 2 and all("volatile" in line for line in overlays), r.stdout
+        # sync and fsync still succeed; they just do not wait for the disk.
+        assert (await a.exec(["sh", "-c", "echo x > /root/f && sync /root/f && sync"])).success
+    async with nsbox.Sandbox() as b:
+        await b.exec(["true"])
+    (name,) = kept()  # b's: untouched, its work dirs emptied
+    for work in layers.WORK_DIRS:
+        assert os.listdir(reuse_dir() / name / work) == []
+    assert removal.wait_swept(10), "the sweeper did not finish"
+    assert not trash().exists() or os.listdir(trash()) == []
+    # The kernel refuses a work dir holding volatile's marker: the kept
+    # layer mounting again shows the marker went with the trash.
+    async with nsbox.Sandbox() as c:
+        assert c._layer is not None and not kept()
+        assert (await c.exec(["true"])).success
+
+
+async def test_a_layer_whose_work_cannot_be_set_aside_is_not_kept() -> None:
+    manage.gc(nsbox.idmap.detect())
+    if trash().exists():
+        removal.remove_tree(trash())
+    trash().write_text("not a directory")  # every rename into it fails
+    try:
+        async with nsbox.Sandbox() as a:
+            await a.exec(["true"])
+            layer = a._layer
+        assert layer is not None and not layer.exists() and not kept()
+        async with nsbox.Sandbox() as b:  # a fresh layer
+            assert (await b.exec(["true"])).success
+    finally:
+        trash().unlink()
+
+
+async def test_gc_sweeps_what_a_sweeper_left() -> None:
+    # What a process left in the trash when it exited: a work dir as
+    # overlayfs makes it, mode 000, with volatile's marker inside.
+    left = trash() / "0123456789ab.work"
+    (left / "work" / "incompat" / "volatile").mkdir(parents=True)
+    (left / "work" / "incompat" / "volatile" / "dirty").write_text("")
+    os.chmod(left / "work", 0)
+    report = manage.gc(nsbox.idmap.detect())
+    assert not report.failures, report.failures
+    assert not left.exists()

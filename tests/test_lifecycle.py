@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 import nsbox
-from nsbox import dirs, native, registry
+from nsbox import dirs, native, registry, removal
 from nsbox import layers as layer_store
 
 
@@ -66,10 +66,12 @@ async def test_context_manager_and_explicit_lifecycle() -> None:
 
 
 async def test_create_destroy_loop_leaves_nothing(mode: str) -> None:
+    async with nsbox.Sandbox():  # the zygote (and holder) outlive the loop: start them first
+        pass
     layers = layer_store.layers_dir()
     # Untouched layers may be kept for reuse (at most REUSE_MAX of them);
     # nothing else may remain.
-    before_layers = set(os.listdir(layers)) - {layer_store.REUSE}
+    before_layers = set(os.listdir(layers)) - {layer_store.REUSE, layer_store.TRASH}
     before_run = set(os.listdir(dirs.runtime_dir()))
     before_mounts = Path("/proc/self/mountinfo").read_text()
     me = psutil.Process()
@@ -84,9 +86,13 @@ async def test_create_destroy_loop_leaves_nothing(mode: str) -> None:
         ns = pidns(sb.pid)
         await sb.close()
         assert wait_until_empty(ns, 2) == [], f"processes left in round {i}"
-    assert set(os.listdir(layers)) - {layer_store.REUSE} == before_layers
+    assert set(os.listdir(layers)) - {layer_store.REUSE, layer_store.TRASH} == before_layers
     pool = layers / layer_store.REUSE
     assert not pool.exists() or len(os.listdir(pool)) <= layer_store.REUSE_MAX
+    # The overlays' work dirs went to the trash, which a thread empties.
+    assert removal.wait_swept(10)
+    trash = layers / layer_store.TRASH
+    assert not trash.exists() or os.listdir(trash) == []
     assert set(os.listdir(dirs.runtime_dir())) == before_run
     assert Path("/proc/self/mountinfo").read_text() == before_mounts
     assert {c.pid for c in me.children(recursive=True)} == before_children  # nothing unreaped
