@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from .dirs import cache_dir, data_dir
-from .removal import remove_tree, sweep_later
+from .removal import grant, remove_tree, sweep_later
 
 _built: dict[str, Path] = {}
 
@@ -207,6 +207,12 @@ def set_aside_work(layer: Path) -> bool:
                 os.rename(work, dest)
             except FileNotFoundError:  # no trash directory yet
                 trash.mkdir(mode=0o700, exist_ok=True)
+                os.rename(work, dest)
+            except PermissionError:
+                # Moving a directory to another parent rewrites its "..":
+                # without root, that needs write permission on it, and
+                # overlayfs makes it mode 000.
+                os.close(grant(work))
                 os.rename(work, dest)
         except OSError:
             return False

@@ -128,17 +128,28 @@ def _open_dir(parent: int, name: str) -> tuple[int, os.stat_result]:
 def _grant_and_open(parent: int, name: str) -> int:
     """Opens a directory we may not read or search, after granting ourselves
     that if it is ours; re-raises PermissionError if it is not."""
+    pfd = grant(name, parent)
+    try:
+        return os.open(f"/proc/self/fd/{pfd}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    finally:
+        os.close(pfd)
+
+
+def grant(name: str | os.PathLike[str], parent: int | None = None) -> int:
+    """Gives us (mode 700) the directory `name` of `parent` if it is ours,
+    never a symlink's target; returns an O_PATH descriptor of it. Raises
+    PermissionError if it is not ours."""
     pfd = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
     try:
         if os.fstat(pfd).st_uid != os.geteuid():
-            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), name)
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.fspath(name))
         # fchmod refuses an O_PATH descriptor; its /proc link reaches the
         # very inode it pins, with no lookup a symlink could redirect.
-        via = f"/proc/self/fd/{pfd}"
-        os.chmod(via, 0o700)
-        return os.open(via, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    finally:
+        os.chmod(f"/proc/self/fd/{pfd}", 0o700)
+    except BaseException:
         os.close(pfd)
+        raise
+    return pfd
 
 
 def _unlink_files(fd: int) -> list[str]:
