@@ -91,6 +91,9 @@ def mount_point(owner: tuple[int, int]) -> Path:
     mounts on it in its own mount namespace. It belongs to sandbox root,
     which must be able to search it."""
     base = data_dir() / "mnt"
+    known = _mount_points.get((base, owner))
+    if known is not None and os.path.isdir(known[1]):
+        return known[0]
     path = base / str(owner[0])
     if not (path / "root").is_dir():
         base.mkdir(mode=0o700, exist_ok=True)
@@ -99,7 +102,11 @@ def mount_point(owner: tuple[int, int]) -> Path:
         for p in (path, path / "root"):
             if os.lstat(p).st_uid != owner[0]:
                 os.lchown(p, *owner)
+    _mount_points[(base, owner)] = (path, os.fspath(path / "root"))
     return path
+
+
+_mount_points: dict[tuple[Path, tuple[int, int]], tuple[Path, str]] = {}
 
 
 # At most this many untouched layers (of any kind) wait for reuse.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import array
 import errno
+import functools
 import os
 import socket
 import struct
@@ -70,12 +71,20 @@ def clone_flags(namespaces: Iterable[str]) -> int:
     return _bits(frozenset(namespaces))
 
 
+@functools.lru_cache(maxsize=256)
 def _bits(names: frozenset[str]) -> int:
     """Kernel flags named in a step, valued by the C headers."""
     value = 0
     for name in names:
         value |= getattr(lib, name)
     return value
+
+
+# C copies of the strings specs use, kept across specs: most (mount
+# types, options, device paths) are the same in every sandbox's. The C
+# side only reads them.
+_c_strings: dict[str | bytes, object] = {}
+_C_STRINGS_MAX = 4096
 
 
 class _Keep:
@@ -87,8 +96,11 @@ class _Keep:
     def str(self, s: str | bytes | None) -> object:
         if s is None:
             return ffi.NULL
-        b = os.fsencode(s) if isinstance(s, str) else s
-        p = ffi.new("char[]", b)
+        p = _c_strings.get(s)
+        if p is None:
+            if len(_c_strings) >= _C_STRINGS_MAX:
+                _c_strings.clear()
+            p = _c_strings[s] = ffi.new("char[]", os.fsencode(s) if isinstance(s, str) else s)
         self.objs.append(p)
         return p
 
@@ -106,12 +118,11 @@ def _pack(steps: Sequence[Step], clone_flags: int, argv: Sequence[str], envp: Se
           lock_slot: int, idmaps: tuple[str, str, str | None, str | None, bool]) -> int:
     """The spec, serialized by nsbox_spec_pack into a new memfd."""
     keep = _Keep()
-    c_steps = ffi.new("struct nsbox_step[]", max(len(steps), 1))
-    for i, s in enumerate(steps):
-        c = c_steps[i]
-        c.kind, c.slot, c.mode, c.flags = int(s.kind), s.slot, s.mode, _bits(s.flags)
-        c.attr_set, c.attr_clr = _bits(s.attr_set), _bits(s.attr_clr)
-        c.a, c.b, c.c, c.d = keep.str(s.a), keep.str(s.b), keep.str(s.c), keep.str(s.d)
+    # One initializer list (field order of struct nsbox_step): cffi fills
+    # the array in C, where setting fields one by one costs ~0.2 ms a spec.
+    c_steps = ffi.new("struct nsbox_step[]", [
+        (int(s.kind), s.slot, s.mode, _bits(s.flags), _bits(s.attr_set), _bits(s.attr_clr),
+         keep.str(s.a), keep.str(s.b), keep.str(s.c), keep.str(s.d)) for s in steps] or 1)
     spec = ffi.new("struct nsbox_spec *")
     spec.clone_flags = clone_flags
     spec.steps = c_steps

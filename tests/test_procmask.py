@@ -117,3 +117,27 @@ def test_fallback_where_the_host_masks_proc(tmp_path: Path) -> None:
     timer_list, keys, ro, nprocs, locked = r.stdout.split()
     assert timer_list == keys == "0" and ro == "RO" and locked == "LOCKED", r.stdout
     assert int(nprocs) > 2  # the host's processes: what the note warns about
+
+
+WATCH = textwrap.dedent("""\
+    import subprocess
+    from nsbox import procmask
+    seen = [procmask._covered.get()]
+    subprocess.run(["mount", "--bind", "/dev/null", "/proc/timer_list"], check=True)
+    seen.append(procmask._covered.get())
+    seen.append(procmask._covered.get())  # no change since: the table is not read again
+    subprocess.run(["umount", "/proc/timer_list"], check=True)
+    seen.append(procmask._covered.get())
+    print(seen)
+""")
+
+
+def test_a_mount_over_proc_after_the_first_sandbox_is_noticed(tmp_path: Path) -> None:
+    """Whether /proc is covered is read once and then again only when the
+    mount table changes: a mount made after the first check is seen."""
+    script = tmp_path / "watch.py"
+    script.write_text(WATCH)
+    r = subprocess.run(["unshare", "-Urm", sys.executable, str(script)], check=False, capture_output=True, text=True,
+                       timeout=50)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[[], ['/proc/timer_list'], ['/proc/timer_list'], []]", r.stdout
