@@ -293,6 +293,10 @@ class Sandbox:
 
     def _known_default_home(self) -> str | None:
         known = self.rootfs.identity_files()
+        image = self._fresh_image_key()
+        files = _image_identity_files.get(image) if image is not None else None
+        if files is not None:
+            known = {"passwd": files[0].decode(errors="replace"), "group": files[1].decode(errors="replace")}
         identity = users.lookup(self.user, known["passwd"], known["group"]) if known else None
         return identity.home if identity else None
 
@@ -310,9 +314,16 @@ class Sandbox:
     async def _settle_identity(self) -> None:
         """Resolves the default user and makes sure the working directory exists."""
         known = self.rootfs.identity_files() if not self._attached else {}
+        image = self._fresh_image_key()
         if known:
             # The sandbox was created a moment ago from files we wrote.
             identity = users.lookup(self.user, known["passwd"], known["group"])
+        elif image is not None:
+            files = _image_identity_files.get(image)
+            if files is None:
+                files = await self._identity_files()
+                _remember(_image_identity_files, image, files)
+            identity = users.lookup(self.user, files[0].decode(errors="replace"), files[1].decode(errors="replace"))
         else:
             identity = await self._lookup_user(self.user)
         if identity is None:
@@ -328,13 +339,28 @@ class Sandbox:
         self.workdir = workdir
         if self.workdir in self.rootfs.known_dirs() and not self._attached:
             return
+        seen = (image, self.workdir, identity) if image is not None else None
+        if seen in _image_workdirs:
+            return
         try:
             fd, is_dir = await self._setup_client().open(_creds(identity), self.workdir, os.O_RDONLY)
             os.close(fd)
             if not is_dir:
                 raise SandboxSetupError(f"the working directory {self.workdir} is not a directory")
+            if seen is not None:
+                _remember(_image_workdirs, seen, True)
         except FileNotFoundError:
             await self._make_workdir(identity)
+
+    def _fresh_image_key(self) -> tuple[Path, ...] | None:
+        """The layers of this sandbox's image if what a just-created
+        sandbox finds in it can be remembered for the next ones: image
+        layers never change, and a new sandbox's writable layer is empty.
+        Not with binds, which may cover what it finds; not for a sandbox
+        this process did not create."""
+        if self._attached or self.mounts or not isinstance(self.rootfs, rootfs_mod.ImageRootfs):
+            return None
+        return self.rootfs.layers
 
     def _setup_client(self) -> InitClient:
         """The client, while the sandbox is still starting."""
@@ -508,6 +534,16 @@ class Sandbox:
         return data
 
     async def _lookup_user(self, user: str) -> users.Identity | None:
+        passwd, group = await self._identity_files()
+        cached = self._user_cache.get(user)
+        if cached is not None and cached[0] == passwd and cached[1] == group:
+            return cached[2]
+        identity = users.lookup(user, passwd.decode(errors="replace"), group.decode(errors="replace"))
+        self._user_cache[user] = (passwd, group, identity)
+        return identity
+
+    async def _identity_files(self) -> tuple[bytes, bytes]:
+        """The sandbox's /etc/passwd and /etc/group, read inside it."""
         found: dict[str, bytes | Exception] = {}
 
         async def read(path: str) -> None:
@@ -524,12 +560,7 @@ class Sandbox:
             if isinstance(result, Exception):
                 raise result
         assert isinstance(passwd, bytes) and isinstance(group, bytes)
-        cached = self._user_cache.get(user)
-        if cached is not None and cached[0] == passwd and cached[1] == group:
-            return cached[2]
-        identity = users.lookup(user, passwd.decode(errors="replace"), group.decode(errors="replace"))
-        self._user_cache[user] = (passwd, group, identity)
-        return identity
+        return passwd, group
 
     async def identity(self, user: str | None = None) -> users.Identity:
         """Who `user` (default: the sandbox's user) is in this sandbox.
@@ -732,6 +763,19 @@ def _note_once(text: str) -> None:
 
 def _creds(identity: users.Identity) -> protocol.Creds:
     return protocol.Creds(identity.uid, identity.gid, identity.groups)
+
+
+# What sandboxes found in their images (Sandbox._fresh_image_key): the
+# identity files, and the working directories that exist, by who opened them.
+_image_identity_files: dict[object, tuple[bytes, bytes]] = {}
+_image_workdirs: dict[object, bool] = {}
+_IMAGE_FACTS_MAX = 256
+
+
+def _remember(facts: dict[object, Any], key: object, value: Any) -> None:
+    if len(facts) >= _IMAGE_FACTS_MAX:
+        facts.clear()
+    facts[key] = value
 
 
 def _exited(pidfd: int) -> bool:

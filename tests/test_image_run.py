@@ -70,6 +70,38 @@ async def test_image_sandboxes_are_copy_on_write(app_image: str) -> None:
     assert not any((layer / "srv" / "only-a").exists() for layer in image.layers)
 
 
+async def test_what_a_new_sandbox_finds_in_an_image_is_read_once(
+        app_image: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The image's users and working directory are read inside its first
+    sandbox only: layers never change and a new sandbox's writable layer is
+    empty. A sandbox with binds (which may cover them) reads its own, and a
+    user created in one sandbox is not taken for the image's."""
+    reads: list[str] = []
+    real = nsbox.Sandbox._identity_files
+
+    async def counted(self: nsbox.Sandbox) -> tuple[bytes, bytes]:
+        reads.append(self.id)
+        return await real(self)
+
+    monkeypatch.setattr(nsbox.Sandbox, "_identity_files", counted)
+    monkeypatch.setattr(nsbox.sandbox, "_image_identity_files", {})
+    monkeypatch.setattr(nsbox.sandbox, "_image_workdirs", {})
+    async with nsbox.Sandbox(image=app_image) as a:
+        assert len(reads) == 1
+        assert (await a.exec(["id", "-un"])).stdout.strip() == ("root" if MODE.mode == "single" else "app")
+        await a.exec(["sh", "-c", "echo 'app:x:4242:4242::/elsewhere:/bin/sh' >> /etc/passwd"], user="root")
+    before = len(reads)  # a's start, and its own lookup of "root"
+    async with nsbox.Sandbox(image=app_image) as b:
+        assert len(reads) == before, reads  # b read nothing: the image's, as a found them
+        assert (await b.exec(["sh", "-c", "id -u; pwd"])).stdout == ("0" if MODE.mode == "single" else "1000") + "\n/srv\n"
+        assert b.workdir == "/srv"
+    bound = tmp_path / "bound"
+    bound.mkdir()
+    async with nsbox.Sandbox(image=app_image, mounts=[nsbox.rootfs.Bind(str(bound), "/mnt/b")]) as c:
+        assert len(reads) == before + 1, reads  # c read its own
+        assert (await c.exec(["pwd"])).stdout == "/srv\n"
+
+
 def test_cli_runs_an_image(app_image: str) -> None:
     def run(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "nsbox", "run", "--image", app_image, *args],

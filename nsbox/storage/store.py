@@ -93,6 +93,16 @@ class PruneReport:
     bytes: int = 0
 
 
+# Per process: store roots whose directories exist; blobs read and verified
+# (small ones: manifests, configs), and the names last read, each with the
+# file's identity when read.
+_made: set[Path] = set()
+_verified: dict[Path, tuple[tuple[int, int, int], bytes]] = {}
+_VERIFIED_MAX = 512
+_VERIFIED_MAX_BYTES = 1 << 20
+_records: dict[Path, tuple[tuple[int, int, int], dict[str, "Record"]]] = {}
+
+
 class Store:
     def __init__(self, root: Path | None = None) -> None:
         self.root = Path(root) if root is not None else data_dir() / "images"
@@ -101,11 +111,13 @@ class Store:
         self.tmp = self.root / "tmp"
         self.locks = self.root / "locks"
         self.refs_file = self.root / "refs.json"
-        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        for d in (self.tmp, self.locks, self.layers_root):
-            d.mkdir(mode=0o700, exist_ok=True)
-        # The unpack sandbox reads blobs through a bind: as another uid in root mode.
-        (self.blobs / "sha256").mkdir(mode=0o755, parents=True, exist_ok=True)
+        if not (self.root in _made and os.path.isdir(self.tmp)):
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            for d in (self.tmp, self.locks, self.layers_root):
+                d.mkdir(mode=0o700, exist_ok=True)
+            # The unpack sandbox reads blobs through a bind: as another uid in root mode.
+            (self.blobs / "sha256").mkdir(mode=0o755, parents=True, exist_ok=True)
+            _made.add(self.root)
 
     # ---- locks -------------------------------------------------------
 
@@ -140,13 +152,23 @@ class Store:
         return self.blob_path(digest).is_file()
 
     def read_blob(self, digest: str) -> bytes:
-        """A small blob (manifest, config), verified on every read."""
+        """A small blob (manifest, config), verified when it is read: again
+        only if the file changed since (another inode, size or mtime)."""
+        path = self.blob_path(digest)
         try:
-            data = self.blob_path(digest).read_bytes()
+            st = os.stat(path)
+            seen = _verified.get(path)
+            if seen is not None and seen[0] == (st.st_ino, st.st_size, st.st_mtime_ns):
+                return seen[1]
+            data = path.read_bytes()
         except FileNotFoundError:
             raise ImageNotFound(f"blob {digest} is missing from the store",
                                 hint="pull or import the image again") from None
         oci.verify(data, digest, f"stored blob {digest}")
+        if len(data) <= _VERIFIED_MAX_BYTES:
+            if len(_verified) >= _VERIFIED_MAX:
+                _verified.clear()
+            _verified[path] = ((st.st_ino, st.st_size, st.st_mtime_ns), data)
         return data
 
     def read_json(self, digest: str) -> dict[str, Any]:
@@ -226,11 +248,19 @@ class Store:
     # ---- names -------------------------------------------------------
 
     def records(self) -> dict[str, Record]:
+        """The names, as last written (refs.json is replaced by a rename:
+        an unchanged inode, size and mtime mean unchanged names)."""
         try:
+            st = os.stat(self.refs_file)
+            seen = _records.get(self.refs_file)
+            if seen is not None and seen[0] == (st.st_ino, st.st_size, st.st_mtime_ns):
+                return dict(seen[1])
             raw = json.loads(self.refs_file.read_text())
         except FileNotFoundError:
             return {}
-        return {name: Record(**{"name": name, **r}) for name, r in raw.items()}
+        records = {name: Record(**{"name": name, **r}) for name, r in raw.items()}
+        _records[self.refs_file] = ((st.st_ino, st.st_size, st.st_mtime_ns), records)
+        return dict(records)
 
     async def tag(self, name: str, digest: str, *, source: str) -> Record:
         manifest = self.read_json(digest)
