@@ -41,7 +41,7 @@ SCENARIO = textwrap.dedent("""
     import json, os, resource, sys, time
     import anyio, psutil
     import nsbox
-    from nsbox import native, registry
+    from nsbox import native, registry, removal
 
     N, SOFT, CONCURRENCY = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -117,6 +117,9 @@ SCENARIO = textwrap.dedent("""
                     for sb in boxes:
                         tg.start_soon(sb.close)
             out["close_seconds"] = time.perf_counter() - t
+        # The trash of the closed sandboxes' work dirs is swept on a thread
+        # that holds a directory open while it works.
+        out["swept"] = removal.wait_swept(60)
         out["fds_left_over"] = fds() - base_fds
         out["children_left"] = [c.pid for c in psutil.Process().children(recursive=True)
                                 if c.pid not in native.helper_pids()]
@@ -182,6 +185,7 @@ def test_a_thousand_live_sandboxes_with_a_soft_limit_of_1024(mode: str) -> None:
     assert m["execs_ok"] == N
     assert m["fds_per_sandbox"] <= FDS_PER_SANDBOX, "more host descriptors per sandbox than FDS_PER_SANDBOX"
     # Everything closed: no descriptor, child, init, registry entry or layer left.
+    assert m["swept"], "the trash was not swept within 60 s"
     assert m["fds_left_over"] <= 0, f"{m['fds_left_over']} descriptors left open after closing"
     assert m["children_left"] == []
     alive = [pid for pid, start in m["inits"] if registry.process_alive(pid, start)]
