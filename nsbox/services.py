@@ -19,9 +19,10 @@
 
 from __future__ import annotations
 
+import functools
 import shlex
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Awaitable, Callable, Mapping, Sequence
 
 import anyio
 
@@ -132,13 +133,46 @@ class Services:
         return {n: "127.0.0.1" for s in self.order for n in (s.name, *s.names)}
 
     async def start(self) -> dict[str, Sandbox]:
-        """Creates every service's sandbox; on failure closes those made and raises."""
+        """Creates every service's sandbox; on failure closes those made and raises.
+
+        The first service's sandbox owns the shared namespaces, so it comes
+        first; the others' are then created at once, while the commands
+        start in dependency order, each once its own sandbox exists and
+        its dependencies' conditions hold (as compose creates containers
+        before it starts them in order)."""
         try:
             deadline = anyio.current_time() + self.wait_limit
-            for service in self.order:
-                for dep, condition in service.depends_on.items():
-                    await self._wait_for(dep, condition, deadline)
-                await self._start_one(service)
+            first, *rest = self.order
+            await self._create(first)
+            created = {s.name: anyio.Event() for s in rest}
+            failed: list[Exception] = []
+
+            async def create(service: ServiceSpec) -> None:
+                await self._create(service)
+                created[service.name].set()
+
+            async def commands() -> None:
+                for service in self.order:
+                    if service.name in created:
+                        await created[service.name].wait()
+                    for dep, condition in service.depends_on.items():
+                        await self._wait_for(dep, condition, deadline)
+                    await self._run_command(service)
+
+            async def guarded(work: Callable[[], Awaitable[None]]) -> None:
+                # The first failure is raised as itself, not in a group.
+                try:
+                    await work()
+                except Exception as e:
+                    failed.append(e)
+                    tg.cancel_scope.cancel()
+
+            async with anyio.create_task_group() as tg:
+                for service in rest:
+                    tg.start_soon(guarded, functools.partial(create, service))
+                tg.start_soon(guarded, commands)
+            if failed:
+                raise failed[0]
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self.close()
@@ -146,7 +180,7 @@ class Services:
         # The project's order (the default service first), as Inspect wants it.
         return {name: self.sandboxes[name] for name in self._given}
 
-    async def _start_one(self, service: ServiceSpec) -> None:
+    async def _create(self, service: ServiceSpec) -> None:
         spec = service.spec
         owner = next(iter(self.sandboxes.values()), None)
         hosts = {**self._hosts(), **spec.hosts}
@@ -166,6 +200,9 @@ class Services:
             await sb.close()
             raise ServicesError(f"service {service.name}: {e}") from None
         self.sandboxes[service.name] = sb
+
+    async def _run_command(self, service: ServiceSpec) -> None:
+        sb = self.sandboxes[service.name]
         command = service.command if service.command is not None else sb.image_command()
         if not command:
             return
