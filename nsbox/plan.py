@@ -23,6 +23,7 @@ without the compiled extension.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -112,6 +113,36 @@ class Plan:
         """Every step, in the order the child runs them."""
         return [*self._steps[Phase.HOST], steps.become_root(), *self._steps[Phase.MOUNT],
                 steps.pivot(self.root), *self._steps[Phase.INSIDE]]
+
+    def pure(self) -> bool:
+        """Whether the plan is data only: no host code to run, no tmpfs for
+        the writable layer (whose contents the host looks at)."""
+        return not (self.hooks or self.alongside or self.cleanups or self.writable or self.join or self.userns)
+
+    def replacing(self, texts: dict[str, str]) -> "Plan":
+        """A copy of a pure plan with each key of `texts` replaced by its
+        value wherever a step or host directory names it."""
+        assert self.pure()
+
+        def swap(value: str | None) -> str | None:
+            if value is None:
+                return None
+            for old, new in texts.items():
+                value = value.replace(old, new)
+            return value
+
+        def step(st: Step) -> Step:
+            fields = (st.what, st.a, st.b, st.c, st.d)
+            if not any(old in f for f in fields if f for old in texts):
+                return st
+            return dataclasses.replace(st, what=swap(st.what) or "", a=swap(st.a), b=swap(st.b), c=swap(st.c),
+                                       d=swap(st.d))
+
+        copy = Plan(self.idmap, self.root, set(self.namespaces), init_args=list(self.init_args))
+        copy._steps = {phase: [step(st) for st in found] for phase, found in self._steps.items()}
+        copy._host_dirs = [swap(d) or "" for d in self._host_dirs]
+        copy._slots = dict(self._slots)
+        return copy
 
     async def run_hooks(self, pid: int) -> None:
         for hook in self.hooks:

@@ -96,6 +96,7 @@ class _CoveredWatch:
 
 
 _covered = _CoveredWatch()
+covered = _covered.get
 
 
 @functools.cache

