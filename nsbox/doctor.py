@@ -34,6 +34,7 @@ import click
 
 from . import hostcheck
 from .errors import HostPrerequisiteError
+from .mounts import OVERLAY_OPTIONS
 
 Status = Literal["pass", "warn", "fail"]
 MIN_KERNEL = (5, 12)
@@ -169,8 +170,8 @@ if os.fork() == 0:
     work = sys.argv[1]
     r = libc.mount(b"proc", (work + "/proc").encode(), b"proc", ctypes.c_ulong(MS_NOSUID | MS_NODEV | MS_NOEXEC), None)
     res["proc"] = "ok" if r == 0 else name(ctypes.get_errno())
-    # The options nsbox mounts its overlays with (nsbox/mounts.py).
-    opts = "lowerdir=%s/lower,upperdir=%s/upper,workdir=%s/work,userxattr,volatile" % (work, work, work)
+    # argv[2]: the options nsbox mounts its overlays with (nsbox/mounts.py).
+    opts = "lowerdir=%s/lower,upperdir=%s/upper,workdir=%s/work,%s" % (work, work, work, sys.argv[2])
     r = libc.mount(b"overlay", (work + "/merged").encode(), b"overlay", ctypes.c_ulong(0), opts.encode())
     if r != 0:
         res["overlay"] = name(ctypes.get_errno())
@@ -211,8 +212,8 @@ def probe_namespaces() -> Probe:
     try:
         for d in ("proc", "lower", "upper", "work", "merged"):
             (work / d).mkdir()
-        r = subprocess.run([sys.executable, "-I", "-c", _PROBE, str(work)], check=False, capture_output=True, text=True,
-                           timeout=30)
+        r = subprocess.run([sys.executable, "-I", "-c", _PROBE, str(work), OVERLAY_OPTIONS], check=False,
+                           capture_output=True, text=True, timeout=30)
         results: dict[str, str] = {}
         for line in r.stdout.splitlines():
             try:

@@ -13,6 +13,10 @@ from .plan import Phase, Plan
 if TYPE_CHECKING:
     from .rootfs import Bind, Rootfs
 
+# The options every overlay of a sandbox gets besides its directories (see
+# overlay()); `nsbox doctor` probes with them too.
+OVERLAY_OPTIONS = "userxattr,volatile"
+
 # Host device nodes the sandbox gets, bind-mounted into a fresh /dev.
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 NOSUID_NODEV = ("MS_NOSUID", "MS_NODEV")
@@ -101,5 +105,5 @@ def overlay(plan: Plan, lowers: Sequence[Path], upper: Path, work: Path, target:
         upper_dir, work_dir = f"{plan.writable.path}/{upper.name}", f"{plan.writable.path}/{work.name}"
         plan.add(Phase.MOUNT, s.mkdir(upper_dir), s.mkdir(work_dir))
     data = (f"lowerdir={':'.join(plan.host_dir(p) for p in lowers)},upperdir={upper_dir},"
-            f"workdir={work_dir},userxattr,volatile")
+            f"workdir={work_dir},{OVERLAY_OPTIONS}")
     plan.add(Phase.MOUNT, s.mount("overlay", target, "overlay", (), data, what))
