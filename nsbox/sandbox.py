@@ -240,9 +240,8 @@ class Sandbox:
             return template.replacing({_LAYER_MARK: os.fspath(self._layer), _HOST_MARK: self.hostname})
         plan = self._build_plan(mount_dir, self._layer, self.id, self.hostname)
         if plan.pure():
-            if len(_plan_templates) >= _PLAN_TEMPLATES_MAX:
-                _plan_templates.clear()
-            _plan_templates[key] = self._build_plan(mount_dir, Path(_LAYER_MARK), self.id, _HOST_MARK)
+            _remember(_plan_templates, key, self._build_plan(mount_dir, Path(_LAYER_MARK), self.id, _HOST_MARK),
+                      _PLAN_TEMPLATES_MAX)
         return plan
 
     def _build_plan(self, mount_dir: Path, layer: Path, sandbox_id: str, hostname: str) -> plan_mod.Plan:
@@ -313,9 +312,12 @@ class Sandbox:
         known = self.rootfs.identity_files()
         image = self._fresh_image_key()
         files = _image_identity_files.get(image) if image is not None else None
-        if files is not None:
-            known = {"passwd": files[0].decode(errors="replace"), "group": files[1].decode(errors="replace")}
-        identity = users.lookup(self.user, known["passwd"], known["group"]) if known else None
+        if known:
+            identity = users.lookup(self.user, known["passwd"], known["group"])
+        elif files is not None:
+            identity = _lookup_in(self.user, files)
+        else:
+            return None
         return identity.home if identity else None
 
     def _register(self) -> None:
@@ -341,7 +343,7 @@ class Sandbox:
             if files is None:
                 files = await self._identity_files()
                 _remember(_image_identity_files, image, files)
-            identity = users.lookup(self.user, files[0].decode(errors="replace"), files[1].decode(errors="replace"))
+            identity = _lookup_in(self.user, files)
         else:
             identity = await self._lookup_user(self.user)
         if identity is None:
@@ -556,7 +558,7 @@ class Sandbox:
         cached = self._user_cache.get(user)
         if cached is not None and cached[0] == passwd and cached[1] == group:
             return cached[2]
-        identity = users.lookup(user, passwd.decode(errors="replace"), group.decode(errors="replace"))
+        identity = _lookup_in(user, (passwd, group))
         self._user_cache[user] = (passwd, group, identity)
         return identity
 
@@ -798,10 +800,16 @@ _image_workdirs: dict[object, bool] = {}
 _IMAGE_FACTS_MAX = 256
 
 
-def _remember(facts: dict[object, Any], key: object, value: Any) -> None:
-    if len(facts) >= _IMAGE_FACTS_MAX:
-        facts.clear()
-    facts[key] = value
+def _remember(cache: dict[object, Any], key: object, value: Any, limit: int = _IMAGE_FACTS_MAX) -> None:
+    """cache[key] = value, starting the cache over once it holds `limit`."""
+    if len(cache) >= limit:
+        cache.clear()
+    cache[key] = value
+
+
+def _lookup_in(user: str, files: tuple[bytes, bytes]) -> users.Identity | None:
+    """`user` in the contents of an /etc/passwd and an /etc/group."""
+    return users.lookup(user, files[0].decode(errors="replace"), files[1].decode(errors="replace"))
 
 
 def _exited(pidfd: int) -> bool:
