@@ -103,6 +103,12 @@ _VERIFIED_MAX_BYTES = 1 << 20
 _records: dict[Path, tuple[tuple[int, int, int], dict[str, "Record"]]] = {}
 
 
+def _file_id(path: Path) -> tuple[int, int, int]:
+    """What changes when a file is replaced or rewritten: inode, size, mtime."""
+    st = os.stat(path)
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
 class Store:
     def __init__(self, root: Path | None = None) -> None:
         self.root = Path(root) if root is not None else data_dir() / "images"
@@ -156,9 +162,9 @@ class Store:
         only if the file changed since (another inode, size or mtime)."""
         path = self.blob_path(digest)
         try:
-            st = os.stat(path)
+            ident = _file_id(path)
             seen = _verified.get(path)
-            if seen is not None and seen[0] == (st.st_ino, st.st_size, st.st_mtime_ns):
+            if seen is not None and seen[0] == ident:
                 return seen[1]
             data = path.read_bytes()
         except FileNotFoundError:
@@ -168,7 +174,7 @@ class Store:
         if len(data) <= _VERIFIED_MAX_BYTES:
             if len(_verified) >= _VERIFIED_MAX:
                 _verified.clear()
-            _verified[path] = ((st.st_ino, st.st_size, st.st_mtime_ns), data)
+            _verified[path] = (ident, data)
         return data
 
     def read_json(self, digest: str) -> dict[str, Any]:
@@ -251,15 +257,15 @@ class Store:
         """The names, as last written (refs.json is replaced by a rename:
         an unchanged inode, size and mtime mean unchanged names)."""
         try:
-            st = os.stat(self.refs_file)
+            ident = _file_id(self.refs_file)
             seen = _records.get(self.refs_file)
-            if seen is not None and seen[0] == (st.st_ino, st.st_size, st.st_mtime_ns):
+            if seen is not None and seen[0] == ident:
                 return dict(seen[1])
             raw = json.loads(self.refs_file.read_text())
         except FileNotFoundError:
             return {}
         records = {name: Record(**{"name": name, **r}) for name, r in raw.items()}
-        _records[self.refs_file] = ((st.st_ino, st.st_size, st.st_mtime_ns), records)
+        _records[self.refs_file] = (ident, records)
         return dict(records)
 
     async def tag(self, name: str, digest: str, *, source: str) -> Record:
@@ -280,6 +286,8 @@ class Store:
         data = {n: {k: v for k, v in r.to_dict().items() if k != "name"} for n, r in sorted(records.items())}
         tmp.write_text(json.dumps(data, indent=1))
         os.rename(tmp, self.refs_file)
+        # The new file may reuse the old one's inode within one mtime tick.
+        _records.pop(self.refs_file, None)
 
     def lookup(self, ref: str) -> Record:
         """A stored image by name (normalised as Docker does) or by id prefix."""
