@@ -22,6 +22,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -88,6 +89,14 @@ def sync_op(cmd: list[str]) -> Op:
     """An op timing a whole subprocess.run (run on the loop's thread)."""
     async def op() -> None:
         subprocess.run(cmd, check=True, stdin=subprocess.DEVNULL)
+    return op
+
+
+def create_close(**options: Any) -> Op:
+    """An op creating a sandbox with `options` and closing it."""
+    async def op() -> None:
+        sb = await nsbox.Sandbox.create(**options)
+        await sb.close()
     return op
 
 
@@ -284,7 +293,7 @@ class DirtyWriter:
              os.fspath(self.path)], stdin=subprocess.DEVNULL, start_new_session=True)
 
     def close(self) -> None:
-        os.killpg(self.proc.pid, 9)
+        os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
         self.path.unlink(missing_ok=True)
 
@@ -294,12 +303,7 @@ async def bench_create_writeback(n: int, warmup: int, notes: list[str]) -> list[
     the layers: an overlay unmount that syncs its upper filesystem (without
     `volatile`) waits for all of that writeback."""
     op = "create+destroy, host writing to the layers' disk"
-
-    async def ns() -> None:
-        sb = await nsbox.Sandbox.create()
-        await sb.close()
-
-    variants: dict[str, Op] = {"nsbox": ns}
+    variants: dict[str, Op] = {"nsbox": create_close()}
     bwrap = shutil.which("bwrap")
     if bwrap:
         variants["bwrap true"] = sync_op([bwrap, *BWRAP_ARGS])
@@ -320,14 +324,7 @@ async def bench_limits(n: int, warmup: int, notes: list[str]) -> list[Row]:
     """What resource limits add to create+destroy (a cgroup where the host
     delegates one, else rlimits and a capped tmpfs: see `nsbox doctor`)."""
     limits = {"memory": "256m", "pids_limit": 256, "cpus": 1.0}
-
-    def make(**options: Any) -> Op:
-        async def run() -> None:
-            sb = await nsbox.Sandbox.create(**options)
-            await sb.close()
-        return run
-
-    s = await interleaved({"limits": make(**limits), "plain": make()}, n, warmup)
+    s = await interleaved({"limits": create_close(**limits), "plain": create_close()}, n, warmup)
     med = {k: statistics.median(v) for k, v in s.items()}
     from nsbox import resources
 
