@@ -113,7 +113,7 @@ def mount_proc(plan: Plan, proc: str) -> None:
     """Mounts the sandbox's /proc at `proc` (MOUNT phase): a fresh procfs,
     or, where the host's /proc is masked, a recursive bind of it."""
     global _noted
-    if not _covered.get():
+    if not covered():
         plan.add(Phase.MOUNT, s.mount("proc", proc, "proc", PROC_FLAGS, None, "mount a fresh /proc"))
         return
     if not _noted:

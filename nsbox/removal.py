@@ -255,10 +255,10 @@ def remove_layer(layer: Path, mapping: IdMap | None) -> None:
             raise RemovalError(f"rm -rf in the sandbox's user namespace failed (exit status {status})") from None
 
 
-# What prepare() and overlayfs leave in a layer the sandbox never wrote to,
-# deepest first; no other kind of layer exists.
-_UNTOUCHED = ("etc-upper/hosts", "etc-upper/hostname", "work/work", "etc-work/work",
-              "upper", "work", "etc-upper", "etc-work", "")
+# What prepare() leaves in a layer the sandbox never wrote to, once
+# layers.set_aside_work() has taken overlayfs's work out, deepest first; no
+# other kind of layer exists.
+_UNTOUCHED = ("etc-upper/hosts", "etc-upper/hostname", "upper", "work", "etc-upper", "etc-work", "")
 
 
 def remove_untouched_layer(layer: Path) -> bool:
