@@ -21,6 +21,23 @@
  * (the nested_userns setting) namespaces, mounts and clone3 are allowed, so
  * that a sandbox can run inside the sandbox.
  *
+ * Who installs it: the init, on itself, once, before it serves a request.
+ * Every process of the sandbox is forked from the init and inherits the
+ * filter, so a command starts with nothing to compile or attach (attaching
+ * a filter JIT-compiles it: ~0.1 ms, once per exec when each request child
+ * installed its own). The init's request children still have to join the
+ * sandbox's nested namespaces, so setns is allowed in exactly two forms:
+ * setns(NSBOX_FD_USERNS, CLONE_NEWUSER) and setns(NSBOX_FD_MNTNS,
+ * CLONE_NEWNS) (see csrc/protocol.h). A sandbox process may put any
+ * descriptor at those numbers, but the kernel lets it enter only a
+ * namespace whose user namespace it holds CAP_SYS_ADMIN in: sandbox root
+ * can re-enter its own mount namespace (which resets its root directory
+ * to the sandbox's, as chroot(".") tricks already could) and nothing else.
+ * It cannot create a namespace to enter (denied below), nor open the
+ * init's (/proc/1 is not dumpable). tests/test_holder.py shows the kernel
+ * refusing the other sandboxes' and the holder's namespaces even to an
+ * unfiltered sandbox root.
+ *
  * Architectures: the filter is compiled for the machine it runs on (x86_64
  * or aarch64) and compares numbers from that machine's <asm/unistd.h>. A
  * system call made through another ABI has other numbers and would slip
@@ -38,6 +55,7 @@
  */
 #define _GNU_SOURCE
 #include "seccomp.h"
+#include "protocol.h"
 
 #include <errno.h>
 #include <stdbool.h>
@@ -165,6 +183,7 @@ enum rule_kind {
     RULE_ERRNO, /* fail with `value` as errno, whatever the arguments */
     RULE_FLAGS, /* EPERM if the low 32 bits of argument 0 have any of `value` */
     RULE_IOCTL, /* EPERM for the terminal ioctls TIOCSTI and TIOCLINUX */
+    RULE_SETNS, /* EPERM unless it is one of the init's two setns calls */
 };
 
 struct rule {
@@ -230,6 +249,20 @@ static void emit_rule(struct prog *p, const struct rule *r)
         ret(p, SECCOMP_RET_ALLOW);
         ret(p, RET_ERRNO(EPERM));
         break;
+    case RULE_SETNS:
+        /* setns(int fd, int nstype): the kernel reads both as int, so the
+         * low halves are what it acts on. */
+        emit(p, BPF_JMP | BPF_JEQ | BPF_K, r->nr, 0, 9);
+        load(p, OFF_ARG_LO(1));
+        emit(p, BPF_JMP | BPF_JEQ | BPF_K, CLONE_NEWUSER, 0, 2);
+        load(p, OFF_ARG_LO(0));
+        emit(p, BPF_JMP | BPF_JEQ | BPF_K, NSBOX_FD_USERNS, 3, 4);
+        emit(p, BPF_JMP | BPF_JEQ | BPF_K, CLONE_NEWNS, 0, 3); /* A: nstype */
+        load(p, OFF_ARG_LO(0));
+        emit(p, BPF_JMP | BPF_JEQ | BPF_K, NSBOX_FD_MNTNS, 0, 1);
+        ret(p, SECCOMP_RET_ALLOW);
+        ret(p, RET_ERRNO(EPERM));
+        break;
     }
 }
 
@@ -267,7 +300,7 @@ static bool add_rule(struct rule *rules, size_t *n, int nr, enum rule_kind kind,
     return true;
 }
 
-int nsbox_seccomp_build(int allow_nested_userns, struct sock_filter *out, size_t cap)
+int nsbox_seccomp_build(int allow_nested_userns, int init_entry, struct sock_filter *out, size_t cap)
 {
     struct rule rules[MAX_RULES];
     size_t n = 0;
@@ -276,8 +309,10 @@ int nsbox_seccomp_build(int allow_nested_userns, struct sock_filter *out, size_t
         ok &= add_rule(rules, &n, denied[i], RULE_ERRNO, EPERM);
     ok &= add_rule(rules, &n, __NR_ioctl, RULE_IOCTL, 0);
     if (!allow_nested_userns) {
-        for (size_t i = 0; i < N_ELEMS(namespace_calls); i++)
-            ok &= add_rule(rules, &n, namespace_calls[i], RULE_ERRNO, EPERM);
+        for (size_t i = 0; i < N_ELEMS(namespace_calls); i++) {
+            bool entry = init_entry && namespace_calls[i] == __NR_setns;
+            ok &= add_rule(rules, &n, namespace_calls[i], entry ? RULE_SETNS : RULE_ERRNO, EPERM);
+        }
         /* New namespaces. Sandbox root holds every capability in its user
          * namespace, so a namespace it creates is one it controls: a
          * network namespace gives it CAP_NET_ADMIN (nf_tables and
@@ -317,10 +352,10 @@ int nsbox_seccomp_build(int allow_nested_userns, struct sock_filter *out, size_t
     return p.n <= cap ? (int)p.n : -E2BIG;
 }
 
-int nsbox_seccomp_install(int allow_nested_userns)
+int nsbox_seccomp_install(int allow_nested_userns, int init_entry)
 {
     struct sock_filter insn[256];
-    int n = nsbox_seccomp_build(allow_nested_userns, insn, N_ELEMS(insn));
+    int n = nsbox_seccomp_build(allow_nested_userns, init_entry, insn, N_ELEMS(insn));
     if (n < 0)
         return n;
     struct sock_fprog fprog = {.len = (unsigned short)n, .filter = insn};

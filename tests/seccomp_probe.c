@@ -6,11 +6,13 @@
  *   seccomp_probe [--userns] [--nnp] MODE -- CMD...   install the filter, then exec CMD
  *   seccomp_probe --dump MODE                         print the filter program
  *
- * MODE: none (no filter: what the kernel alone does), default, nested.
+ * MODE: none (no filter: what the kernel alone does), default, nested, or
+ *       init (default plus the init's two setns calls, as the init installs
+ *       it on itself).
  * --userns  first enter a new user and mount namespace as its root (mapped
- *           onto our own ids), holding CAP_SYS_ADMIN there as the init's
- *           request child does in a sandbox's nested namespace; the filter
- *           is then installed without no_new_privs, as there.
+ *           onto our own ids), holding CAP_SYS_ADMIN there as the init
+ *           does in a sandbox's user namespace; the filter is then
+ *           installed without no_new_privs, as there.
  * --nnp     set no_new_privs first (needed outside --userns, except as root).
  *
  * Each probe runs in a forked child, so one that kills its process (the
@@ -60,6 +62,7 @@
 #include <termios.h>
 #include <unistd.h>
 
+#include "protocol.h"
 #include "seccomp.h"
 
 #define SETUP_FAILED 200
@@ -128,6 +131,22 @@ static int p_ioperm(void) { return result(syscall(__NR_ioperm, 65536, 1, 0)); }
 /* ---- namespaces and mounts -------------------------------------------- */
 
 static int p_setns(void) { return result(syscall(__NR_setns, -1, 0)); }
+
+/* setns on one of our own namespaces, placed at descriptor `at`: the
+ * init's two calls are setns(NSBOX_FD_USERNS, CLONE_NEWUSER) and
+ * setns(NSBOX_FD_MNTNS, CLONE_NEWNS), which the init mode allows. */
+static int entry_setns(const char *ns, int at, int nstype)
+{
+    int fd = open(ns, O_RDONLY | O_CLOEXEC);
+    if (fd < 0 || (fd != at && dup2(fd, at) < 0))
+        return SETUP_FAILED;
+    return result(syscall(__NR_setns, at, nstype));
+}
+static int p_setns_init_user(void) { return entry_setns("/proc/self/ns/user", NSBOX_FD_USERNS, CLONE_NEWUSER); }
+static int p_setns_init_mnt(void) { return entry_setns("/proc/self/ns/mnt", NSBOX_FD_MNTNS, CLONE_NEWNS); }
+/* The right namespace at the other number, or with any type allowed. */
+static int p_setns_init_swapped(void) { return entry_setns("/proc/self/ns/mnt", NSBOX_FD_USERNS, CLONE_NEWNS); }
+static int p_setns_init_anytype(void) { return entry_setns("/proc/self/ns/mnt", NSBOX_FD_MNTNS, 0); }
 static int p_mount(void) { return result(mount("none", MISSING, "tmpfs", 0, NULL)); }
 static int p_mount_real(void)
 {
@@ -448,7 +467,8 @@ static const struct {
 #ifdef __NR_ioperm
     PROBE(ioperm),
 #endif
-    PROBE(setns), PROBE(mount), PROBE(mount_real), PROBE(umount2), PROBE(pivot_root),
+    PROBE(setns), PROBE(setns_init_user), PROBE(setns_init_mnt), PROBE(setns_init_swapped),
+    PROBE(setns_init_anytype), PROBE(mount), PROBE(mount_real), PROBE(umount2), PROBE(pivot_root),
     PROBE(open_tree), PROBE(move_mount), PROBE(fsopen), PROBE(fsconfig), PROBE(fsmount),
     PROBE(fspick), PROBE(mount_setattr), PROBE(open_tree_attr), PROBE(unshare_user_real),
     PROBE(unshare_user_highbits), PROBE(unshare_mnt_real), PROBE(unshare_net_real),
@@ -527,6 +547,8 @@ static int parse_mode(const char *s)
         return 0;
     if (strcmp(s, "nested") == 0)
         return 1;
+    if (strcmp(s, "init") == 0)
+        return 2;
     fprintf(stderr, "seccomp_probe: unknown mode %s\n", s);
     exit(2);
 }
@@ -548,14 +570,14 @@ int main(int argc, char **argv)
         }
     }
     if (i >= argc) {
-        fprintf(stderr, "usage: seccomp_probe [--userns] [--nnp] [--dump] none|default|nested [-- CMD...]\n");
+        fprintf(stderr, "usage: seccomp_probe [--userns] [--nnp] [--dump] none|default|nested|init [-- CMD...]\n");
         return 2;
     }
     int mode = parse_mode(argv[i++]);
 
     if (dump) {
         struct sock_filter insn[256];
-        int n = nsbox_seccomp_build(mode > 0, insn, 256);
+        int n = nsbox_seccomp_build(mode == 1, mode == 2, insn, 256);
         if (n < 0)
             return 1;
         for (int k = 0; k < n; k++)
@@ -569,7 +591,7 @@ int main(int argc, char **argv)
         return 2;
     }
     if (mode >= 0) {
-        int err = nsbox_seccomp_install(mode);
+        int err = nsbox_seccomp_install(mode == 1, mode == 2);
         if (err) {
             fprintf(stderr, "seccomp_probe: installing the filter: %s\n", strerror(-err));
             return 2;

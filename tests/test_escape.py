@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import nsbox
+from nsbox import native
 from nsbox.rootfs import Bind
 
 ATTACK_INIT = r"""
@@ -74,6 +75,61 @@ async def test_init_is_out_of_reach(sandbox: nsbox.Sandbox) -> None:
     assert results["/proc/1/fd/3"] in ("EACCES", "EPERM")
     assert results["/proc/1/root"] in ("EACCES", "EPERM")
     assert results["/proc/1/environ"] in ("EACCES", "EPERM")
+
+
+# setns as the init's children make it (csrc/seccomp.c), on descriptors a
+# sandbox process places at the init's numbers itself.
+ATTACK_SETNS = r"""
+import ctypes, errno, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+CLONE_NEWUSER, CLONE_NEWNS = 0x10000000, 0x20000
+FD_USERNS, FD_MNTNS = int(sys.argv[1]), int(sys.argv[2])
+def setns(path, at, nstype):
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        return "open:" + errno.errorcode[e.errno]
+    if fd != at:
+        os.dup2(fd, at)
+    return "ok" if libc.setns(at, nstype) == 0 else errno.errorcode[ctypes.get_errno()]
+print("own-user", setns("/proc/self/ns/user", FD_USERNS, CLONE_NEWUSER))
+print("own-mnt", setns("/proc/self/ns/mnt", FD_MNTNS, CLONE_NEWNS))
+print("mnt-at-user-fd", setns("/proc/self/ns/mnt", FD_USERNS, CLONE_NEWNS))
+print("mnt-any-type", setns("/proc/self/ns/mnt", FD_MNTNS, 0))
+print("mnt-other-fd", setns("/proc/self/ns/mnt", 9, CLONE_NEWNS))
+print("init-user", setns("/proc/1/ns/user", FD_USERNS, CLONE_NEWUSER))
+print("init-mnt", setns("/proc/1/ns/mnt", FD_MNTNS, CLONE_NEWNS))
+"""
+
+
+def _status(path: str) -> dict[str, str]:
+    return dict(line.split(":\t", 1) for line in Path(path).read_text().splitlines() if ":\t" in line)
+
+
+async def test_the_init_carries_the_filter_and_allows_only_its_own_setns(sandbox: nsbox.Sandbox, mode: str) -> None:
+    """The init installs the seccomp filter on itself, once; commands inherit
+    it. The only setns it lets through are the init's two, and through those
+    sandbox root reaches no namespace but its own."""
+    assert _status(f"/proc/{sandbox.pid}/status")["Seccomp"] == "2"
+    r = await sandbox.exec(["cat", "/proc/self/status"])
+    assert "Seccomp:\t2\n" in r.stdout and "Seccomp_filters:\t1\n" in r.stdout  # inherited, not stacked
+    r = await sandbox.exec(["python3", "-c", ATTACK_SETNS, str(native.lib.NSBOX_FD_USERNS),
+                            str(native.lib.NSBOX_FD_MNTNS)])
+    results = dict(line.split(" ", 1) for line in r.stdout.splitlines())
+    assert r.success, r.stderr
+    assert results["own-user"] == "EINVAL"  # the kernel: it is already there
+    assert results["own-mnt"] == "ok"  # root re-entering its own mount namespace
+    for name in ("mnt-at-user-fd", "mnt-any-type", "mnt-other-fd"):
+        assert results[name] == "EPERM", (name, results)
+    # The init's own namespaces cannot even be opened.
+    assert results["init-user"] in ("open:EACCES", "open:EPERM")
+    assert results["init-mnt"] in ("open:EACCES", "open:EPERM")
+    # A user other than root (single mode has no other): the kernel refuses
+    # it even its own mount namespace.
+    if mode != "single":
+        r = await sandbox.exec(["python3", "-c", ATTACK_SETNS, str(native.lib.NSBOX_FD_USERNS),
+                                str(native.lib.NSBOX_FD_MNTNS)], user="nobody")
+        assert dict(line.split(" ", 1) for line in r.stdout.splitlines())["own-mnt"] == "EPERM", r.stderr
 
 
 async def test_pid_one_ignores_signals_from_inside(sandbox: nsbox.Sandbox) -> None:

@@ -6,9 +6,9 @@ a list of operations that must keep working. Each is run with the filter
 and without it: without it every denied call reaches the kernel (it
 succeeds, or fails with an error other than the filter's), so the EPERM
 seen with it is the filter's doing. The filter is installed the way the
-init's request child will install it: as root of a fresh user namespace
-(--userns), without no_new_privs; and, as a second check, in a plain
-process with no_new_privs.
+init installs it on itself: as root of a user namespace (--userns),
+without no_new_privs; and, as a second check, in a plain process with
+no_new_privs.
 
 The filter program is also checked instruction by instruction for x86_64
 and for aarch64 (built with a cross compiler, run under qemu-user) against
@@ -29,6 +29,8 @@ from pathlib import Path
 
 import pytest
 
+from nsbox import native
+
 pytestmark = pytest.mark.timeout(120)
 
 TESTS = Path(__file__).resolve().parent
@@ -44,7 +46,7 @@ ALWAYS_DENIED = [
 ARCH_SPECIFIC = ["lookup_dcookie", "uselib", "iopl", "ioperm"]  # where the architecture has them
 # Denied unless nested sandboxes are allowed (clone3: ENOSYS).
 NAMESPACE_DENIED = [
-    "setns", "mount", "mount_real", "umount2", "pivot_root", "open_tree", "move_mount", "fsopen", "fsconfig",
+    "setns", "setns_init_user", "setns_init_mnt", "setns_init_swapped", "setns_init_anytype", "mount", "mount_real", "umount2", "pivot_root", "open_tree", "move_mount", "fsopen", "fsconfig",
     "fsmount", "fspick", "mount_setattr", "open_tree_attr", "unshare_user_real", "unshare_user_highbits",
     "unshare_mnt_real", "unshare_net_real", "unshare_time_real", "clone_user_real", "clone_net_real",
 ]
@@ -184,6 +186,24 @@ def test_nested_mode_allows_namespaces_and_nothing_else(probe_binary: Path, unfi
         assert nested[name] == unfiltered[name], name
 
 
+def test_init_mode_allows_the_inits_two_setns_calls_and_nothing_else(
+        probe_binary: Path, unfiltered: dict[str, str]) -> None:
+    """The filter as the init carries it: its children may join the
+    sandbox's namespaces through its two descriptors, with the right type."""
+    init = run_probe(probe_binary, "--userns", "init")
+    default = run_probe(probe_binary, "--userns", "default")
+    # The kernel's own answers: re-entering our user namespace is EINVAL,
+    # re-entering our mount namespace works.
+    assert unfiltered["setns_init_user"] == init["setns_init_user"] == "EINVAL"
+    assert unfiltered["setns_init_mnt"] == init["setns_init_mnt"] == "ok"
+    # The other number, or any namespace type: the kernel would take them.
+    for name in ("setns_init_swapped", "setns_init_anytype"):
+        assert unfiltered[name] == "ok" and init[name] == "EPERM", name
+    allowed = {"setns_init_user", "setns_init_mnt"}
+    assert {k: v for k, v in init.items() if k not in allowed} == {
+        k: v for k, v in default.items() if k not in allowed}
+
+
 def test_without_the_filter_each_call_reaches_the_kernel(probe_binary: Path, unfiltered: dict[str, str]) -> None:
     """The protection switched off: the same probes are not refused."""
     # What an unprivileged process may really do, and does, without the filter.
@@ -280,6 +300,8 @@ RET_KILL_PROCESS, RET_ALLOW, RET_ERRNO = 0x80000000, 0x7FFF0000, 0x00050000
 EPERM, ENOSYS = 1, 38
 TIOCSTI, TIOCLINUX, TCGETS = 0x5412, 0x541C, 0x5401
 CLONE_NEWUSER, CLONE_NEWNET, CLONE_VM, CLONE_FS = 0x10000000, 0x40000000, 0x100, 0x200
+CLONE_NEWNS = 0x20000
+FD_USERNS, FD_MNTNS = native.lib.NSBOX_FD_USERNS, native.lib.NSBOX_FD_MNTNS
 # Filter entries by syscall name (libseccomp names), and numbers libseccomp
 # 2.5 does not know yet (calls added since have one number everywhere).
 DENIED_NAMES = ["keyctl", "add_key", "request_key", "bpf", "perf_event_open", "userfaultfd", "io_uring_setup",
@@ -367,7 +389,7 @@ def test_filter_program_per_architecture(arch: str, tmp_path: Path) -> None:
     present = {name: n for name, n in nr.items() if n is not None}
     native, foreign = AUDIT_ARCH[arch], FOREIGN_ARCH[arch]
     eperm, enosys = RET_ERRNO | EPERM, RET_ERRNO | ENOSYS
-    for mode in ("default", "nested"):
+    for mode in ("default", "nested", "init"):
         prog = _dump(arch, tmp_path, mode)
         nested = mode == "nested"
         # Exactly these numbers are singled out, no more, no fewer.
@@ -392,6 +414,13 @@ def test_filter_program_per_architecture(arch: str, tmp_path: Path) -> None:
         for cmd in (TIOCSTI, TIOCLINUX, TIOCSTI | 1 << 32, TIOCSTI | 0xFFFF_FFFF << 32):
             assert prog.run(native, ioctl, (0, cmd)) == eperm, hex(cmd)
         assert prog.run(native, ioctl, (0, TCGETS)) == RET_ALLOW
+        # The init's two setns calls; the kernel reads fd and type as int.
+        setns = present["setns"]
+        for args in ((FD_USERNS, CLONE_NEWUSER), (FD_MNTNS, CLONE_NEWNS), (FD_MNTNS | 1 << 32, CLONE_NEWNS)):
+            assert prog.run(native, setns, args) == (eperm if mode == "default" else RET_ALLOW), args
+        for args in ((FD_USERNS, CLONE_NEWNS), (FD_MNTNS, CLONE_NEWUSER), (FD_MNTNS, 0), (FD_USERNS, 0),
+                     (7, CLONE_NEWUSER), (0, CLONE_NEWNS), (FD_USERNS, CLONE_NEWUSER | CLONE_NEWNS)):
+            assert prog.run(native, setns, args) == (RET_ALLOW if nested else eperm), args
         # Another ABI's numbers mean other calls: the process is killed.
         assert prog.run(foreign, 0) == RET_KILL_PROCESS
         assert prog.run(foreign, present["read"]) == RET_KILL_PROCESS

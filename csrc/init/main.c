@@ -66,6 +66,9 @@ static bool detached;
 static uint64_t exec_count;
 /* argv "--nested-userns": commands may create namespaces (see seccomp.c). */
 static bool allow_nested_userns;
+/* Why the kernel refused our seccomp filter (an errno), or 0: with no
+ * filter, no command runs. */
+static int filter_err;
 
 void *grow(void *p, size_t *cap, size_t need, size_t elem)
 {
@@ -166,6 +169,11 @@ static void spawn_request(struct request *rq, char *payload, int *fds, int nfds)
         return;
     }
     int chan = fds[0];
+    if (exec && filter_err) {
+        send_reply(chan, NSBOX_REPLY_FAIL, 0, filter_err, NSBOX_STAGE_SPAWN, -1);
+        close_fds(fds, nfds);
+        return;
+    }
     int start[2] = {-1, -1};
     if (exec && pipe2(start, O_CLOEXEC | O_NONBLOCK) < 0) {
         send_reply(chan, NSBOX_REPLY_FAIL, 0, errno, NSBOX_STAGE_SPAWN, -1);
@@ -183,15 +191,11 @@ static void spawn_request(struct request *rq, char *payload, int *fds, int nfds)
         child_report_is_pipe = exec;
         child_report_fd = exec ? start[1] : chan;
         reset_signals();
+        /* We carry the init's seccomp filter, which allows exactly these
+         * two setns calls (see seccomp.c). */
         int err = enter_sandbox();
         if (err)
             child_fail(NSBOX_STAGE_SPAWN, err);
-        /* Everything the command starts inherits the filter. We hold
-         * CAP_SYS_ADMIN in the user namespace we just joined, so no
-         * no_new_privs is needed; what follows (setsid, chdir, TIOCSCTTY,
-         * setgroups, setresuid, execve) is not denied. No filter, no exec. */
-        if (exec && (err = nsbox_seccomp_install(allow_nested_userns)) < 0)
-            child_fail(NSBOX_STAGE_SPAWN, -err);
         if (in_fd) {
             payload = read_payload_fd(fds[nfds - 1], rq->h.payload_len);
             if (!payload)
@@ -400,6 +404,14 @@ int main(int argc, char **argv)
         fcntl(userns_fd, F_SETFD, FD_CLOEXEC);
         fcntl(mntns_fd, F_SETFD, FD_CLOEXEC);
     }
+
+    /* The filter goes on us, once: every process of the sandbox is forked
+     * from us and inherits it. We hold CAP_SYS_ADMIN in our user namespace,
+     * so no no_new_privs is needed. Nothing we do from here on is denied:
+     * forks without namespace flags, and the two setns calls of
+     * enter_sandbox(). */
+    int err = nsbox_seccomp_install(allow_nested_userns, userns_fd >= 0);
+    filter_err = err < 0 ? -err : 0;
 
     fcntl(NSBOX_FD_CONTROL, F_SETFD, FD_CLOEXEC);
     fcntl(NSBOX_FD_CONTROL, F_SETFL, O_NONBLOCK);
