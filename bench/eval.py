@@ -1,7 +1,7 @@
 """An end-to-end Inspect eval, timed: N samples, each a scripted mockllm
-agent making a few bash() and python() tool calls, run with --sandbox nsbox
-and with Inspect's unisolated `local` sandbox, alternately, in fresh
-processes (python bench/eval.py [--samples N] [--rounds R]).
+agent making 10 bash() and python() tool calls with small outputs, run with
+--sandbox nsbox and with Inspect's unisolated `local` sandbox, alternately,
+in fresh processes (python bench/eval.py [--samples N] [--rounds R]).
 
 Prints wall time per run, the ratio, and the peak RSS of each process
 (ru_maxrss of the eval process plus its children: sandboxes, tools).
@@ -29,7 +29,14 @@ from inspect_ai.tool import bash, python
 
 STEPS = [("bash", {"command": "echo $((6*7)) > /tmp/answer && cat /tmp/answer"}),
          ("python", {"code": "print(open('/tmp/answer').read().strip())"}),
-         ("bash", {"command": "ls / | wc -l"})]
+         ("bash", {"command": "ls / | wc -l"}),
+         ("python", {"code": "import os; print(len(os.listdir('/')))"}),
+         ("bash", {"command": "uname -s"}),
+         ("python", {"code": "print(sum(range(100)))"}),
+         ("bash", {"command": "head -c 100 /etc/passwd | wc -c"}),
+         ("python", {"code": "import json; print(json.dumps({'answer': 42}))"}),
+         ("bash", {"command": "cat /tmp/answer"}),
+         ("python", {"code": "print('done')"})]
 
 def script(input: list[ChatMessage], *_: Any) -> ModelOutput:
     n = sum(isinstance(m, ChatMessageTool) for m in input)
@@ -52,7 +59,8 @@ sys.path.insert(0, sys.argv[1])
 import bench_task
 t = time.perf_counter()
 [log] = eval(bench_task.bench(int(sys.argv[3])), model=get_model("mockllm/model", custom_outputs=bench_task.script),
-             sandbox=sys.argv[2], display="none", log_dir=sys.argv[1] + "/logs", max_samples=int(sys.argv[4]))
+             sandbox=sys.argv[2], display="none", log_dir=sys.argv[1] + "/logs", max_samples=int(sys.argv[4]),
+             max_sandboxes=int(sys.argv[4]))
 wall = time.perf_counter() - t
 errors = sum(1 for s in log.samples or [] if s.error is not None)
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss + resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
@@ -79,7 +87,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--concurrency", type=int, default=8, help="max_samples")
+    parser.add_argument("--concurrency", type=int, default=32, help="max_samples and max_sandboxes")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as d:
@@ -98,7 +106,8 @@ def main() -> int:
             run(d, "nsbox", args.samples, args.concurrency, profile=True)
     wall = {k: statistics.median(r["wall"] for r in v) for k, v in results.items()}
     peak = {k: statistics.median(r["peak_kib"] for r in v) / 1024 for k, v in results.items()}
-    print(f"\n{args.samples} samples x 3 tool calls, max_samples {args.concurrency}, medians of {args.rounds}:")
+    print(f"\n{args.samples} samples x 10 tool calls, max_samples = max_sandboxes = {args.concurrency}, "
+          f"medians of {args.rounds}:")
     print(f"  wall   nsbox {wall['nsbox']:.2f} s   local {wall['local']:.2f} s   "
           f"ratio {wall['nsbox'] / wall['local']:.2f}x (target <= 1.10x)")
     print(f"  peak   nsbox {peak['nsbox']:.0f} MiB   local {peak['local']:.0f} MiB (eval process + largest child)")
