@@ -69,6 +69,9 @@ struct nsbox_spec {
     int deny_setgroups;
     int sync_fd;  /* child reads one byte here before its steps: the host's "go", sent
                      once the id maps are written and its hooks are done */
+    int go_fd;    /* the write end of that pipe, or -1: with it, the zygote sends
+                     the go itself once the maps are written (a host with no hooks
+                     to run first need not wake for it) */
     int error_fd; /* child writes struct nsbox_setup_error here on failure */
     int keep_fds[4]; /* become fds 3, 4, ... of the program; -1 entries give closed fds */
     int nkeep;
@@ -113,13 +116,15 @@ enum nsbox_setup_stage {
  * receives one message on its socket (fd NSBOX_ZYGOTE_SOCKET) carrying, as
  * SCM_RIGHTS and in this order: a socket for the reply, a memfd with the
  * spec (nsbox_spec_pack), the error pipe, the read end of the sync pipe,
- * the program to exec (if the spec has one) and the keep_fds that are
- * present. It clones the sandbox's first process with CLONE_PARENT, so
- * that process is a child of the Python process, writes its id maps and
- * replies with struct nsbox_zygote_reply, the child's pidfd, and any
- * message from newuidmap/newgidmap. The child then waits for the host's
- * go byte on the sync pipe: between the two the host runs its own hooks
- * (attaching a network, placing the child in a cgroup). A request it cannot use is answered with -1,
+ * its write end (if the spec has go_fd), the program to exec (if the spec
+ * has one) and the keep_fds that are present. It clones the sandbox's
+ * first process with CLONE_PARENT, so that process is a child of the
+ * Python process, writes its id maps and replies with struct
+ * nsbox_zygote_reply, the child's pidfd, and any message from
+ * newuidmap/newgidmap. The child waits for the go byte on the sync pipe:
+ * the zygote sends it right after the maps when it has go_fd; otherwise
+ * the host does, after running its own hooks (placing the child in a
+ * cgroup). A request it cannot use is answered with -1,
  * EINVAL and NSBOX_ZYGOTE_REQUEST, or not at all if it carried no
  * descriptor to answer on; replies never wait for room on the socket.
  * EOF on its socket (the Python process exited) ends it.

@@ -25,11 +25,12 @@ struct header {
     uint32_t magic;
     uint32_t nsteps, argc, envc, nkeep;
     uint32_t keep_present; /* bit i: keep_fds[i] >= 0 */
-    uint32_t has_exec_fd, keep_stdio, new_session;
+    uint32_t has_exec_fd, has_go_fd, keep_stdio, new_session;
     int32_t lock_slot;
     uint32_t lock_uid_map, lock_gid_map; /* offsets, or NONE */
     uint32_t uid_map, gid_map, newuidmap, newgidmap, deny_setgroups;
     uint32_t strtab_len;
+    uint32_t reserved; /* zero: clone_flags stays 8-byte aligned with no hidden padding */
     uint64_t clone_flags;
 };
 
@@ -88,7 +89,8 @@ int nsbox_spec_pack(const struct nsbox_spec *spec, int fd)
     size_t argc = count(spec->argv), envc = count(spec->envp);
     struct header h = {
         .magic = MAGIC, .nsteps = (uint32_t)spec->nsteps, .argc = (uint32_t)argc, .envc = (uint32_t)envc,
-        .nkeep = (uint32_t)spec->nkeep, .has_exec_fd = spec->exec_fd >= 0, .keep_stdio = (uint32_t)spec->keep_stdio,
+        .nkeep = (uint32_t)spec->nkeep, .has_exec_fd = spec->exec_fd >= 0,
+        .has_go_fd = spec->go_fd >= 0, .keep_stdio = (uint32_t)spec->keep_stdio,
         .new_session = (uint32_t)spec->new_session, .lock_slot = spec->lock_slot,
         .clone_flags = spec->clone_flags,
     };
@@ -182,7 +184,7 @@ int nsbox_spec_unpack(char *buf, unsigned long len, struct nsbox_spec *spec)
     if (len < sizeof h)
         return -EINVAL;
     memcpy(&h, buf, sizeof h);
-    if (h.magic != MAGIC || h.nkeep > 4 || h.nsteps > MAX_STEPS || h.argc == 0 || h.argc > MAX_ARGS ||
+    if (h.magic != MAGIC || h.reserved != 0 || h.nkeep > 4 || h.nsteps > MAX_STEPS || h.argc == 0 || h.argc > MAX_ARGS ||
         h.envc > MAX_ARGS || (h.clone_flags & ~NAMESPACE_FLAGS))
         return -EINVAL;
     /* The counts are bounded above, so none of this overflows. */
@@ -241,6 +243,7 @@ int nsbox_spec_unpack(char *buf, unsigned long len, struct nsbox_spec *spec)
     for (uint32_t i = 0; i < h.nkeep; i++)
         spec->keep_fds[i] = (h.keep_present & (1U << i)) ? 0 : -1;
     spec->exec_fd = h.has_exec_fd ? 0 : -1;
+    spec->go_fd = h.has_go_fd ? 0 : -1;
     spec->argv = argv;
     spec->envp = envp;
     spec->keep_stdio = h.keep_stdio != 0;
@@ -272,7 +275,7 @@ void nsbox_spec_free(struct nsbox_spec *spec)
 
 int nsbox_spec_fds(const struct nsbox_spec *spec)
 {
-    int n = 2 + (spec->exec_fd >= 0); /* error pipe, sync pipe, program */
+    int n = 2 + (spec->go_fd >= 0) + (spec->exec_fd >= 0); /* error pipe, sync pipe, its write end, program */
     for (int i = 0; i < spec->nkeep; i++)
         n += spec->keep_fds[i] >= 0;
     return n;

@@ -3,8 +3,9 @@ running init.
 
 1. The zygote (nsbox/native.py) clones the first process into the plan's
    namespaces and writes its id maps; the process waits.
-2. The host runs the plan's hooks (network, cgroup) while it waits, then
-   writes the "go" byte.
+2. The host runs the plan's hooks (cgroup) while it waits, then writes the
+   "go" byte. A plan without hooks has the zygote write it right after the
+   maps, so that the setup does not wait for the host to wake up.
 3. The process runs its steps and execs nsbox-init, which finds its control
    connection, its listening socket and the locked namespaces at fds 3-6
    (NSBOX_FD_* in csrc/protocol.h). A failed step is reported on the error
@@ -64,7 +65,8 @@ async def launch(plan: Plan, launched: Launched, *, sandbox_id: str, socket_path
                 # Subuid and single modes: a holder saves writing maps with
                 # newuidmap per sandbox (None as real root).
                 via = native.holder(plan.idmap)
-            reply = _request(plan, launched, sandbox_id, socket_path, err_w, go_r, via)
+            reply = _request(plan, launched, sandbox_id, socket_path, err_w, go_r, via,
+                             go_w if not plan.hooks else -1)
         finally:
             os.close(err_w)
             os.close(go_r)
@@ -83,8 +85,9 @@ async def launch(plan: Plan, launched: Launched, *, sandbox_id: str, socket_path
             finally:
                 if sub is not None:
                     sub.close()  # one sandbox per sub-zygote: it exits at EOF
-        await plan.run_hooks(launched.pid)
-        native.go(go_w)
+        if plan.hooks:
+            await plan.run_hooks(launched.pid)
+            native.go(go_w)
         if on_cloned is not None:
             on_cloned()
         report = await _setup_alongside(plan.alongside, launched.pid, err_r)
@@ -120,7 +123,7 @@ async def _setup_alongside(hooks: list[ParentHook], pid: int, err_r: int) -> byt
 
 
 def _request(plan: Plan, launched: Launched, sandbox_id: str, socket_path: Path, err_w: int,
-             go_r: int, via: native.SubZygote | native.Holder | None) -> socket.socket:
+             go_r: int, via: native.SubZygote | native.Holder | None, go_w: int) -> socket.socket:
     launched.ctl, ctl_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     init_fd = -1
@@ -145,6 +148,7 @@ def _request(plan: Plan, launched: Launched, sandbox_id: str, socket_path: Path,
             keep_fds=[ctl_child.fileno(), listener.fileno(), -1, -1], exec_fd=init_fd,
             argv=["nsbox-init", sandbox_id, *plan.init_args], envp=[], keep_stdio=False, new_session=True,
             lock_maps=plan.idmap.nested_identity(), lock_slot=native.lib.NSBOX_FD_USERNS - 3, via=via,
+            go_fd=go_w,
         )
     finally:
         if init_fd >= 0:

@@ -115,7 +115,7 @@ class _Keep:
 
 def _pack(steps: Sequence[Step], clone_flags: int, argv: Sequence[str], envp: Sequence[str], keep_fds: Sequence[int],
           has_exec: bool, keep_stdio: bool, new_session: bool, lock_maps: tuple[str, str] | None,
-          lock_slot: int, idmaps: tuple[str, str, str | None, str | None, bool]) -> int:
+          lock_slot: int, idmaps: tuple[str, str, str | None, str | None, bool], has_go: bool = False) -> int:
     """The spec, serialized by nsbox_spec_pack into a new memfd."""
     keep = _Keep()
     # One initializer list (field order of struct nsbox_step): cffi fills
@@ -133,6 +133,7 @@ def _pack(steps: Sequence[Step], clone_flags: int, argv: Sequence[str], envp: Se
         spec.keep_fds[i] = fd
     spec.nkeep = len(keep_fds)
     spec.exec_fd = 0 if has_exec else -1
+    spec.go_fd = 0 if has_go else -1
     spec.argv = keep.strv(argv)
     spec.envp = keep.strv(envp)
     spec.keep_stdio = int(keep_stdio)
@@ -387,16 +388,20 @@ def request_spawn(
     lock_maps: tuple[str, str] | None = None,
     lock_slot: int = 0,
     via: _SubZygote | None = None,
+    go_fd: int = -1,
 ) -> socket.socket:
     """Asks the zygote to clone the process described; returns the socket
     its reply arrives on (read it with read_spawn_reply). The process waits
     for one byte on the pipe whose read end is `sync_fd` before it runs its
-    steps: write it once the reply came (and the caller's hooks ran)."""
+    steps. Given that pipe's write end as `go_fd`, the zygote writes the
+    byte itself once the id maps are written; else write it (go()) once the
+    reply came and the caller's hooks ran."""
     memfd = _pack(steps, clone_flags, argv, envp, keep_fds, exec_fd >= 0, keep_stdio, new_session,
-                  lock_maps, lock_slot, idmaps)
+                  lock_maps, lock_slot, idmaps, go_fd >= 0)
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
-        fds = [theirs.fileno(), memfd, error_fd, sync_fd] + ([exec_fd] if exec_fd >= 0 else [])
+        fds = [theirs.fileno(), memfd, error_fd, sync_fd] + ([go_fd] if go_fd >= 0 else [])
+        fds += [exec_fd] if exec_fd >= 0 else []
         fds += [fd for fd in keep_fds if fd >= 0]
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
         _send(b"s", anc, via.sock if via is not None else None)
@@ -454,17 +459,17 @@ def go(go_w: int) -> None:
 
 
 def spawn(**kwargs: object) -> tuple[int, int]:
-    """request_spawn + read_spawn_reply + go, blocking (for synchronous
-    callers without hooks)."""
+    """request_spawn + read_spawn_reply, blocking, the zygote sending the
+    go (for synchronous callers without hooks)."""
     go_r, go_w = os.pipe2(os.O_CLOEXEC)
     try:
-        with request_spawn(sync_fd=go_r, **kwargs) as sock:  # type: ignore[arg-type]
+        with request_spawn(sync_fd=go_r, go_fd=go_w, **kwargs) as sock:  # type: ignore[arg-type]
             os.close(go_r)
             go_r = -1
-            pid, pidfd = read_spawn_reply(sock)
-        go(go_w)
-        return pid, pidfd
+            os.close(go_w)
+            go_w = -1
+            return read_spawn_reply(sock)
     finally:
-        if go_r >= 0:
-            os.close(go_r)
-        os.close(go_w)
+        for fd in (go_r, go_w):
+            if fd >= 0:
+                os.close(fd)

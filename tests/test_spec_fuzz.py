@@ -46,10 +46,11 @@ from nsbox.native import ffi, lib
 # --- the wire format of csrc/spec.c -------------------------------------------------
 
 # struct header and struct wire_step, field by field.
-HEADER = struct.Struct("=9Ii8IQ")
-FIELDS = ("magic", "nsteps", "argc", "envc", "nkeep", "keep_present", "has_exec_fd", "keep_stdio", "new_session",
+HEADER = struct.Struct("=10Ii9IQ")
+FIELDS = ("magic", "nsteps", "argc", "envc", "nkeep", "keep_present", "has_exec_fd", "has_go_fd", "keep_stdio",
+          "new_session",
           "lock_slot", "lock_uid_map", "lock_gid_map", "uid_map", "gid_map", "newuidmap", "newgidmap",
-          "deny_setgroups", "strtab_len", "clone_flags")
+          "deny_setgroups", "strtab_len", "reserved", "clone_flags")
 STEP = struct.Struct("=iiI4xQQQ4I")
 OFFSET = struct.Struct("=I")
 NONE = 0xFFFFFFFF  # the offset of a NULL string
@@ -76,7 +77,7 @@ def pack(*, steps: Sequence[nsteps.Step] | None = None, clone_flags: int = nativ
          argv: Sequence[str] = ("nsbox-init", "box"), envp: Sequence[str] = ("A=b",),
          keep_fds: Sequence[int] = (5, 6, -1, -1), has_exec: bool = True, keep_stdio: bool = False,
          new_session: bool = True, lock_maps: tuple[str, str] | None = ("0 0 1\n", "0 0 1\n"), lock_slot: int = 2,
-         idmaps: tuple[str, str, str | None, str | None, bool] = DIRECT_MAPS) -> bytes:
+         idmaps: tuple[str, str, str | None, str | None, bool] = DIRECT_MAPS, has_go: bool = False) -> bytes:
     """A spec as nsbox/native.py packs it (the memfd's bytes)."""
     if steps is None:
         steps = [
@@ -85,7 +86,7 @@ def pack(*, steps: Sequence[nsteps.Step] | None = None, clone_flags: int = nativ
             nsteps.tree_clone("/usr", 0, "clone /usr", recursive=True, readonly=True),
         ]
     memfd = native._pack(steps, clone_flags, argv, envp, keep_fds, has_exec, keep_stdio, new_session, lock_maps,
-                         lock_slot, idmaps)
+                         lock_slot, idmaps, has_go)
     try:
         return os.pread(memfd, os.fstat(memfd).st_size, 0)
     finally:
@@ -187,7 +188,7 @@ def check_accepted(data: bytes, spec: Any, buf: Any) -> None:
     assert h["argc"] >= 1
     assert 0 <= spec.nkeep <= 4
     assert all(spec.keep_fds[i] in (0, -1) for i in range(spec.nkeep))
-    assert spec.exec_fd in (0, -1) and spec.sync_fd == spec.error_fd == -1
+    assert spec.exec_fd in (0, -1) and spec.go_fd in (0, -1) and spec.sync_fd == spec.error_fd == -1
     string(spec.uid_map, optional=False)
     string(spec.gid_map, optional=False)
     assert (string(spec.newuidmap) is None) == (string(spec.newgidmap) is None)
@@ -219,6 +220,13 @@ def test_a_packed_spec_round_trips() -> None:
         assert ffi.string(spec.uid_map) == UID_MAP.encode() and spec.newuidmap == ffi.NULL
         assert (spec.new_session, spec.keep_stdio, spec.deny_setgroups) == (1, 0, 1)
         assert lib.nsbox_spec_fds(spec) == 5  # error pipe, sync pipe, program, two kept descriptors
+        assert spec.go_fd == -1
+    finally:
+        lib.nsbox_spec_free(spec)
+    rc, spec, buf = unpack(pack(has_go=True))
+    assert rc == 0
+    try:
+        assert spec.go_fd == 0 and lib.nsbox_spec_fds(spec) == 6  # and the sync pipe's write end
     finally:
         lib.nsbox_spec_free(spec)
 
@@ -227,6 +235,7 @@ def accepted_specs() -> dict[str, bytes]:
     return {
         "sandbox": pack(),
         "no lock, no program, no steps": pack(steps=[], lock_maps=None, has_exec=False, keep_fds=()),
+        "go from the zygote": pack(has_go=True),
         "newuidmap": pack(idmaps=(UID_MAP, GID_MAP, "/usr/bin/newuidmap", "/usr/bin/newgidmap", False)),
         "lock in slots 0 and 1": pack(keep_fds=(-1, -1), lock_slot=0),
         "every namespace": pack(clone_flags=NAMESPACES),

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -14,7 +16,7 @@ import psutil
 import pytest
 
 import nsbox
-from nsbox import idmap, native
+from nsbox import idmap, native, steps
 
 
 def alive(pid: int) -> bool:
@@ -125,3 +127,45 @@ async def test_id_map_failure_is_a_clear_error(mode: str, monkeypatch: pytest.Mo
     assert set(os.listdir(nsbox.dirs.runtime_dir())) == before
     assert native._holders == {} and len(native._holder_failed) == 1
     assert {c.pid for c in psutil.Process().children()} - children <= {native.zygote_pid()}
+
+
+
+def _spawn_true(go: bool) -> tuple[int, int, socket.socket]:
+    """Asks the zygote for a process that execs `true` as root of a new user
+    namespace; returns its error pipe's read end, the go pipe's write end
+    and the reply socket, unread. With `go`, the zygote gets the write end."""
+    err_r, err_w = os.pipe2(os.O_CLOEXEC)
+    go_r, go_w = os.pipe2(os.O_CLOEXEC)
+    try:
+        sock = native.request_spawn(
+            clone_flags=native.CLONE_NEWUSER, steps=[steps.become_root()], idmaps=idmap.detect().how_to_write(),
+            error_fd=err_w, sync_fd=go_r, keep_fds=[], exec_fd=-1, argv=["true"], envp=["PATH=/usr/bin:/bin"],
+            keep_stdio=False, new_session=False, go_fd=go_w if go else -1)
+    finally:
+        os.close(err_w)
+        os.close(go_r)
+    return err_r, go_w, sock
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("go", [True, False], ids=["zygote-sends-go", "host-sends-go"])
+def test_the_zygote_sends_the_go_when_given_the_pipe(go: bool) -> None:
+    """Given the go pipe's write end, the zygote lets the child run once its
+    maps are written: the child execs before the host reads the reply or
+    writes anything. Without it, the child waits for the host."""
+    err_r, go_w, sock = _spawn_true(go)
+    try:
+        ran = bool(select.select([err_r], [], [], 3)[0])  # EOF on the error pipe: the exec happened
+        assert ran == go
+        if not go:
+            native.go(go_w)
+            assert select.select([err_r], [], [], 5)[0]
+        assert os.read(err_r, 64) == b""  # no failure report
+        pid, pidfd = native.read_spawn_reply(sock)
+        os.close(pidfd)
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    finally:
+        sock.close()
+        os.close(err_r)
+        os.close(go_w)
+

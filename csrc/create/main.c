@@ -118,6 +118,8 @@ static void serve(int *fds, int nfds)
     int next = 2;
     spec.error_fd = fds[next++];
     spec.sync_fd = fds[next++];
+    if (spec.go_fd >= 0)
+        spec.go_fd = fds[next++];
     if (spec.exec_fd >= 0)
         spec.exec_fd = fds[next++];
     for (int i = 0; i < spec.nkeep; i++) {
@@ -158,8 +160,16 @@ static void serve(int *fds, int nfds)
         syscall(SYS_pidfd_send_signal, pidfd, SIGKILL, NULL, 0);
         reply(fds[0], (int)pid, err, NSBOX_ZYGOTE_IDMAP, pidfd, msg, msglen);
     } else {
-        /* The child waits on the sync pipe: the host writes the go byte
-         * once its own hooks (network, cgroup) are done with it. */
+        /* The child waits on the sync pipe. Given its write end, we send
+         * the go ourselves, so that its setup overlaps our reply's way to
+         * the host; else the host does, once its own hooks (cgroup) are
+         * done. */
+        if (spec.go_fd >= 0 && write(spec.go_fd, "g", 1) != 1) {
+            /* Cannot happen: the pipe is fresh, and we hold its read end
+             * (sync_fd) ourselves until the request is done, so no
+             * SIGPIPE either. Were it to fail, the child would read EOF and
+             * report that. */
+        }
         reply(fds[0], (int)pid, 0, 0, pidfd, NULL, 0);
     }
     close(pidfd);
