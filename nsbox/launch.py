@@ -47,6 +47,7 @@ async def launch(plan: Plan, launched: Launched, *, sandbox_id: str, socket_path
     launched.cleanups.extend(plan.cleanups)  # whatever fails from here, the caller runs them
     err_r, err_w = os.pipe2(os.O_CLOEXEC)
     go_r, go_w = os.pipe2(os.O_CLOEXEC)
+    host_goes = bool(plan.hooks)  # else the zygote sends the go after the maps
     sub: native.SubZygote | None = None  # ours to close
     via: native.SubZygote | native.Holder | None = None
     try:
@@ -66,7 +67,7 @@ async def launch(plan: Plan, launched: Launched, *, sandbox_id: str, socket_path
                 # newuidmap per sandbox (None as real root).
                 via = native.holder(plan.idmap)
             reply = _request(plan, launched, sandbox_id, socket_path, err_w, go_r, via,
-                             go_w if not plan.hooks else -1)
+                             -1 if host_goes else go_w)
         finally:
             os.close(err_w)
             os.close(go_r)
@@ -85,7 +86,7 @@ async def launch(plan: Plan, launched: Launched, *, sandbox_id: str, socket_path
             finally:
                 if sub is not None:
                     sub.close()  # one sandbox per sub-zygote: it exits at EOF
-        if plan.hooks:
+        if host_goes:
             await plan.run_hooks(launched.pid)
             native.go(go_w)
         if on_cloned is not None:

@@ -463,13 +463,9 @@ def spawn(**kwargs: object) -> tuple[int, int]:
     go (for synchronous callers without hooks)."""
     go_r, go_w = os.pipe2(os.O_CLOEXEC)
     try:
-        with request_spawn(sync_fd=go_r, go_fd=go_w, **kwargs) as sock:  # type: ignore[arg-type]
-            os.close(go_r)
-            go_r = -1
-            os.close(go_w)
-            go_w = -1
-            return read_spawn_reply(sock)
+        sock = request_spawn(sync_fd=go_r, go_fd=go_w, **kwargs)  # type: ignore[arg-type]
     finally:
-        for fd in (go_r, go_w):
-            if fd >= 0:
-                os.close(fd)
+        os.close(go_r)  # the zygote holds its own copies once the request went
+        os.close(go_w)
+    with sock:
+        return read_spawn_reply(sock)
