@@ -72,6 +72,8 @@ struct nsbox_spec {
     int go_fd;    /* the write end of that pipe, or -1: with it, the zygote sends
                      the go itself once the maps are written (a host with no hooks
                      to run first need not wake for it) */
+    int host_go;  /* with go_fd: the host sends a go too, once its own work for the
+                     setup is done (the writable layer); the child waits for both */
     int error_fd; /* child writes struct nsbox_setup_error here on failure */
     int keep_fds[4]; /* become fds 3, 4, ... of the program; -1 entries give closed fds */
     int nkeep;
@@ -124,7 +126,8 @@ enum nsbox_setup_stage {
  * newuidmap/newgidmap. The child waits for the go byte on the sync pipe:
  * the zygote sends it right after the maps when it has go_fd; otherwise
  * the host does, after running its own hooks (placing the child in a
- * cgroup). A request it cannot use is answered with -1,
+ * cgroup). With go_fd and host_go, both send one and the child waits for
+ * the two. A request it cannot use is answered with -1,
  * EINVAL and NSBOX_ZYGOTE_REQUEST, or not at all if it carried no
  * descriptor to answer on; replies never wait for room on the socket.
  * EOF on its socket (the Python process exited) ends it.

@@ -30,7 +30,7 @@ struct header {
     uint32_t lock_uid_map, lock_gid_map; /* offsets, or NONE */
     uint32_t uid_map, gid_map, newuidmap, newgidmap, deny_setgroups;
     uint32_t strtab_len;
-    uint32_t reserved; /* zero: clone_flags stays 8-byte aligned with no hidden padding */
+    uint32_t host_go; /* 0 or 1; also keeps clone_flags 8-byte aligned with no hidden padding */
     uint64_t clone_flags;
 };
 
@@ -90,7 +90,8 @@ int nsbox_spec_pack(const struct nsbox_spec *spec, int fd)
     struct header h = {
         .magic = MAGIC, .nsteps = (uint32_t)spec->nsteps, .argc = (uint32_t)argc, .envc = (uint32_t)envc,
         .nkeep = (uint32_t)spec->nkeep, .has_exec_fd = spec->exec_fd >= 0,
-        .has_go_fd = spec->go_fd >= 0, .keep_stdio = (uint32_t)spec->keep_stdio,
+        .has_go_fd = spec->go_fd >= 0, .host_go = spec->go_fd >= 0 && spec->host_go,
+        .keep_stdio = (uint32_t)spec->keep_stdio,
         .new_session = (uint32_t)spec->new_session, .lock_slot = spec->lock_slot,
         .clone_flags = spec->clone_flags,
     };
@@ -184,8 +185,8 @@ int nsbox_spec_unpack(char *buf, unsigned long len, struct nsbox_spec *spec)
     if (len < sizeof h)
         return -EINVAL;
     memcpy(&h, buf, sizeof h);
-    if (h.magic != MAGIC || h.reserved != 0 || h.nkeep > 4 || h.nsteps > MAX_STEPS || h.argc == 0 || h.argc > MAX_ARGS ||
-        h.envc > MAX_ARGS || (h.clone_flags & ~NAMESPACE_FLAGS))
+    if (h.magic != MAGIC || h.host_go > 1 || (h.host_go && !h.has_go_fd) || h.nkeep > 4 || h.nsteps > MAX_STEPS ||
+        h.argc == 0 || h.argc > MAX_ARGS || h.envc > MAX_ARGS || (h.clone_flags & ~NAMESPACE_FLAGS))
         return -EINVAL;
     /* The counts are bounded above, so none of this overflows. */
     uint64_t body = (uint64_t)h.nsteps * sizeof(struct wire_step) + ((uint64_t)h.argc + h.envc) * sizeof(uint32_t);
@@ -244,6 +245,7 @@ int nsbox_spec_unpack(char *buf, unsigned long len, struct nsbox_spec *spec)
         spec->keep_fds[i] = (h.keep_present & (1U << i)) ? 0 : -1;
     spec->exec_fd = h.has_exec_fd ? 0 : -1;
     spec->go_fd = h.has_go_fd ? 0 : -1;
+    spec->host_go = (int)h.host_go;
     spec->argv = argv;
     spec->envp = envp;
     spec->keep_stdio = h.keep_stdio != 0;

@@ -5,7 +5,9 @@ running init.
    namespaces and writes its id maps; the process waits.
 2. The host runs the plan's hooks (cgroup) while it waits, then writes the
    "go" byte. A plan without hooks has the zygote write it right after the
-   maps, so that the setup does not wait for the host to wake up.
+   maps, so that the setup does not wait for the host to wake up. Host work
+   the setup needs (`before_go`: the writable layer) is done while the
+   zygote clones; the process then waits for the host's go too.
 3. The process runs its steps and execs nsbox-init, which finds its control
    connection, its listening socket and the locked namespaces at fds 3-6
    (NSBOX_FD_* in csrc/protocol.h). A failed step is reported on the error
@@ -40,14 +42,17 @@ class Launched:
 
 
 async def launch(plan: Plan, launched: Launched, *, sandbox_id: str, socket_path: Path, layer: Path,
-                 on_cloned: Callable[[], None] | None = None) -> None:
+                 on_cloned: Callable[[], None] | None = None, before_go: Callable[[], None] | None = None) -> None:
     """Creates the sandbox `plan` describes; fills `launched` as it goes, so
     that a caller can tear down what exists whatever fails. `on_cloned` runs
-    once the pid is known, while the setup steps run."""
+    once the pid is known, while the setup steps run; `before_go` once the
+    zygote has the request, before the setup steps run (if it fails, the
+    process exits without running them)."""
     launched.cleanups.extend(plan.cleanups)  # whatever fails from here, the caller runs them
     err_r, err_w = os.pipe2(os.O_CLOEXEC)
     go_r, go_w = os.pipe2(os.O_CLOEXEC)
-    host_goes = bool(plan.hooks)  # else the zygote sends the go after the maps
+    zygote_goes = not plan.hooks  # right after the maps, without waiting for us
+    failed: BaseException | None = None
     sub: native.SubZygote | None = None  # ours to close
     via: native.SubZygote | native.Holder | None = None
     try:
@@ -67,10 +72,20 @@ async def launch(plan: Plan, launched: Launched, *, sandbox_id: str, socket_path
                 # newuidmap per sandbox (None as real root).
                 via = native.holder(plan.idmap)
             reply = _request(plan, launched, sandbox_id, socket_path, err_w, go_r, via,
-                             -1 if host_goes else go_w)
+                             go_w if zygote_goes else -1, host_go=zygote_goes and before_go is not None)
         finally:
             os.close(err_w)
             os.close(go_r)
+        if before_go is not None:
+            try:
+                before_go()
+            except BaseException as e:
+                failed = e  # raised once the reply has said which process to reap
+                os.close(go_w)  # the process sees EOF instead of its go and exits
+                go_w = -1
+            else:
+                if zygote_goes:  # else after the hooks
+                    native.go(go_w)
         with reply:
             await anyio.wait_readable(reply)
             try:
@@ -86,14 +101,17 @@ async def launch(plan: Plan, launched: Launched, *, sandbox_id: str, socket_path
             finally:
                 if sub is not None:
                     sub.close()  # one sandbox per sub-zygote: it exits at EOF
-        if host_goes:
+        if failed is not None:
+            raise failed
+        if plan.hooks:
             await plan.run_hooks(launched.pid)
             native.go(go_w)
         if on_cloned is not None:
             on_cloned()
         report = await _setup_alongside(plan.alongside, launched.pid, err_r)
     finally:
-        os.close(go_w)
+        if go_w >= 0:
+            os.close(go_w)
         os.close(err_r)
         if sub is not None:
             sub.close()
@@ -124,7 +142,7 @@ async def _setup_alongside(hooks: list[ParentHook], pid: int, err_r: int) -> byt
 
 
 def _request(plan: Plan, launched: Launched, sandbox_id: str, socket_path: Path, err_w: int,
-             go_r: int, via: native.SubZygote | native.Holder | None, go_w: int) -> socket.socket:
+             go_r: int, via: native.SubZygote | native.Holder | None, go_w: int, host_go: bool) -> socket.socket:
     launched.ctl, ctl_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     init_fd = -1
@@ -149,7 +167,7 @@ def _request(plan: Plan, launched: Launched, sandbox_id: str, socket_path: Path,
             keep_fds=[ctl_child.fileno(), listener.fileno(), -1, -1], exec_fd=init_fd,
             argv=["nsbox-init", sandbox_id, *plan.init_args], envp=[], keep_stdio=False, new_session=True,
             lock_maps=plan.idmap.nested_identity(), lock_slot=native.lib.NSBOX_FD_USERNS - 3, via=via,
-            go_fd=go_w,
+            go_fd=go_w, host_go=host_go,
         )
     finally:
         if init_fd >= 0:

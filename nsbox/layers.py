@@ -203,7 +203,7 @@ def set_aside_work(layer: Path) -> bool:
     empties (removal.sweep_later). True if the work dirs are empty now.
     A rename instead of deleting: removing directories is what costs on a
     disk filesystem."""
-    trash = layers_dir() / TRASH
+    trash = layer.parent / TRASH  # a layer lives in layers_dir()
     moved = False
     for name in WORK_DIRS:
         work, dest = layer / name / "work", trash / f"{layer.name}.{name}"
@@ -229,8 +229,8 @@ def set_aside_work(layer: Path) -> bool:
     return True
 
 
-def _reuse_dir() -> Path:
-    return layers_dir() / REUSE
+def _reuse_dir(layer: Path) -> Path:
+    return layer.parent / REUSE  # a layer lives in layers_dir()
 
 
 def _pool_name(kind: str, name: str) -> str:
@@ -246,7 +246,7 @@ def keep_layer(layer: Path, kind: str = HOST_LAYER) -> bool:
     """Puts an untouched layer (see untouched_layer) in the reuse pool, its
     upper dirs stripped of overlay's uuid; False if the pool is full or
     that fails (the caller deletes the layer)."""
-    reuse = _reuse_dir()
+    reuse = _reuse_dir(layer)
     try:
         if len(os.listdir(reuse)) >= REUSE_MAX:
             return False
@@ -274,8 +274,9 @@ def reuse_layer(layer: Path, owner: tuple[int, int], kind: str = HOST_LAYER) -> 
     Any lower stack may take a kept layer: an upper dir holds nothing tied
     to its lowers but overlay's xattrs, and keep_layer() took a layer only
     with no xattr but the uuid, which it removed."""
+    reuse = _reuse_dir(layer)
     try:
-        names = os.listdir(_reuse_dir())
+        names = os.listdir(reuse)
     except FileNotFoundError:
         return False
     dirs, files = _SHAPES[kind]
@@ -283,12 +284,12 @@ def reuse_layer(layer: Path, owner: tuple[int, int], kind: str = HOST_LAYER) -> 
     for name in names:
         if not _of_kind(name, kind):
             continue
-        kept = _reuse_dir() / name
+        kept = os.path.join(reuse, name)
         try:
-            if os.lstat(kept / "upper").st_uid != owner[0]:
+            if os.lstat(os.path.join(kept, "upper")).st_uid != owner[0]:
                 continue  # another id mapping's: gc collects it
             for rel in touched:  # the sandbox may have set them (touch -d)
-                os.utime(kept / rel, follow_symlinks=False)
+                os.utime(os.path.join(kept, rel), follow_symlinks=False)
         except OSError:
             continue
         try:

@@ -87,6 +87,17 @@ _c_strings: dict[str | bytes, object] = {}
 _C_STRINGS_MAX = 4096
 
 
+def _c_string(s: str | bytes | None) -> object:
+    if s is None:
+        return ffi.NULL
+    p = _c_strings.get(s)
+    if p is None:
+        if len(_c_strings) >= _C_STRINGS_MAX:
+            _c_strings.clear()
+        p = _c_strings[s] = ffi.new("char[]", os.fsencode(s) if isinstance(s, str) else s)
+    return p
+
+
 class _Keep:
     """Holds the cffi allocations a spec points to until it is packed."""
 
@@ -94,13 +105,7 @@ class _Keep:
         self.objs: list[object] = []
 
     def str(self, s: str | bytes | None) -> object:
-        if s is None:
-            return ffi.NULL
-        p = _c_strings.get(s)
-        if p is None:
-            if len(_c_strings) >= _C_STRINGS_MAX:
-                _c_strings.clear()
-            p = _c_strings[s] = ffi.new("char[]", os.fsencode(s) if isinstance(s, str) else s)
+        p = _c_string(s)
         self.objs.append(p)
         return p
 
@@ -113,16 +118,37 @@ class _Keep:
         return arr
 
 
+# Each step's initializer row, by the step object: plans copied from a
+# template share all but a few steps (plan.replacing), so a spec's ~60 rows
+# are mostly found here. The step is kept with its row so that its id is
+# not reused while the row is.
+_step_rows: dict[int, tuple[Step, tuple[object, ...]]] = {}
+_STEP_ROWS_MAX = 4096
+
+
+def _step_row(s: Step) -> tuple[object, ...]:
+    found = _step_rows.get(id(s))
+    if found is not None and found[0] is s:
+        return found[1]
+    row = (int(s.kind), s.slot, s.mode, _bits(s.flags), _bits(s.attr_set), _bits(s.attr_clr),
+           _c_string(s.a), _c_string(s.b), _c_string(s.c), _c_string(s.d))
+    if len(_step_rows) >= _STEP_ROWS_MAX:
+        _step_rows.clear()
+    _step_rows[id(s)] = (s, row)
+    return row
+
+
 def _pack(steps: Sequence[Step], clone_flags: int, argv: Sequence[str], envp: Sequence[str], keep_fds: Sequence[int],
           has_exec: bool, keep_stdio: bool, new_session: bool, lock_maps: tuple[str, str] | None,
-          lock_slot: int, idmaps: tuple[str, str, str | None, str | None, bool], has_go: bool = False) -> int:
+          lock_slot: int, idmaps: tuple[str, str, str | None, str | None, bool], has_go: bool = False,
+          host_go: bool = False) -> int:
     """The spec, serialized by nsbox_spec_pack into a new memfd."""
     keep = _Keep()
     # One initializer list (field order of struct nsbox_step): cffi fills
     # the array in C, where setting fields one by one costs ~0.2 ms a spec.
-    c_steps = ffi.new("struct nsbox_step[]", [
-        (int(s.kind), s.slot, s.mode, _bits(s.flags), _bits(s.attr_set), _bits(s.attr_clr),
-         keep.str(s.a), keep.str(s.b), keep.str(s.c), keep.str(s.d)) for s in steps] or 1)
+    rows = [_step_row(s) for s in steps]
+    keep.objs.append(rows)  # the C strings they point to
+    c_steps = ffi.new("struct nsbox_step[]", rows or 1)
     spec = ffi.new("struct nsbox_spec *")
     spec.clone_flags = clone_flags
     spec.steps = c_steps
@@ -134,6 +160,7 @@ def _pack(steps: Sequence[Step], clone_flags: int, argv: Sequence[str], envp: Se
     spec.nkeep = len(keep_fds)
     spec.exec_fd = 0 if has_exec else -1
     spec.go_fd = 0 if has_go else -1
+    spec.host_go = int(host_go)
     spec.argv = keep.strv(argv)
     spec.envp = keep.strv(envp)
     spec.keep_stdio = int(keep_stdio)
@@ -389,15 +416,17 @@ def request_spawn(
     lock_slot: int = 0,
     via: _SubZygote | None = None,
     go_fd: int = -1,
+    host_go: bool = False,
 ) -> socket.socket:
     """Asks the zygote to clone the process described; returns the socket
     its reply arrives on (read it with read_spawn_reply). The process waits
     for one byte on the pipe whose read end is `sync_fd` before it runs its
     steps. Given that pipe's write end as `go_fd`, the zygote writes the
     byte itself once the id maps are written; else write it (go()) once the
-    reply came and the caller's hooks ran."""
+    reply came and the caller's hooks ran. With `go_fd` and `host_go`, the
+    process waits for a second byte, the caller's (go(), at any time)."""
     memfd = _pack(steps, clone_flags, argv, envp, keep_fds, exec_fd >= 0, keep_stdio, new_session,
-                  lock_maps, lock_slot, idmaps, go_fd >= 0)
+                  lock_maps, lock_slot, idmaps, go_fd >= 0, host_go)
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         fds = [theirs.fileno(), memfd, error_fd, sync_fd] + ([go_fd] if go_fd >= 0 else [])

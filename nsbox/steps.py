@@ -10,6 +10,7 @@ packs the steps.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Iterable
@@ -99,6 +100,7 @@ def remount(target: str, flags: Iterable[str], what: str) -> Step:
     return Step(Kind.REMOUNT, what, b=target, flags=frozenset(flags))
 
 
+@functools.cache  # the same object in every plan: see native._pack
 def pivot(new_root: str) -> Step:
     return Step(Kind.PIVOT, "pivot_root into the sandbox's root", b=new_root)
 
@@ -111,6 +113,7 @@ def path_fd(path: str, slot: int) -> Step:
     return Step(Kind.PATH_FD, f"open {path}", a=path, slot=slot)
 
 
+@functools.cache
 def become_root() -> Step:
     return Step(Kind.BECOME_ROOT, "become root of the sandbox's user namespace")
 

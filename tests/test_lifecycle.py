@@ -166,6 +166,52 @@ async def test_setup_failure_leaves_nothing(tmp_path: Path) -> None:
                 if c.name() in ("nsbox-init", "nsbox-create") and c.pid not in native.helper_pids()]
 
 
+async def test_a_layer_failing_while_the_zygote_clones_leaves_nothing(monkeypatch) -> None:
+    """With a cached plan the layer is prepared after the request went to
+    the zygote (launch's before_go). If that fails, the cloned process gets
+    no go: it exits without running a step, is reaped, and its layer and
+    registry entry go; the next sandbox is fine."""
+    from nsbox import launch as launch_mod, rootfs as rootfs_mod
+
+    async with nsbox.Sandbox():  # the plan's template, the zygote and the holder exist from here
+        pass
+    assert removal.wait_swept(10)
+    layers = layer_store.layers_dir()
+    before_layers = set(os.listdir(layers)) - {layer_store.REUSE, layer_store.TRASH}
+    before_run = set(os.listdir(dirs.runtime_dir()))
+    before_mounts = Path("/proc/self/mountinfo").read_text()
+    seen: dict[str, object] = {}
+    real_launch = launch_mod.launch
+
+    async def spying_launch(plan, launched, **kw):
+        seen["before_go"] = kw.get("before_go")
+        try:
+            await real_launch(plan, launched, **kw)
+        finally:
+            seen["pid"] = launched.pid
+
+    def broken_prepare(self, layer, hostname, owner) -> None:
+        layer.mkdir(mode=0o700)  # half made, as a full disk would leave it
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(nsbox.sandbox, "launch", spying_launch)
+    monkeypatch.setattr(rootfs_mod.HostRootfs, "prepare", broken_prepare)
+    with pytest.raises(OSError, match="No space left"):
+        await nsbox.Sandbox().start()
+    assert seen["before_go"] is not None, "the layer was not prepared while the zygote cloned"
+    pid = seen["pid"]
+    assert isinstance(pid, int) and pid > 0  # it was cloned...
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # ...and reaped
+    assert removal.wait_swept(10)
+    assert set(os.listdir(layers)) - {layer_store.REUSE, layer_store.TRASH} == before_layers
+    assert set(os.listdir(dirs.runtime_dir())) == before_run
+    assert Path("/proc/self/mountinfo").read_text() == before_mounts
+    monkeypatch.undo()
+    async with nsbox.Sandbox() as sb:
+        assert (await sb.exec(["true"])).success
+
+
 async def test_many_sandboxes_at_once() -> None:
     boxes = []
     try:

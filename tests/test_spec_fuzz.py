@@ -50,7 +50,7 @@ HEADER = struct.Struct("=10Ii9IQ")
 FIELDS = ("magic", "nsteps", "argc", "envc", "nkeep", "keep_present", "has_exec_fd", "has_go_fd", "keep_stdio",
           "new_session",
           "lock_slot", "lock_uid_map", "lock_gid_map", "uid_map", "gid_map", "newuidmap", "newgidmap",
-          "deny_setgroups", "strtab_len", "reserved", "clone_flags")
+          "deny_setgroups", "strtab_len", "host_go", "clone_flags")
 STEP = struct.Struct("=iiI4xQQQ4I")
 OFFSET = struct.Struct("=I")
 NONE = 0xFFFFFFFF  # the offset of a NULL string
@@ -77,7 +77,8 @@ def pack(*, steps: Sequence[nsteps.Step] | None = None, clone_flags: int = nativ
          argv: Sequence[str] = ("nsbox-init", "box"), envp: Sequence[str] = ("A=b",),
          keep_fds: Sequence[int] = (5, 6, -1, -1), has_exec: bool = True, keep_stdio: bool = False,
          new_session: bool = True, lock_maps: tuple[str, str] | None = ("0 0 1\n", "0 0 1\n"), lock_slot: int = 2,
-         idmaps: tuple[str, str, str | None, str | None, bool] = DIRECT_MAPS, has_go: bool = False) -> bytes:
+         idmaps: tuple[str, str, str | None, str | None, bool] = DIRECT_MAPS, has_go: bool = False,
+         host_go: bool = False) -> bytes:
     """A spec as nsbox/native.py packs it (the memfd's bytes)."""
     if steps is None:
         steps = [
@@ -86,7 +87,7 @@ def pack(*, steps: Sequence[nsteps.Step] | None = None, clone_flags: int = nativ
             nsteps.tree_clone("/usr", 0, "clone /usr", recursive=True, readonly=True),
         ]
     memfd = native._pack(steps, clone_flags, argv, envp, keep_fds, has_exec, keep_stdio, new_session, lock_maps,
-                         lock_slot, idmaps, has_go)
+                         lock_slot, idmaps, has_go, host_go)
     try:
         return os.pread(memfd, os.fstat(memfd).st_size, 0)
     finally:
@@ -189,6 +190,7 @@ def check_accepted(data: bytes, spec: Any, buf: Any) -> None:
     assert 0 <= spec.nkeep <= 4
     assert all(spec.keep_fds[i] in (0, -1) for i in range(spec.nkeep))
     assert spec.exec_fd in (0, -1) and spec.go_fd in (0, -1) and spec.sync_fd == spec.error_fd == -1
+    assert spec.host_go in (0, 1) and (spec.go_fd == 0 or spec.host_go == 0)
     string(spec.uid_map, optional=False)
     string(spec.gid_map, optional=False)
     assert (string(spec.newuidmap) is None) == (string(spec.newgidmap) is None)
@@ -227,8 +229,17 @@ def test_a_packed_spec_round_trips() -> None:
     assert rc == 0
     try:
         assert spec.go_fd == 0 and lib.nsbox_spec_fds(spec) == 6  # and the sync pipe's write end
+        assert spec.host_go == 0
     finally:
         lib.nsbox_spec_free(spec)
+    rc, spec, buf = unpack(pack(has_go=True, host_go=True))
+    assert rc == 0
+    try:
+        assert spec.go_fd == 0 and spec.host_go == 1 and lib.nsbox_spec_fds(spec) == 6
+    finally:
+        lib.nsbox_spec_free(spec)
+    # Without the zygote's go there is only the host's: the flag is not packed.
+    assert Parts(pack(host_go=True)).h["host_go"] == 0
 
 
 def accepted_specs() -> dict[str, bytes]:
@@ -236,6 +247,7 @@ def accepted_specs() -> dict[str, bytes]:
         "sandbox": pack(),
         "no lock, no program, no steps": pack(steps=[], lock_maps=None, has_exec=False, keep_fds=()),
         "go from the zygote": pack(has_go=True),
+        "go from the zygote and the host": pack(has_go=True, host_go=True),
         "newuidmap": pack(idmaps=(UID_MAP, GID_MAP, "/usr/bin/newuidmap", "/usr/bin/newgidmap", False)),
         "lock in slots 0 and 1": pack(keep_fds=(-1, -1), lock_slot=0),
         "every namespace": pack(clone_flags=NAMESPACES),
@@ -263,6 +275,9 @@ def refused_specs() -> dict[str, bytes]:
         "every count at its maximum, short": with_header(good, nsteps=4096, argc=65536, envc=65536),
         "nsteps 2**32-1": with_header(good, nsteps=0xFFFFFFFF),
         "5 kept descriptors": p.bytes(nkeep=5),
+        "host go without the zygote's": p.bytes(host_go=1),
+        "host go 2": Parts(pack(has_go=True)).bytes(host_go=2),
+        "host go 2**32-1": Parts(pack(has_go=True)).bytes(host_go=0xFFFFFFFF),
         "no argv": _with(p, argv=[]),
         "argc 65537": _with(p, argv=[0] * 65537),
         "4097 steps": _with(p, steps=[p.steps[0]] * 4097),

@@ -7,6 +7,7 @@ import os
 import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -130,17 +131,18 @@ async def test_id_map_failure_is_a_clear_error(mode: str, monkeypatch: pytest.Mo
 
 
 
-def _spawn_true(go: bool) -> tuple[int, int, socket.socket]:
+def _spawn_true(go: bool, host_go: bool = False) -> tuple[int, int, socket.socket]:
     """Asks the zygote for a process that execs `true` as root of a new user
     namespace; returns its error pipe's read end, the go pipe's write end
-    and the reply socket, unread. With `go`, the zygote gets the write end."""
+    and the reply socket, unread. With `go`, the zygote gets the write end;
+    with `host_go` too, the process also waits for the host's go."""
     err_r, err_w = os.pipe2(os.O_CLOEXEC)
     go_r, go_w = os.pipe2(os.O_CLOEXEC)
     try:
         sock = native.request_spawn(
             clone_flags=native.CLONE_NEWUSER, steps=[steps.become_root()], idmaps=idmap.detect().how_to_write(),
             error_fd=err_w, sync_fd=go_r, keep_fds=[], exec_fd=-1, argv=["true"], envp=["PATH=/usr/bin:/bin"],
-            keep_stdio=False, new_session=False, go_fd=go_w if go else -1)
+            keep_stdio=False, new_session=False, go_fd=go_w if go else -1, host_go=host_go)
     finally:
         os.close(err_w)
         os.close(go_r)
@@ -169,3 +171,35 @@ def test_the_zygote_sends_the_go_when_given_the_pipe(go: bool) -> None:
         os.close(err_r)
         os.close(go_w)
 
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("host_goes", [True, False], ids=["host-sends-its-go", "host-closes-instead"])
+def test_with_host_go_the_child_waits_for_both(host_goes: bool) -> None:
+    """With the zygote's go and host_go, the child runs only once the host
+    has sent its go as well, whenever that comes (here: after the reply,
+    so after the zygote's go). If the host closes its end instead, the
+    child exits, reporting the missing go, without running anything."""
+    err_r, go_w, sock = _spawn_true(True, host_go=True)
+    try:
+        pid, pidfd = native.read_spawn_reply(sock)  # the zygote has sent its go
+        os.close(pidfd)
+        assert not select.select([err_r], [], [], 1)[0], "the child ran without the host's go"
+        if host_goes:
+            native.go(go_w)
+        else:
+            os.close(go_w)
+            go_w = -1
+        assert select.select([err_r], [], [], 5)[0]
+        report = os.read(err_r, 64)
+        status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        if host_goes:
+            assert report == b"" and status == 0
+        else:
+            step, err = struct.unpack("=ii", report[:8])
+            assert step == native.lib.NSBOX_SETUP_SYNC and status != 0
+    finally:
+        sock.close()
+        os.close(err_r)
+        if go_w >= 0:
+            os.close(go_w)

@@ -269,10 +269,13 @@ void __attribute__((noreturn)) child(const struct nsbox_spec *spec)
         report(error_fd, NSBOX_SETUP_FDS, errno);
         _exit(1);
     }
-    char go;
-    if (read(sync_fd, &go, 1) != 1) {
-        report(error_fd, NSBOX_SETUP_SYNC, errno ? errno : EPIPE);
-        _exit(1);
+    /* One go, or two: the zygote's and the host's (host_go). */
+    for (int gos = 1 + (spec->go_fd >= 0 && spec->host_go); gos > 0; gos--) {
+        char go;
+        if (read(sync_fd, &go, 1) != 1) {
+            report(error_fd, NSBOX_SETUP_SYNC, errno ? errno : EPIPE);
+            _exit(1);
+        }
     }
     close(sync_fd);
     /* The program leads a session and process group of its own. */
