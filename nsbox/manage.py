@@ -23,7 +23,7 @@ from .errors import NsboxError
 from .idmap import IdMap
 from .idmap import detect as detect_idmap
 from .registry import SandboxInfo
-from .removal import remove_layer
+from .removal import SWEEP_WAIT, remove_layer, wait_swept
 from .layers import REUSE, TRASH
 
 # A layer directory without a registry entry may belong to a sandbox being
@@ -191,6 +191,7 @@ class GcReport:
 def gc(mapping: IdMap) -> GcReport:
     """Removes the garbage, each piece on its own: one that cannot be
     removed is reported and does not stop the others."""
+    wait_swept(SWEEP_WAIT)  # this process's closed sandboxes first: their layers are not garbage
     report = GcReport()
     infos, orphans = garbage()
     for info in infos:

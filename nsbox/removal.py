@@ -12,12 +12,15 @@ walk came from.
 
 from __future__ import annotations
 
+import atexit
 import errno
 import os
 import stat
+import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from .errors import NsboxError
 from .idmap import IdMap
@@ -176,12 +179,18 @@ def _where(levels: list[_Level], name: str) -> str:
     return path if len(path) <= 200 else f"{path[:80]}/.../{path[-100:]}"
 
 
+# How long a process waits for its sweeper when it exits, or before gc.
+SWEEP_WAIT = 120.0
+
+
 class _Sweeper:
-    """Empties trash directories (see layers.set_aside_work) on a thread of
-    its own. What goes there is small, but each directory removed costs a
-    journal transaction, on a disk mounted with `discard` a discard as well,
-    and no sandbox needs to wait for that. Whatever a process leaves when it
-    exits is swept by the next one, or by `nsbox gc`."""
+    """Releases the layers of closed sandboxes (`later`: see
+    Sandbox._teardown) and empties trash directories (see
+    layers.set_aside_work) on a thread of its own. Each directory made or
+    removed costs a journal transaction, on a disk mounted with `discard` a
+    discard as well, and no sandbox needs to wait for that. A process
+    finishes its releases when it exits (at most SWEEP_WAIT s); whatever it
+    leaves is swept by the next one, or by `nsbox gc`."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -189,25 +198,62 @@ class _Sweeper:
         self._idle = threading.Event()
         self._idle.set()
         self._dirs: set[str] = set()
+        self._jobs: list[Callable[[], None]] = []
         self._thread: threading.Thread | None = None
+        self._at_exit = False
 
     def poke(self, trash: Path) -> None:
         with self._lock:
             self._dirs.add(os.fspath(trash))
-            self._idle.clear()
-            self._wake.set()
-            if self._thread is None or not self._thread.is_alive():  # or forked since
-                self._thread = threading.Thread(target=self._run, name="nsbox-sweeper", daemon=True)
-                self._thread.start()
+            self._start()
+
+    def later(self, job: Callable[[], None]) -> None:
+        """Runs `job` on the thread, in order; it reports its own failures."""
+        with self._lock:
+            self._jobs.append(job)
+            self._start()
+            if not self._at_exit:
+                self._at_exit = True
+                atexit.register(self._finish)
+
+    def _start(self) -> None:
+        self._idle.clear()
+        self._wake.set()
+        if self._thread is None or not self._thread.is_alive():  # or forked since
+            self._thread = threading.Thread(target=self._run, name="nsbox-sweeper", daemon=True)
+            self._thread.start()
 
     def wait(self, timeout: float) -> bool:
-        """Whether everything poked so far has been swept within `timeout` s."""
+        """Whether everything poked or queued so far is done within `timeout` s."""
         return self._idle.wait(timeout)
+
+    def _finish(self) -> None:
+        if not self.wait(SWEEP_WAIT):
+            print(f"nsbox: the layers of closed sandboxes were still being deleted after {SWEEP_WAIT:.0f}s; "
+                  "`nsbox gc` deletes what is left", file=sys.stderr)
+
+    def _forget_jobs(self) -> None:
+        """In a forked child: the parent's work is the parent's."""
+        self._lock = threading.Lock()
+        self._jobs.clear()
+        self._dirs.clear()
+        self._wake.clear()
+        self._idle.set()
+        self._thread = None
 
     def _run(self) -> None:
         while True:
             self._wake.wait()
             self._wake.clear()
+            while True:
+                with self._lock:
+                    if not self._jobs:
+                        break
+                    job = self._jobs.pop(0)
+                try:
+                    job()
+                except Exception as e:  # a job reports its own failures; this one did not
+                    print(f"nsbox: releasing a closed sandbox's layer failed: {e!r}", file=sys.stderr)
             with self._lock:
                 dirs = list(self._dirs)
             for trash in dirs:
@@ -232,7 +278,9 @@ def sweep(trash: str | os.PathLike[str]) -> None:
 
 
 _sweeper = _Sweeper()
+os.register_at_fork(after_in_child=_sweeper._forget_jobs)
 sweep_later = _sweeper.poke
+release_later = _sweeper.later
 wait_swept = _sweeper.wait
 
 

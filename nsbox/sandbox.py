@@ -13,6 +13,7 @@ detached on purpose).
 
 from __future__ import annotations
 
+import functools
 import os
 import posixpath
 import secrets
@@ -30,7 +31,7 @@ from . import plan as plan_mod
 from . import rootfs as rootfs_mod
 from .capture import CappedBuffer, Forwarder
 from .client import DEFAULT_PATH, Command, ExecResult, InitClient, failed_start
-from .errors import CommandTimeout, OutputLimitExceeded, SandboxSetupError, SandboxUnavailable, UserUnsupported
+from .errors import CommandTimeout, NsboxError, OutputLimitExceeded, SandboxSetupError, SandboxUnavailable, UserUnsupported
 from .launch import Launched, launch
 from .limits import exec_output_limit, human_size
 from .spec import NET, Network, OutputLimitMode, SandboxSpec
@@ -497,13 +498,11 @@ class Sandbox:
             cleanup()
         self._launched.cleanups.clear()
         if self._layer is not None:
+            # Nothing runs in the sandbox any more: its layer is kept for
+            # reuse or deleted on the sweeper's thread, while this process
+            # goes on (removal.wait_swept waits for it).
             assert self.idmap is not None
-            # An untouched layer goes with a few syscalls; anything the
-            # sandbox wrote may take long, so it is deleted off the event loop.
-            aside = layers.set_aside_work(self._layer)
-            if (not (aside and self.rootfs.release_layer(self._layer, self.idmap.host_root))
-                    and not removal.remove_untouched_layer(self._layer)):
-                await anyio.to_thread.run_sync(removal.remove_layer, self._layer, self.idmap)
+            removal.release_later(functools.partial(_release_layer, self.id, self._layer, self.rootfs, self.idmap))
             self._layer = None
         if self._rundir is not None:
             for name in (registry.INFO, registry.SOCKET):
@@ -796,6 +795,22 @@ class Sandbox:
 
 
 _noted: set[str] = set()
+
+
+def _release_layer(sandbox_id: str, layer: Path, rootfs: rootfs_mod.Rootfs, mapping: idmap.IdMap) -> None:
+    """Keeps the layer of a closed sandbox for the next one if it is
+    untouched (a few syscalls), else deletes it, as long as that takes."""
+    aside = layers.set_aside_work(layer)
+    if aside and rootfs.release_layer(layer, mapping.host_root):
+        return
+    if removal.remove_untouched_layer(layer):
+        return
+    try:
+        removal.remove_layer(layer, mapping)
+    except (OSError, NsboxError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        print(f"nsbox: could not delete the writable layer of sandbox {sandbox_id} ({layer}): {reason}; "
+              "`nsbox gc` tries again", file=sys.stderr)
 
 
 def _note_once(text: str) -> None:

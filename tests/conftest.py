@@ -17,7 +17,7 @@ import anyio
 import pytest
 
 import nsbox
-from nsbox import dirs, idmap
+from nsbox import dirs, idmap, removal
 from nsbox.images import import_tarball
 from nsbox.removal import remove_layer
 
@@ -35,6 +35,14 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     if expected and expected != MODE.mode:
         pytest.exit(f"expected identity mode {expected!r} but this user gets {MODE.mode!r}: {MODE.reason}",
                     returncode=3)
+
+
+@pytest.fixture(autouse=True)
+def _released_layers() -> None:
+    """Each test starts once the layers of the sandboxes closed before it
+    are released (removal's sweeper thread), so that what it finds on disk
+    is its own doing."""
+    assert removal.wait_swept(60), "the sweeper did not finish the previous test's releases"
 
 
 @pytest.fixture(scope="session")

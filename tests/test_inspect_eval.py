@@ -27,7 +27,7 @@ from inspect_ai.tool import bash, bash_session, python, text_editor
 from inspect_ai.util import sandbox
 
 import nsbox
-from nsbox import manage, registry
+from nsbox import manage, registry, removal
 from nsbox.errors import NsboxError
 from nsbox.inspect_provider import NsboxSandboxEnvironment
 
@@ -168,6 +168,7 @@ def test_eval_with_every_tool(rootfs: str, tmp_path: Path, debian_rootfs: Path, 
     # The sample's sandbox is gone with everything in it (the tools server too).
     assert registry.read(meta["id"]) is None
     assert gone(meta["pid"], meta["start"])
+    assert removal.wait_swept(10)
     assert not (nsbox.dirs.data_dir() / "sandboxes" / meta["id"]).exists()
 
 

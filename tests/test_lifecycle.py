@@ -68,6 +68,7 @@ async def test_context_manager_and_explicit_lifecycle() -> None:
 async def test_create_destroy_loop_leaves_nothing(mode: str) -> None:
     async with nsbox.Sandbox():  # the zygote (and holder) outlive the loop: start them first
         pass
+    assert removal.wait_swept(10)
     layers = layer_store.layers_dir()
     # Untouched layers may be kept for reuse (at most REUSE_MAX of them);
     # nothing else may remain.
@@ -86,11 +87,12 @@ async def test_create_destroy_loop_leaves_nothing(mode: str) -> None:
         ns = pidns(sb.pid)
         await sb.close()
         assert wait_until_empty(ns, 2) == [], f"processes left in round {i}"
+    # The layers are released, and the overlays' work dirs swept from the
+    # trash, on a thread.
+    assert removal.wait_swept(10)
     assert set(os.listdir(layers)) - {layer_store.REUSE, layer_store.TRASH} == before_layers
     pool = layers / layer_store.REUSE
     assert not pool.exists() or len(os.listdir(pool)) <= layer_store.REUSE_MAX
-    # The overlays' work dirs went to the trash, which a thread empties.
-    assert removal.wait_swept(10)
     trash = layers / layer_store.TRASH
     assert not trash.exists() or os.listdir(trash) == []
     assert set(os.listdir(dirs.runtime_dir())) == before_run
@@ -139,6 +141,35 @@ def test_sigkill_of_the_owner_leaves_no_process() -> None:
         owner.wait()
 
 
+CLOSER = textwrap.dedent("""
+    import anyio, nsbox
+    async def main():
+        layers = []
+        for i in range(3):
+            sb = await nsbox.Sandbox.create()
+            # Many files: deleting this layer takes a while on the sweeper's thread.
+            r = await sb.exec(["sh", "-c", "mkdir -p /root/d && cd /root/d && seq 1 3000 | xargs touch"])
+            assert r.success, r.stderr
+            layers.append(str(sb._layer))
+            await sb.close()
+        print("\\n".join(layers), flush=True)
+    anyio.run(main)
+""")
+
+
+@pytest.mark.timeout(120)
+def test_a_process_exiting_right_after_close_leaves_no_layer() -> None:
+    """close() returns once the sandbox's processes are gone; its layer is
+    deleted on a thread. A process that exits at once still deletes them
+    all before it ends."""
+    r = subprocess.run([sys.executable, "-c", CLOSER], capture_output=True, text=True, timeout=100)
+    assert r.returncode == 0, r.stderr
+    layers = r.stdout.split()
+    assert len(layers) == 3
+    assert [layer for layer in layers if os.path.exists(layer)] == []
+    assert r.stderr == ""
+
+
 async def test_init_is_pid_one_and_tiny(sandbox: nsbox.Sandbox) -> None:
     r = await sandbox.exec(["cat", "/proc/1/comm", "/proc/1/status"])
     assert r.stdout.startswith("nsbox-init\n")
@@ -158,6 +189,7 @@ async def test_setup_failure_leaves_nothing(tmp_path: Path) -> None:
     before = set(os.listdir(layers)) if layers.exists() else set()
     with pytest.raises(nsbox.SandboxSetupError, match="/dev"):
         await nsbox.Sandbox(rootfs).start()
+    assert removal.wait_swept(10)
     assert list(victim.iterdir()) == []
     assert (set(os.listdir(layers)) if layers.exists() else set()) == before
     # No sandbox process is left (other tests' helpers, e.g. a registry

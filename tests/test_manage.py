@@ -24,7 +24,7 @@ from typing import Iterator
 import pytest
 from inspect_ai.util import SandboxUserUnsupportedError
 
-from nsbox import manage, native, registry
+from nsbox import manage, native, registry, removal
 from nsbox.inspect_provider import NsboxSandboxEnvironment
 
 NSBOX = [sys.executable, "-m", "nsbox"]
@@ -60,6 +60,7 @@ def assert_removed(info: registry.SandboxInfo) -> None:
     assert registry.read(info.id) is None
     assert not registry.sandbox_dir(info.id).exists()
     assert wait_for(lambda: not info.init_alive), f"init {info.init_pid} still runs"
+    assert removal.wait_swept(10)  # closed in this process: released on its sweeper's thread
     assert not Path(info.layer).exists(), info.layer
     assert info.id not in ps_rows()
 

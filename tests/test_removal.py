@@ -188,6 +188,7 @@ async def fill_and_close(sb: nsbox.Sandbox, tmp_path: Path, mode: str) -> None:
     layer = sb._layer
     assert layer is not None and layer.is_dir()
     await sb.close()
+    assert removal.wait_swept(60)  # the sweeper's thread deletes it
     assert not layer.exists()
     assert_host_dir_intact(host)
 
