@@ -169,6 +169,31 @@ async def test_close_deletes_whatever_a_debian_sandbox_wrote(debian: nsbox.Sandb
     await fill_and_close(debian, tmp_path, mode)
 
 
+async def test_a_layer_that_cannot_be_deleted_after_close_is_reported(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """close() has returned when the sweeper's thread finds it cannot delete
+    the layer: it says so in one line, leaves the layer for gc, and goes on
+    with the next."""
+    def refuse(layer: Path, mapping: object) -> None:
+        raise RemovalError("rm -rf in the sandbox's user namespace failed (exit status 1)")
+
+    monkeypatch.setattr(removal, "remove_layer", refuse)
+    boxes = [await nsbox.Sandbox.create() for _ in range(2)]
+    kept = []
+    for sb in boxes:
+        assert (await sb.exec(["sh", "-c", "echo x > /root/f"])).success  # no longer reusable
+        kept.append(sb._layer)
+        await sb.close()
+    assert removal.wait_swept(10)
+    assert capsys.readouterr().err.splitlines() == [
+        f"nsbox: could not delete the writable layer of sandbox {sb.id} ({layer}): rm -rf in the sandbox's user "
+        "namespace failed (exit status 1); `nsbox gc` tries again" for sb, layer in zip(boxes, kept)]
+    monkeypatch.undo()
+    for layer in kept:
+        assert layer is not None and (layer / "upper" / "root" / "f").exists()
+        remove_layer(layer, idmap.detect())
+
+
 async def fill_and_close(sb: nsbox.Sandbox, tmp_path: Path, mode: str) -> None:
     """Deep trees (of root and, when the mapping has them, of another user),
     unreadable directories, symlinks to the host: close() deletes them all."""
