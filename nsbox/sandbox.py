@@ -458,8 +458,10 @@ class Sandbox:
         return sb
 
     async def close(self) -> None:
-        """Stops every process of the sandbox and deletes its writable layer
-        (for an attached sandbox: disconnects)."""
+        """Stops every process of the sandbox (all are gone on return) and
+        hands its writable layer to this process's sweeper thread, which
+        keeps it for reuse or deletes it (removal.wait_swept waits for that;
+        the process does when it exits). For an attached sandbox: disconnects."""
         if self._state in ("new", "closed"):
             self._state = "closed"
             return

@@ -65,16 +65,21 @@ async def test_context_manager_and_explicit_lifecycle() -> None:
         await sb.start()
 
 
+def host_state() -> tuple[set[str], set[str], str]:
+    """What sandboxes leave on the host once this process's closed ones are
+    released (layers, on the sweeper's thread): layers but for the pool and
+    the trash, registry entries, this process's mounts."""
+    assert removal.wait_swept(10)
+    layers = set(os.listdir(layer_store.layers_dir())) - {layer_store.REUSE, layer_store.TRASH}
+    return layers, set(os.listdir(dirs.runtime_dir())), Path("/proc/self/mountinfo").read_text()
+
+
 async def test_create_destroy_loop_leaves_nothing(mode: str) -> None:
     async with nsbox.Sandbox():  # the zygote (and holder) outlive the loop: start them first
         pass
-    assert removal.wait_swept(10)
-    layers = layer_store.layers_dir()
     # Untouched layers may be kept for reuse (at most REUSE_MAX of them);
     # nothing else may remain.
-    before_layers = set(os.listdir(layers)) - {layer_store.REUSE, layer_store.TRASH}
-    before_run = set(os.listdir(dirs.runtime_dir()))
-    before_mounts = Path("/proc/self/mountinfo").read_text()
+    before = host_state()
     me = psutil.Process()
     before_children = {c.pid for c in me.children(recursive=True)}
     for i in range(15):
@@ -89,14 +94,12 @@ async def test_create_destroy_loop_leaves_nothing(mode: str) -> None:
         assert wait_until_empty(ns, 2) == [], f"processes left in round {i}"
     # The layers are released, and the overlays' work dirs swept from the
     # trash, on a thread.
-    assert removal.wait_swept(10)
-    assert set(os.listdir(layers)) - {layer_store.REUSE, layer_store.TRASH} == before_layers
+    assert host_state() == before
+    layers = layer_store.layers_dir()
     pool = layers / layer_store.REUSE
     assert not pool.exists() or len(os.listdir(pool)) <= layer_store.REUSE_MAX
     trash = layers / layer_store.TRASH
     assert not trash.exists() or os.listdir(trash) == []
-    assert set(os.listdir(dirs.runtime_dir())) == before_run
-    assert Path("/proc/self/mountinfo").read_text() == before_mounts
     assert {c.pid for c in me.children(recursive=True)} == before_children  # nothing unreaped
 
 
@@ -207,11 +210,7 @@ async def test_a_layer_failing_while_the_zygote_clones_leaves_nothing(monkeypatc
 
     async with nsbox.Sandbox():  # the plan's template, the zygote and the holder exist from here
         pass
-    assert removal.wait_swept(10)
-    layers = layer_store.layers_dir()
-    before_layers = set(os.listdir(layers)) - {layer_store.REUSE, layer_store.TRASH}
-    before_run = set(os.listdir(dirs.runtime_dir()))
-    before_mounts = Path("/proc/self/mountinfo").read_text()
+    before = host_state()
     seen: dict[str, object] = {}
     real_launch = launch_mod.launch
 
@@ -235,10 +234,7 @@ async def test_a_layer_failing_while_the_zygote_clones_leaves_nothing(monkeypatc
     assert isinstance(pid, int) and pid > 0  # it was cloned...
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)  # ...and reaped
-    assert removal.wait_swept(10)
-    assert set(os.listdir(layers)) - {layer_store.REUSE, layer_store.TRASH} == before_layers
-    assert set(os.listdir(dirs.runtime_dir())) == before_run
-    assert Path("/proc/self/mountinfo").read_text() == before_mounts
+    assert host_state() == before
     monkeypatch.undo()
     async with nsbox.Sandbox() as sb:
         assert (await sb.exec(["true"])).success

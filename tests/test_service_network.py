@@ -106,6 +106,16 @@ OWNER = textwrap.dedent("""
 """)
 
 
+def running_name(pid: int) -> str | None:
+    """The name of `pid` if it runs (not a zombie); None if it is gone,
+    which it may be by the time we ask (pasta forks and its parent exits)."""
+    try:
+        proc = psutil.Process(pid)
+        return None if proc.status() == psutil.STATUS_ZOMBIE else proc.name()
+    except psutil.NoSuchProcess:
+        return None
+
+
 @pytest.mark.parametrize("kind", ["internal", "nat"])
 def test_nothing_is_left_after_the_owner_is_killed(kind: str) -> None:
     if kind == "nat" and not tun_usable():
@@ -116,21 +126,19 @@ def test_nothing_is_left_after_the_owner_is_killed(kind: str) -> None:
         assert line, "the owner did not start its network"
         inits = json.loads(line)["inits"]
         descendants = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
-        assert any(psutil.Process(p).name() == "nsbox-bridge" for p in descendants if psutil.pid_exists(p))
+        names = [running_name(p) or "" for p in descendants]
+        assert "nsbox-bridge" in names, names
         if kind == "nat":
-            assert any(psutil.Process(p).name().startswith(("pasta", "passt", "slirp4netns")) for p in descendants
-                       if psutil.pid_exists(p))
+            assert any(name.startswith(("pasta", "passt", "slirp4netns")) for name in names), names
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
-                                              for p in descendants):
+    while time.monotonic() < deadline and any(running_name(p) for p in descendants):
         time.sleep(0.05)
-    left = [(p, psutil.Process(p).name()) for p in descendants
-            if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    left = [(p, name) for p in descendants if (name := running_name(p))]
     assert left == [], f"still running after the owner died: {left}"
-    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in inits)
+    assert not any(running_name(p) for p in inits)
 
 
 async def test_nsbox_yaml_sandboxes_share_a_network_per_sample(tmp_path) -> None:  # type: ignore[no-untyped-def]
