@@ -232,7 +232,7 @@ class _Sweeper:
             print(f"nsbox: the layers of closed sandboxes were still being deleted after {SWEEP_WAIT:.0f}s; "
                   "`nsbox gc` deletes what is left", file=sys.stderr)
 
-    def _forget_jobs(self) -> None:
+    def _after_fork(self) -> None:
         """In a forked child: the parent's work is the parent's."""
         self._lock = threading.Lock()
         self._jobs.clear()
@@ -278,7 +278,7 @@ def sweep(trash: str | os.PathLike[str]) -> None:
 
 
 _sweeper = _Sweeper()
-os.register_at_fork(after_in_child=_sweeper._forget_jobs)
+os.register_at_fork(after_in_child=_sweeper._after_fork)
 sweep_later = _sweeper.poke
 release_later = _sweeper.later
 wait_swept = _sweeper.wait

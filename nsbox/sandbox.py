@@ -34,6 +34,7 @@ from .client import DEFAULT_PATH, Command, ExecResult, InitClient, failed_start
 from .errors import CommandTimeout, NsboxError, OutputLimitExceeded, SandboxSetupError, SandboxUnavailable, UserUnsupported
 from .launch import Launched, launch
 from .limits import exec_output_limit, human_size
+from .manage import describe
 from .spec import NET, Network, OutputLimitMode, SandboxSpec
 
 if TYPE_CHECKING:
@@ -810,8 +811,7 @@ def _release_layer(sandbox_id: str, layer: Path, rootfs: rootfs_mod.Rootfs, mapp
     try:
         removal.remove_layer(layer, mapping)
     except (OSError, NsboxError) as e:
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        print(f"nsbox: could not delete the writable layer of sandbox {sandbox_id} ({layer}): {reason}; "
+        print(f"nsbox: could not delete the writable layer of sandbox {sandbox_id} ({layer}): {describe(e)}; "
               "`nsbox gc` tries again", file=sys.stderr)
 
 
