@@ -10,7 +10,8 @@
  *     the request's file descriptors attached as SCM_RIGHTS.
  *   - Every EXEC or OPEN request carries a "channel": one end of a fresh
  *     SOCK_STREAM socketpair. Results come back on it as struct nsbox_reply
- *     records: for EXEC, STARTED or FAIL, then EXIT; for OPEN, FD or FAIL.
+ *     records: for EXEC, STARTED (unless NSBOX_F_NO_STARTED) or FAIL, then
+ *     EXIT; for OPEN, FD or FAIL.
  *     The host may write a 4-byte signal number on it to signal the
  *     command's process tree. Closing it early kills that tree (or the
  *     helper serving an OPEN).
@@ -21,7 +22,7 @@
 
 #include <stdint.h>
 
-#define NSBOX_PROTOCOL_VERSION 2
+#define NSBOX_PROTOCOL_VERSION 3
 
 /* PATH of a command whose environment has none (the host sends the same
  * default; it reads this one through nsbox_default_path()). */
@@ -53,6 +54,7 @@ enum nsbox_op {
 #define NSBOX_F_SETCTTY 0x8    /* EXEC: stdin is a terminal; make it the controlling one */
 #define NSBOX_F_DETACHED 0x10  /* EXEC: closing the channel does not kill the command */
 #define NSBOX_F_REGULAR 0x20   /* OPEN: only a regular file or a directory will do */
+#define NSBOX_F_NO_STARTED 0x40 /* EXEC: no STARTED reply (a caller that waits for EXIT) */
 
 /*
  * Payload layout: ngroups uint32 gids, then NUL-terminated strings:

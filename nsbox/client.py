@@ -116,6 +116,10 @@ class InitClient:
         self.ctl = ctl
         self.ctl.setblocking(False)
         self.sandbox_id = sandbox_id
+        # anyio lets one task at a time wait on a socket: senders that find
+        # the connection full take turns, as do control exchanges.
+        self._room_wait = anyio.Lock()
+        self._control_turn = anyio.Lock()
 
     @classmethod
     def connect(cls, path: str, sandbox_id: str) -> "InitClient":
@@ -141,7 +145,8 @@ class InitClient:
                 protocol.send(self.ctl, message, fds)
                 return
             except BlockingIOError:
-                await anyio.wait_writable(self.ctl)
+                async with self._room_wait:
+                    await anyio.wait_writable(self.ctl)
             except OSError as e:
                 if e.errno in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.EBADF):
                     raise self._gone() from None
@@ -234,17 +239,18 @@ class InitClient:
 
     async def _control(self, op: int) -> bytes:
         """A request answered on the control connection itself."""
-        await self.send(protocol.REQUEST.pack(op, *[0] * 9), [])
-        with anyio.fail_after(START_TIMEOUT):
-            while True:
-                await anyio.wait_readable(self.ctl)
-                try:
-                    data = self.ctl.recv(protocol.STATUS.size)
-                except BlockingIOError:
-                    continue
-                if not data:
-                    raise self._gone()
-                return data
+        async with self._control_turn:
+            await self.send(protocol.REQUEST.pack(op, *[0] * 9), [])
+            with anyio.fail_after(START_TIMEOUT):
+                while True:
+                    await anyio.wait_readable(self.ctl)
+                    try:
+                        data = self.ctl.recv(protocol.STATUS.size)
+                    except BlockingIOError:
+                        continue
+                    if not data:
+                        raise self._gone()
+                    return data
 
     async def status(self) -> dict[str, int]:
         """The init's counters: execs served and commands running."""

@@ -232,6 +232,57 @@ async def test_exec_as_other_users(sandbox: nsbox.Sandbox, mode: str) -> None:
     assert (await sandbox.exec(["id", "-u"], user="4242")).stdout == "4242\n"
 
 
+async def test_a_users_supplementary_groups_reach_its_commands(sandbox: nsbox.Sandbox, mode: str) -> None:
+    # The init passes the request's group list to setgroups as it came.
+    passwd = await sandbox.read_file("/etc/passwd")
+    group = await sandbox.read_file("/etc/group")
+    await sandbox.write_file("/etc/passwd", passwd + "grouped:x:4100:4100::/tmp:/bin/sh\n")
+    await sandbox.write_file("/etc/group", group + "grouped:x:4100:\nfirst:x:4101:grouped\n"
+                                                   "second:x:4102:someone,grouped\nother:x:4103:someone\n")
+    if mode == "single":
+        with pytest.raises(UserUnsupported):
+            await sandbox.exec(["id", "-G"], user="grouped")
+        return
+    r = await sandbox.exec(["id", "-G"], user="grouped")
+    assert sorted(r.stdout.split()) == ["4100", "4101", "4102"], r
+
+
+async def test_failures_at_every_stage_leave_the_init_serving(sandbox: nsbox.Sandbox) -> None:
+    # Each command starts in a child that shares the init's memory until its
+    # execve; children that fail at each stage, many at once, must neither
+    # disturb the init nor each other's results.
+    await sandbox.write_file("/tmp/noshebang", "echo script\n")
+    await sandbox.exec(["chmod", "+x", "/tmp/noshebang"])
+    cases: list[tuple[dict, object]] = [
+        (dict(cmd=["sh", "-c", 'echo "$0"', "arg"]), (0, "arg\n")),
+        (dict(cmd=["sh", "-c", "exit 7"]), (7, "")),
+        (dict(cmd=["no-such-command-xyz"]), (127, "")),
+        (dict(cmd=["true"], cwd="/no/such/dir"), (126, "")),
+        (dict(cmd=["/etc/passwd"]), PermissionError),
+        (dict(cmd=["/tmp/noshebang"]), (0, "script\n")),
+        (dict(cmd=["sh", "-c", 'echo "$V"'], env={"V": "x" * 1000}), (0, "x" * 1000 + "\n")),
+    ]
+    wrong: list[str] = []
+
+    async def one(i: int) -> None:
+        kwargs, expected = cases[i % len(cases)]
+        try:
+            r = await sandbox.exec(**kwargs)  # type: ignore[arg-type]
+            got: object = (r.returncode, r.stdout)
+        except PermissionError:
+            got = PermissionError
+        if got != expected:
+            wrong.append(f"{kwargs}: {got!r}, expected {expected!r}")
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            for i in range(350):
+                tg.start_soon(one, i)
+    assert not wrong, wrong[:5]
+    status = await sandbox.client.status()
+    assert status["running"] == 0, status
+
+
 async def test_exec_as_root_and_unknown_user(sandbox: nsbox.Sandbox) -> None:
     assert (await sandbox.exec(["id", "-u"], user="root")).stdout == "0\n"
     r = await sandbox.exec(["id"], user="no-such-user")

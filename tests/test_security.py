@@ -178,6 +178,36 @@ async def test_stopped_helpers_are_noticed_not_waited_for(sandbox: nsbox.Sandbox
     assert outcomes["helper"] > 0, outcomes
 
 
+@pytest.mark.timeout(150)
+async def test_a_stopped_exec_helper_never_stops_pid1(sandbox: nsbox.Sandbox) -> None:
+    # Until its execve, a command's helper shares the init's memory and the
+    # init waits for it. A long PATH to search keeps the helper busy for a
+    # few milliseconds, long enough for the attacker to stop it: the init
+    # must notice, kill it and say so, and go on serving.
+    sb = sandbox
+    await sb.spawn(["python3", "-c", STOP_HELPERS])
+    long_path = ":".join(f"/no/such/dir/{i:05d}" for i in range(2800)) + ":/usr/bin:/bin"
+    stopped = 0
+    with anyio.fail_after(120):
+        for _ in range(60):
+            started = time.monotonic()
+            try:
+                r = await sb.exec(["true"], env={"PATH": long_path}, timeout=5)
+                assert r.success, r
+            except nsbox.CommandTimeout:
+                pass  # stopped after its execve: the command, the sandbox's to stop
+            except (nsbox.NsboxError, OSError) as e:
+                assert "helper" in str(e), e
+                stopped += 1
+            assert time.monotonic() - started < 5
+            if stopped >= 3:
+                break
+        assert stopped > 0, "the attacker never caught a helper: the test proves nothing"
+        # PID 1 was never stopped: it answers at once.
+        status = await sb.client.status()
+    assert status["execs"] > 0
+
+
 # ---- 4. real root's sandboxes --------------------------------------------
 
 

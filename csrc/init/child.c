@@ -19,14 +19,20 @@
 
 #include "init/init.h"
 
+/* The payload's uint32 group ids go to setgroups as they are. */
+_Static_assert(sizeof(gid_t) == sizeof(uint32_t), "gid_t is 32 bits");
+
 /* In a request child: where a failure goes (the start pipe of an EXEC, the
  * channel of an OPEN) before the child exits. */
 int child_report_fd = -1;
 bool child_report_is_pipe;
+struct start_failure *child_report_mem;
 
 void __attribute__((noreturn)) child_fail(int stage, int err)
 {
-    if (child_report_is_pipe) {
+    if (child_report_mem) {
+        *child_report_mem = (struct start_failure){.stage = stage, .err = err};
+    } else if (child_report_is_pipe) {
         struct start_failure f = {.stage = stage, .err = err};
         ssize_t w = write(child_report_fd, &f, sizeof f); /* an empty pipe takes 8 bytes at once */
         (void)w;
@@ -36,26 +42,34 @@ void __attribute__((noreturn)) child_fail(int stage, int err)
     _exit(127);
 }
 
-/* Parses the payload into `rq`. Runs in the forked child, so it may allocate. */
+/* Parses the payload into `rq`, with everything an EXEC child needs laid
+ * out in one allocation: a child that shares our memory (CLONE_VM) must
+ * not allocate, so this runs before it starts (or in a forked child). */
 bool parse_payload(struct request *rq, char *payload, size_t len)
 {
     size_t glen = (size_t)rq->h.ngroups * sizeof(uint32_t);
     if (rq->h.ngroups > NGROUPS_MAX || glen > len)
         return false;
     rq->groups = (const uint32_t *)payload;
-    size_t want = 1 + (size_t)rq->h.argc + rq->h.envc;
-    rq->strings = calloc(want + 1, sizeof(char *));
-    if (!rq->strings)
+    size_t argc = rq->h.argc, envc = rq->h.envc, want = 1 + argc + envc;
+    /* cwd, argv[argc], NULL, env[envc], NULL, then the sh fallback's argc + 2 */
+    char **v = calloc(want + 2 + argc + 2, sizeof *v);
+    if (!v)
         return false;
     char *p = payload + glen, *end = payload + len;
     for (size_t i = 0; i < want; i++) {
         char *z = memchr(p, 0, (size_t)(end - p));
-        if (!z)
+        if (!z) {
+            free(v);
             return false;
-        rq->strings[i] = p;
+        }
+        v[i <= argc ? i : i + 1] = p; /* i + 1: past the NULL that ends argv */
         p = z + 1;
     }
-    rq->nstrings = want;
+    rq->strings = v;
+    rq->argv = v + 1;
+    rq->env = v + 2 + argc;
+    rq->sh = v + 3 + argc + envc;
     return true;
 }
 
@@ -83,19 +97,10 @@ char *read_payload_fd(int fd, size_t len)
 int apply_creds(const struct request *rq)
 {
     if (rq->h.flags & NSBOX_F_SETGROUPS) {
-        /* On the heap: NGROUPS_MAX gids would be 256 KiB of stack. */
-        gid_t *gs = malloc((rq->h.ngroups ? rq->h.ngroups : 1) * sizeof *gs);
-        if (!gs)
-            return ENOMEM;
-        for (uint32_t i = 0; i < rq->h.ngroups; i++)
-            gs[i] = rq->groups[i];
         /* With a single mapped id, setgroups is denied by the kernel; only
          * root runs then, and keeping root's groups is what it would get. */
-        int r = setgroups(rq->h.ngroups, gs);
-        int err = errno;
-        free(gs);
-        if (r < 0 && !(err == EPERM && rq->h.uid == 0))
-            return err;
+        if (setgroups(rq->h.ngroups, (const gid_t *)rq->groups) < 0 && !(errno == EPERM && rq->h.uid == 0))
+            return errno;
     }
     if (setresgid(rq->h.gid, rq->h.gid, rq->h.gid) < 0)
         return errno;
@@ -105,8 +110,8 @@ int apply_creds(const struct request *rq)
 }
 
 /* Moves the child's descriptors into place: `map[i]` becomes fd i for
- * i < nmap; `*keep` is moved above them and stays close-on-exec; every
- * other descriptor is closed. */
+ * i < nmap; `*keep`, unless it is -1, is moved above them and stays
+ * close-on-exec; every other descriptor is closed. */
 bool arrange_fds(const int *map, int nmap, int *keep)
 {
     int high[NSBOX_MAX_FDS];
@@ -114,19 +119,23 @@ bool arrange_fds(const int *map, int nmap, int *keep)
         if ((high[i] = fcntl(map[i], F_DUPFD_CLOEXEC, 64)) < 0)
             return false;
     }
-    int k = fcntl(*keep, F_DUPFD_CLOEXEC, 64);
-    if (k < 0)
+    int k = *keep < 0 ? -1 : fcntl(*keep, F_DUPFD_CLOEXEC, 64);
+    if (*keep >= 0 && k < 0)
         return false;
     for (int i = 0; i < nmap; i++) {
         if (dup2(high[i], i) < 0) /* dup2 clears close-on-exec on the copy */
             return false;
     }
-    if (dup2(k, nmap) < 0 || fcntl(nmap, F_SETFD, FD_CLOEXEC) < 0)
-        return false;
-    *keep = nmap;
+    int first_closed = nmap;
+    if (k >= 0) {
+        if (dup2(k, nmap) < 0 || fcntl(nmap, F_SETFD, FD_CLOEXEC) < 0)
+            return false;
+        *keep = nmap;
+        first_closed = nmap + 1;
+    }
     /* Nothing of the init's (its connections, the namespace fds) may
      * reach the command. */
-    return syscall(SYS_close_range, nmap + 1, ~0U, 0) == 0;
+    return syscall(SYS_close_range, first_closed, ~0U, 0) == 0;
 }
 
 /* Gives the command the signal state of a fresh process: nothing blocked,

@@ -9,7 +9,7 @@
  *
  * The init holds no privileges beyond those of the sandbox itself. It never
  * blocks on a request body: payloads arrive inline or in a memfd, and the
- * work that may block (exec, open) happens in a forked child.
+ * work that may block happens in a child (see main.c).
  */
 #ifndef NSBOX_INIT_H
 #define NSBOX_INIT_H
@@ -24,8 +24,10 @@
 struct request {
     struct nsbox_request h;
     const uint32_t *groups;
-    char **strings; /* cwd or path, then argv, then env */
-    size_t nstrings;
+    char **strings; /* cwd or path, then argv, NULL, env, NULL (one allocation) */
+    char **argv;    /* NULL-terminated, for execve */
+    char **env;     /* NULL-terminated, for execve */
+    char **sh;      /* argc + 2 free slots: the /bin/sh fallback's argv */
 };
 
 /* What a request child writes on the start pipe when it cannot go on. */
@@ -42,6 +44,7 @@ void send_reply(int chan, int32_t kind, int32_t code, int32_t err, int32_t stage
  * start pipe of an EXEC, the channel of an OPEN) and exits. */
 extern int child_report_fd;
 extern bool child_report_is_pipe;
+extern struct start_failure *child_report_mem; /* a child sharing our memory: here */
 void __attribute__((noreturn)) child_fail(int stage, int err);
 bool parse_payload(struct request *rq, char *payload, size_t len);
 char *read_payload_fd(int fd, size_t len);

@@ -2,10 +2,11 @@
  * main.c - nsbox-init, PID 1 of every nsbox sandbox: its server loop.
  *
  * A small static program with four jobs:
- *   1. spawn server: on an EXEC request it forks, the child applies cwd and
+ *   1. spawn server: on an EXEC request it starts a child that shares its
+ *      memory until it execs (spawn_shared), which applies cwd and
  *      credentials and execs the command with cmd[0] resolved through PATH;
- *      on an OPEN request the child opens a file as the requesting user and
- *      passes the descriptor back;
+ *      on an OPEN request a forked child opens a file as the requesting user
+ *      and passes the descriptor back;
  *   2. reaper: it reaps every process that ends up as its child and reports
  *      the exit status of commands (128+N for signal N);
  *   3. killer: on request (or when the host drops a command's channel) it
@@ -14,8 +15,10 @@
  *      everything and exits, which makes the kernel tear down the sandbox.
  *
  * The init holds no privileges beyond those of the sandbox itself. It never
- * blocks on a request body: payloads arrive inline or in a memfd, and the
- * work that may block (exec, open) happens in a forked child.
+ * blocks on a request body: payloads arrive inline or in a memfd. The work
+ * that may block happens in a child: an open in a forked one; an exec in
+ * one the init waits for only until its execve, and never while a sandbox
+ * process holds it stopped (wait_for_exec).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -27,12 +30,16 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/futex.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "fdpass.h"
@@ -48,6 +55,7 @@ struct job {
     bool detached; /* losing the channel does not kill it */
     bool open;     /* an OPEN helper: it answers on its own copy of chan */
     bool stopped;  /* we killed it because a sandbox process stopped it */
+    bool no_started; /* EXEC: the host asked for no STARTED reply */
 };
 
 /* A client connection: the owner's (fd 3) or one accepted later. */
@@ -150,6 +158,144 @@ static void add_job(struct job j)
     jobs[njobs++] = j;
 }
 
+/* Records a started EXEC command; the descriptors it was given are its own
+ * now (the command's stdout and stderr must reach EOF when it exits). */
+static void add_exec_job(pid_t pid, int start, const struct request *rq, int *fds, int nfds)
+{
+    add_job((struct job){.pid = pid, .chan = fds[0], .start = start, .detached = rq->h.flags & NSBOX_F_DETACHED,
+                         .no_started = rq->h.flags & NSBOX_F_NO_STARTED});
+    close_fds(fds + 1, nfds - 1);
+}
+
+/* ---- starting a command without copying ourselves --------------------- */
+
+/* How long a child sharing our memory may take to exec before we kill it:
+ * we serve nothing while it runs on our memory. */
+#define SHARED_EXEC_LIMIT_MS 10000
+/* How often we look for a stopped child, or a lost lifeline, meanwhile. */
+#define SHARED_CHECK_MS 5
+
+/* The stack of the child of spawn_shared (one at a time), with a guard page
+ * below it; mapped on first use. */
+#define SHARED_STACK_SIZE (256 * 1024)
+static char *shared_stack;
+
+struct shared_child {
+    struct request *rq;
+    int *fds;
+    struct start_failure failure; /* written by the child before it exits */
+    pid_t tid; /* the kernel zeroes it, and wakes us, at its exec or exit */
+};
+
+static int shared_child_main(void *arg)
+{
+    struct shared_child *c = arg;
+    child_report_fd = -1;
+    child_report_mem = &c->failure;
+    reset_signals();
+    /* The kernel lets a process that shares its memory, but not its
+     * thread group, join a user namespace (userns_install). */
+    int err = enter_sandbox();
+    if (err)
+        child_fail(NSBOX_STAGE_SPAWN, err);
+    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0); /* see child_exec */
+    if (setsid() < 0)
+        child_fail(NSBOX_STAGE_SPAWN, errno);
+    child_exec(c->rq, c->fds);
+}
+
+static long elapsed_ms(const struct timespec *since)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (now.tv_sec - since->tv_sec) * 1000 + (now.tv_nsec - since->tv_nsec) / 1000000;
+}
+
+/* Waits until the child of spawn_shared has exec'd or died, that is, has
+ * left our memory: CLONE_CHILD_CLEARTID makes the kernel zero c->tid and
+ * wake a futex on it then. A futex, not a close-on-exec pipe: a pipe's
+ * wakeup would queue us behind the exec'd command on its CPU. A sandbox
+ * process may stop the child (it runs as a sandbox user), so every few
+ * milliseconds we look, and kill a stopped child rather than wait on it.
+ * Meanwhile the child writes errno, which it shares with us: nothing here
+ * reads it. */
+static void wait_for_exec(pid_t pid, struct shared_child *c)
+{
+    struct timespec start, checked;
+    clock_gettime(CLOCK_MONOTONIC, &start);
+    checked = start;
+    bool killed = false;
+    pid_t t;
+    while ((t = __atomic_load_n(&c->tid, __ATOMIC_ACQUIRE)) != 0) {
+        struct timespec ts = {.tv_nsec = SHARED_CHECK_MS * 1000000L};
+        syscall(SYS_futex, &c->tid, FUTEX_WAIT, t, &ts, NULL, 0);
+        if (killed || elapsed_ms(&checked) < SHARED_CHECK_MS)
+            continue;
+        clock_gettime(CLOCK_MONOTONIC, &checked);
+        /* The lifeline holds while we wait: POLLHUP needs no events. */
+        struct pollfd p = {.fd = detached ? -1 : NSBOX_FD_CONTROL};
+        if (poll(&p, 1, 0) > 0 && p.revents)
+            shutdown_sandbox();
+        siginfo_t st = {0};
+        bool stopped = waitid(P_PID, (id_t)pid, &st, WSTOPPED | WNOHANG | WNOWAIT) == 0 && st.si_pid == pid;
+        bool late = elapsed_ms(&start) >= SHARED_EXEC_LIMIT_MS;
+        if (stopped || late) {
+            kill(pid, SIGKILL); /* our unreaped child: its pid cannot be reused */
+            killed = true;
+            c->failure = (struct start_failure){.stage = NSBOX_STAGE_HELPER, .err = stopped ? EINTR : ETIMEDOUT};
+        }
+    }
+}
+
+/* Starts an EXEC command in a child that shares our memory (CLONE_VM, as
+ * posix_spawn does) until its execve: no page tables to copy, no
+ * copy-on-write faults, no copy to tear down at the exec. Unlike vfork, we
+ * wait for the exec ourselves (see wait_for_exec), so a stopped child
+ * cannot stop PID 1. The child allocates nothing (parse_payload laid out
+ * what it needs), runs on its own stack, and writes no memory we use but
+ * its failure report. */
+static void spawn_shared(struct request *rq, char *payload, int *fds, int nfds)
+{
+    int chan = fds[0];
+    if (!shared_stack) {
+        char *m = mmap(NULL, SHARED_STACK_SIZE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK,
+                       -1, 0);
+        if (m == MAP_FAILED) {
+            send_reply(chan, NSBOX_REPLY_FAIL, 0, errno, NSBOX_STAGE_SPAWN, -1);
+            close_fds(fds, nfds);
+            return;
+        }
+        mprotect(m, 4096, PROT_NONE); /* the guard page: best effort */
+        shared_stack = m;
+    }
+    if (!parse_payload(rq, payload, rq->h.payload_len) || rq->h.argc == 0) {
+        free(rq->strings);
+        send_reply(chan, NSBOX_REPLY_FAIL, 0, EINVAL, NSBOX_STAGE_REQUEST, -1);
+        close_fds(fds, nfds);
+        return;
+    }
+    struct shared_child c = {.rq = rq, .fds = fds};
+    pid_t pid = clone(shared_child_main, shared_stack + SHARED_STACK_SIZE,
+                      CLONE_VM | CLONE_PARENT_SETTID | CLONE_CHILD_CLEARTID | SIGCHLD, &c, &c.tid, NULL, &c.tid);
+    int clone_err = errno; /* only read if there is no child to change it */
+    if (pid > 0)
+        wait_for_exec(pid, &c);
+    free(rq->strings);
+    /* The child's credential changes reset the dumpable flag we share. */
+    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+    if (pid < 0) {
+        send_reply(chan, NSBOX_REPLY_FAIL, 0, clone_err, NSBOX_STAGE_SPAWN, -1);
+        close_fds(fds, nfds);
+        return;
+    }
+    if (c.failure.stage)
+        send_reply(chan, NSBOX_REPLY_FAIL, 0, c.failure.err, c.failure.stage, -1);
+    else if (!(rq->h.flags & NSBOX_F_NO_STARTED))
+        send_reply(chan, NSBOX_REPLY_STARTED, 0, 0, 0, -1);
+    exec_count++;
+    add_exec_job(pid, -1, rq, fds, nfds);
+}
+
 /* Forks the child that serves an EXEC or OPEN request.
  *
  * Until it has exec'd, an EXEC child is nsbox's helper, not the command: it
@@ -174,6 +320,10 @@ static void spawn_request(struct request *rq, char *payload, int *fds, int nfds)
         close_fds(fds, nfds);
         return;
     }
+    if (exec && !in_fd) {
+        spawn_shared(rq, payload, fds, nfds);
+        return;
+    }
     int start[2] = {-1, -1};
     if (exec && pipe2(start, O_CLOEXEC | O_NONBLOCK) < 0) {
         send_reply(chan, NSBOX_REPLY_FAIL, 0, errno, NSBOX_STAGE_SPAWN, -1);
@@ -190,6 +340,7 @@ static void spawn_request(struct request *rq, char *payload, int *fds, int nfds)
     if (pid == 0) {
         child_report_is_pipe = exec;
         child_report_fd = exec ? start[1] : chan;
+        child_report_mem = NULL; /* a child of spawn_shared set it in our memory */
         reset_signals();
         /* We carry the init's seccomp filter, which allows exactly these
          * two setns calls (see seccomp.c). */
@@ -213,20 +364,20 @@ static void spawn_request(struct request *rq, char *payload, int *fds, int nfds)
     if (exec) {
         exec_count++;
         close(start[1]);
-        add_job((struct job){.pid = pid, .chan = chan, .start = start[0],
-                             .detached = rq->h.flags & NSBOX_F_DETACHED});
+        add_exec_job(pid, start[0], rq, fds, nfds);
     } else {
         /* The helper answers on its own copy of chan; ours tells us when
          * the host gives up, and is closed when the helper is reaped. */
         add_job((struct job){.pid = pid, .chan = chan, .start = -1, .open = true});
+        close_fds(fds + 1, nfds - 1);
     }
-    close_fds(fds + 1, nfds - 1);
 }
 
 /* Handles one message on a connection; returns false if it closed. */
 static bool serve_conn(int fd)
 {
-    static char buf[NSBOX_MSG_MAX];
+    /* Aligned: the payload after the header starts with uint32 group ids. */
+    static char buf[NSBOX_MSG_MAX] __attribute__((aligned(8)));
     int fds[NSBOX_MAX_FDS], nfds;
     bool truncated;
     ssize_t n = recv_with_fds(fd, buf, sizeof buf, fds, NSBOX_MAX_FDS, &nfds, &truncated, MSG_DONTWAIT);
@@ -292,7 +443,7 @@ static void settle_start(struct job *j)
         send_reply(j->chan, NSBOX_REPLY_FAIL, 0, EINTR, NSBOX_STAGE_HELPER, -1);
     else if (n == (ssize_t)sizeof f)
         send_reply(j->chan, NSBOX_REPLY_FAIL, 0, f.err, f.stage, -1);
-    else
+    else if (!j->no_started)
         send_reply(j->chan, NSBOX_REPLY_STARTED, 0, 0, 0, -1);
 }
 

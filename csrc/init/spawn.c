@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/ioctl.h>
+#include <sys/prctl.h>
 #include <unistd.h>
 
 #include "init/init.h"
@@ -24,35 +25,35 @@ static char *getenv_from(char **env, size_t envc, const char *name)
     return NULL;
 }
 
-/* execve, falling back to /bin/sh for files without a #! line (as execvp). */
-static void try_exec(const char *path, char **argv, size_t argc, char **env)
+/* execve, falling back to /bin/sh for files without a #! line (as execvp).
+ * Allocates nothing: the child may share the init's memory. */
+static void try_exec(const char *path, struct request *rq)
 {
-    execve(path, argv, env);
+    execve(path, rq->argv, rq->env);
     if (errno != ENOEXEC)
         return;
-    char **sh = calloc(argc + 2, sizeof(char *));
-    if (!sh)
-        return;
+    char **sh = rq->sh;
     sh[0] = "sh";
     sh[1] = (char *)path;
-    for (size_t i = 1; i < argc; i++)
-        sh[i + 1] = argv[i];
-    execve("/bin/sh", sh, env);
+    for (size_t i = 1; i < rq->h.argc; i++)
+        sh[i + 1] = rq->argv[i];
+    sh[rq->h.argc + 1] = NULL;
+    execve("/bin/sh", sh, rq->env);
     errno = ENOEXEC;
 }
 
 /* Resolves argv[0] through the command's own PATH and execs it. Returns the
  * errno an execvp would report. */
-static int exec_command(char **argv, size_t argc, char **env, size_t envc)
+static int exec_command(struct request *rq)
 {
-    const char *cmd = argv[0];
+    const char *cmd = rq->argv[0];
     if (!*cmd)
         return ENOENT;
     if (strchr(cmd, '/')) {
-        try_exec(cmd, argv, argc, env);
+        try_exec(cmd, rq);
         return errno;
     }
-    const char *path = getenv_from(env, envc, "PATH");
+    const char *path = getenv_from(rq->env, rq->h.envc, "PATH");
     if (!path)
         path = NSBOX_DEFAULT_PATH;
     bool denied = false;
@@ -70,7 +71,7 @@ static int exec_command(char **argv, size_t argc, char **env, size_t envc)
                 memcpy(buf, p, dlen);
             buf[dlen] = '/';
             memcpy(buf + dlen + 1, cmd, clen + 1);
-            try_exec(buf, argv, argc, env);
+            try_exec(buf, rq);
             switch (errno) {
             case EACCES:
                 denied = true;
@@ -96,19 +97,11 @@ static int exec_command(char **argv, size_t argc, char **env, size_t envc)
 void __attribute__((noreturn)) child_exec(struct request *rq, int fds[4])
 {
     int stdio[3] = {fds[1], fds[2], fds[3]};
-    /* The channel stays with the init; we report on the start pipe. */
+    /* The channel stays with the init; we report on the start pipe (or,
+     * sharing the init's memory, in it). */
     if (!arrange_fds(stdio, 3, &child_report_fd))
         _exit(127);
     char *cwd = rq->strings[0];
-    char **argv = rq->strings + 1;
-    char **env = rq->strings + 1 + rq->h.argc;
-    /* The argv and env arrays must be NULL-terminated for execve. */
-    char **argv_z = calloc(rq->h.argc + 1, sizeof(char *));
-    char **env_z = calloc(rq->h.envc + 1, sizeof(char *));
-    if (!argv_z || !env_z)
-        child_fail(NSBOX_STAGE_SPAWN, ENOMEM);
-    memcpy(argv_z, argv, rq->h.argc * sizeof(char *));
-    memcpy(env_z, env, rq->h.envc * sizeof(char *));
 
     /* Like runc: enter the working directory while still root, so a user
      * may start in a directory it cannot search (root's home, say); if root
@@ -121,8 +114,11 @@ void __attribute__((noreturn)) child_exec(struct request *rq, int fds[4])
     int err = apply_creds(rq);
     if (err)
         child_fail(NSBOX_STAGE_CREDS, err);
+    /* Changing credentials resets the dumpable flag of our memory, which a
+     * child started by spawn_shared shares with the init: clear it again. */
+    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
     if (cwd_err && chdir(cwd) < 0)
         child_fail(NSBOX_STAGE_CWD, errno);
-    err = exec_command(argv_z, rq->h.argc, env_z, rq->h.envc);
+    err = exec_command(rq);
     child_fail(NSBOX_STAGE_EXEC, err);
 }
