@@ -22,6 +22,7 @@ import anyio
 from . import protocol
 from ._native import ffi, lib
 from .errors import NsboxError, SandboxUnavailable, UserUnsupported
+from .fdwait import PollerPool
 
 # PATH of every command that sets none: protocol.h's, the init's too.
 DEFAULT_PATH: str = ffi.string(lib.nsbox_default_path()).decode()
@@ -66,7 +67,8 @@ class Channel:
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.sock.setblocking(False)
+        if sock.getblocking():
+            sock.setblocking(False)
         self._buf = bytearray()
 
     def fileno(self) -> int:
@@ -120,6 +122,7 @@ class InitClient:
         # the connection full take turns, as do control exchanges.
         self._room_wait = anyio.Lock()
         self._control_turn = anyio.Lock()
+        self.pollers = PollerPool()  # for this sandbox's execs
 
     @classmethod
     def connect(cls, path: str, sandbox_id: str) -> "InitClient":
@@ -135,6 +138,7 @@ class InitClient:
 
     def close(self) -> None:
         self.ctl.close()
+        self.pollers.close()
 
     def _gone(self) -> SandboxUnavailable:
         return SandboxUnavailable(f"sandbox {self.sandbox_id} is not running (its init has exited)")
@@ -152,10 +156,12 @@ class InitClient:
                     raise self._gone() from None
                 raise
 
-    async def _request(self, message: bytes, memfd: int | None, fds: Sequence[int]) -> Channel:
-        """Sends a request with a fresh channel in front of `fds`; the init
-        holds its own copies of the descriptors once this returns."""
-        chan, chan_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    async def _request(self, message: bytes, memfd: int | None, fds: Sequence[int],
+                       channel: tuple[socket.socket, socket.socket] | None = None) -> Channel:
+        """Sends a request with a fresh channel (or `channel`: ours, and the
+        end the init gets) in front of `fds`; the init holds its own copies
+        of the descriptors once this returns."""
+        chan, chan_child = channel or socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             await self.send(message, [chan_child.fileno(), *fds, *([memfd] if memfd is not None else [])])
         except BaseException:
@@ -167,14 +173,15 @@ class InitClient:
                 os.close(memfd)
         return Channel(chan)
 
-    async def start(self, cmd: Command, stdio: tuple[int, int, int], *, flags: int = 0) -> Channel:
+    async def start(self, cmd: Command, stdio: tuple[int, int, int], *, flags: int = 0,
+                    channel: tuple[socket.socket, socket.socket] | None = None) -> Channel:
         """Asks the init to start `cmd` with these descriptors as its
         stdin, stdout and stderr; replies arrive on the returned channel."""
         strings = [os.fsencode(cmd.cwd), *map(os.fsencode, cmd.argv),
                    *(os.fsencode(f"{k}={v}") for k, v in cmd.env.items())]
         message, memfd = protocol.encode(protocol.OP_EXEC, cmd.creds, strings, argc=len(cmd.argv),
                                          envc=len(cmd.env), flags=flags)
-        return await self._request(message, memfd, stdio)
+        return await self._request(message, memfd, stdio, channel)
 
     async def spawn(self, cmd: Command, devnull: int) -> None:
         """Starts `cmd` detached, its stdio on /dev/null: it runs on its own

@@ -2,14 +2,18 @@
 
 An exec watches up to four descriptors (stdout, stderr, the reply channel,
 stdin). Spawning a task per descriptor costs more than the whole exec of a
-short command, so on asyncio the poller registers plain reader and writer
-callbacks that wake a single future. Other event loops (trio) get a generic
-version built from anyio.wait_readable / wait_writable.
+short command, and so does registering each one with the event loop: the
+poller keeps its descriptors in an epoll instance of its own, and the event
+loop watches that one descriptor. Readiness comes from the epoll itself,
+so a descriptor wait() reports is ready when it returns. A sandbox's execs
+reuse their epoll instances, already registered with the loop, through a
+PollerPool.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import select
 
 import anyio
@@ -24,105 +28,173 @@ def readable_now(fd: int) -> bool:
     return bool(p.poll(0))
 
 
+class _LoopEpoll:
+    """An epoll instance the asyncio loop watches, and the poller it wakes."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.epoll = select.epoll()
+        self.poller: Poller | None = None
+        try:
+            loop.add_reader(self.epoll.fileno(), self._fire)
+        except BaseException:
+            self.epoll.close()
+            raise
+
+    def _fire(self) -> None:
+        if self.poller is not None:
+            self.poller._wake()
+
+    def close(self) -> None:
+        if not self.loop.is_closed():
+            self.loop.remove_reader(self.epoll.fileno())
+        self.epoll.close()
+
+
+class PollerPool:
+    """Epoll instances kept registered with the event loop between the
+    pollers of one sandbox's execs: registering one and dropping it again
+    costs more than the rest of what the host does for a short exec."""
+
+    KEEP = 8  # the pool grows to the busiest moment's concurrency, up to this
+
+    def __init__(self) -> None:
+        self._free: list[_LoopEpoll] = []
+
+    def _take(self, loop: asyncio.AbstractEventLoop) -> _LoopEpoll:
+        while self._free:
+            entry = self._free.pop()
+            if entry.loop is loop:
+                return entry
+            entry.close()  # registered with an earlier loop
+        return _LoopEpoll(loop)
+
+    def _give(self, entry: _LoopEpoll) -> None:
+        if len(self._free) < self.KEEP and not entry.loop.is_closed():
+            self._free.append(entry)
+        else:
+            entry.close()
+
+    def close(self) -> None:
+        while self._free:
+            self._free.pop().close()
+
+
 class Poller:
     """Level-triggered readiness for a changing set of descriptors.
 
-    A descriptor wait() reports was ready when it returned; POLLHUP and
-    POLLERR count as ready (the read or write then says what happened).
+    POLLHUP and POLLERR count as ready (the read or write then says what
+    happened). A descriptor is forgotten before it is closed (closing it
+    would not take it out of the epoll while another process holds a copy,
+    a child forked meanwhile, say). close() must be called once the poller
+    is done, while the descriptors it still watches are open.
     """
 
-    def __init__(self) -> None:
-        self._read: set[int] = set()
-        self._write: set[int] = set()
-        self._ready: set[int] = set()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._waiter: asyncio.Future[None] | None = None
+    def __init__(self, pool: PollerPool | None = None) -> None:
+        self._events: dict[int, int] = {}
+        self._waiter: asyncio.Future[bool] | None = None
+        self._pool = pool
+        self._entry: _LoopEpoll | None = None
         try:
-            self._loop = asyncio.get_running_loop()
-        except RuntimeError:  # not asyncio (trio)
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:  # not asyncio (trio): wait() asks anyio instead
             self._loop = None
+        if self._loop is None:
+            self._epoll = select.epoll()
+            return
+        self._entry = pool._take(self._loop) if pool is not None else _LoopEpoll(self._loop)
+        self._entry.poller = self
+        self._epoll = self._entry.epoll
 
     def watch(self, fd: int, read: bool = False, write: bool = False) -> None:
         """Sets what to wait for on `fd`; neither forgets it (which must
         happen before it is closed)."""
-        loop = self._loop
-        if read and fd not in self._read:
-            self._read.add(fd)
-            if loop is not None:
-                loop.add_reader(fd, self._fire, fd)
-        elif not read and fd in self._read:
-            self._read.discard(fd)
-            if loop is not None:
-                loop.remove_reader(fd)
-        if write and fd not in self._write:
-            self._write.add(fd)
-            if loop is not None:
-                loop.add_writer(fd, self._fire, fd)
-        elif not write and fd in self._write:
-            self._write.discard(fd)
-            if loop is not None:
-                loop.remove_writer(fd)
-        if not read and not write:
-            self._ready.discard(fd)
+        events = (select.EPOLLIN if read else 0) | (select.EPOLLOUT if write else 0)
+        old = self._events.get(fd)
+        if old == events or (old is None and not events):
+            return
+        if old is None:
+            self._epoll.register(fd, events)
+        elif events:
+            self._epoll.modify(fd, events)
+        else:
+            self._epoll.unregister(fd)
+        if events:
+            self._events[fd] = events
+        else:
+            del self._events[fd]
 
     def want_read(self, fd: int) -> None:
-        self.watch(fd, read=True, write=fd in self._write)
+        self.watch(fd, read=True, write=bool(self._events.get(fd, 0) & select.EPOLLOUT))
 
     def want_write(self, fd: int) -> None:
-        self.watch(fd, read=fd in self._read, write=True)
+        self.watch(fd, read=bool(self._events.get(fd, 0) & select.EPOLLIN), write=True)
 
     def forget(self, fd: int) -> None:
         self.watch(fd)
 
     def close(self) -> None:
-        for fd in list(self._read | self._write):
-            self.forget(fd)
+        entry, self._entry = self._entry, None
+        events, self._events = self._events, {}
+        if entry is None:
+            self._epoll.close()
+            return
+        entry.poller = None
+        if self._pool is None:
+            entry.close()
+            return
+        try:
+            for fd in events:
+                self._epoll.unregister(fd)
+        except OSError:
+            entry.close()  # it may hold what could not be taken out
+            return
+        self._pool._give(entry)
 
-    def _fire(self, fd: int) -> None:
-        self._ready.add(fd)
+    def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+            self._waiter.set_result(True)
 
-    async def wait(self) -> set[int]:
-        """Returns the descriptors that are ready (at least one)."""
+    def now(self) -> float:
+        """The event loop's clock (anyio.current_time, without its lookups)."""
+        return self._loop.time() if self._loop is not None else anyio.current_time()
+
+    async def wait(self, timeout: float | None = None) -> set[int]:
+        """Returns the descriptors that are ready (at least one), or an
+        empty set once `timeout` seconds have passed."""
+        deadline = math.inf if timeout is None else self.now() + timeout
         while True:
-            if not self._ready:
-                if self._loop is not None:
-                    self._waiter = self._loop.create_future()
-                    try:
-                        await self._waiter
-                    finally:
-                        self._waiter = None
-                else:
-                    await self._wait_generic()
-            ready, self._ready = self._ready, set()
-            if self._loop is None:
-                return ready
-            # The loop may run a reader callback it queued before our last
-            # read: confirm, or a blocking descriptor would block on it.
-            ready = self._confirm(ready)
+            ready = {fd for fd, _ in self._epoll.poll(0)}
             if ready:
                 return ready
+            remaining = math.inf if timeout is None else deadline - self.now()
+            if remaining <= 0:
+                return set()
+            if not self._events:
+                # Nothing to wait for: sleep until the deadline, rather than
+                # return no descriptor to a caller that loops on wait().
+                await anyio.sleep(remaining)
+                return set()
+            if self._loop is not None:
+                await self._wait_asyncio(self._loop, remaining)
+            else:
+                with anyio.move_on_after(remaining):
+                    await anyio.wait_readable(self._epoll.fileno())
 
-    def _confirm(self, fds: set[int]) -> set[int]:
-        p = select.poll()
-        for fd in fds:
-            p.register(fd, (select.POLLIN if fd in self._read else 0) | (select.POLLOUT if fd in self._write else 0))
-        return {fd for fd, _ in p.poll(0)}
+    async def _wait_asyncio(self, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
+        """Waits for our epoll to become readable, or `timeout`. A future
+        and a timer, not a cancel scope: this runs at every wakeup of every
+        exec, and a scope costs more than the rest of it."""
+        waiter = self._waiter = loop.create_future()
+        timer = None if timeout == math.inf else loop.call_later(timeout, _expire, waiter)
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
 
-    async def _wait_generic(self) -> None:
-        if not self._read and not self._write:
-            # Nothing to wait for: block like the asyncio path does, rather
-            # than return no descriptor to a caller that loops on wait().
-            await anyio.sleep_forever()
 
-        async def watch(fd: int, wait, scope: anyio.CancelScope) -> None:  # type: ignore[no-untyped-def]
-            await wait(fd)
-            self._ready.add(fd)
-            scope.cancel()
-
-        async with anyio.create_task_group() as tg:
-            for fd in self._read:
-                tg.start_soon(watch, fd, anyio.wait_readable, tg.cancel_scope)
-            for fd in self._write:
-                tg.start_soon(watch, fd, anyio.wait_writable, tg.cancel_scope)
+def _expire(waiter: "asyncio.Future[bool]") -> None:
+    if not waiter.done():
+        waiter.set_result(False)

@@ -15,12 +15,10 @@ import os
 import signal
 from dataclasses import dataclass
 
-import anyio
-
-from . import protocol
+from . import execfds, protocol
 from .capture import READ_CHUNK, Sink
 from .client import Channel, Command, InitClient
-from .fdwait import Poller
+from .fdwait import Poller, PollerPool
 
 BIG_PIPE = 1 << 20
 # Most bytes taken from one stream per wakeup, so a flood cannot starve
@@ -65,27 +63,29 @@ async def run(
     straight from `stdin_fd` (/dev/null, or a non-terminal host stdin).
     """
     outcome = Outcome(None, stdout, stderr, None)
-    to_close: list[int] = []  # host ends, closed at the very end
+    fds = execfds.take()
+    to_close = [fds.out_r, fds.err_r]  # host ends, closed at the very end
     chan: Channel | None = None
+    in_r, in_w = stdin_fd, -1
     try:
-        out_r, out_w = os.pipe()
-        to_close.append(out_r)
-        err_r, err_w = os.pipe()
-        to_close.append(err_r)
-        if input is None:
-            in_r, in_w = stdin_fd, -1
-        else:
-            in_r, in_w = os.pipe()
-            to_close.append(in_w)
         try:
-            chan = await client.start(cmd, (in_r, out_w, err_w), flags=flags)
+            if input is not None:
+                in_r, in_w = os.pipe()
+                to_close.append(in_w)
+            # No STARTED: we wait for EXIT (or FAIL), and a reply we would
+            # only discard costs a wakeup on each side.
+            chan = await client.start(cmd, (in_r, fds.out_w, fds.err_w), flags=flags | protocol.F_NO_STARTED,
+                                      channel=(fds.chan, fds.chan_child))
         finally:
             # The init holds its own copies now (or never will).
-            for fd in (out_w, err_w):
-                os.close(fd)
+            fds.close_child_ends()
             if in_w >= 0:
                 os.close(in_r)
-        await _drive(chan, out_r, err_r, in_w, input, to_close, outcome, timeout, stop_on_overflow)
+            if chan is None:
+                fds.chan.close()
+        execfds.restock()  # for the next exec, while the init starts this one
+        await _drive(client.pollers, chan, fds.out_r, fds.err_r, in_w, input, to_close, outcome, timeout,
+                     stop_on_overflow)
         return outcome
     finally:
         # Closing the channel before the exit was reported makes the init
@@ -100,6 +100,7 @@ async def run(
 
 
 async def _drive(
+    pollers: PollerPool,
     chan: Channel,
     out_r: int,
     err_r: int,
@@ -113,7 +114,7 @@ async def _drive(
     streams: dict[int, Sink] = {out_r: outcome.stdout, err_r: outcome.stderr}
     chan_fd = chan.fileno()
     pending = memoryview(input) if input else memoryview(b"")
-    poller = Poller()
+    poller = Poller(pollers)
     try:
         for fd in streams:
             os.set_blocking(fd, False)
@@ -127,12 +128,12 @@ async def _drive(
                 _close(in_w, to_close)  # empty input: the command reads EOF at once
                 in_w = -1
 
-        now = anyio.current_time()
+        now = poller.now()
         deadline = now + timeout if timeout is not None else math.inf
         while True:
             if outcome.returncode is not None and not streams:
                 return
-            now = anyio.current_time()
+            now = poller.now()
             if now >= deadline:
                 if outcome.returncode is not None or outcome.timed_out or outcome.overflowed:
                     return  # grace after exit, or the kill went unanswered
@@ -140,9 +141,7 @@ async def _drive(
                 chan.signal(signal.SIGKILL)
                 deadline = now + KILL_WAIT
                 continue
-            ready: set[int] = set()
-            with anyio.move_on_after(deadline - now):
-                ready = await poller.wait()
+            ready = await poller.wait(None if deadline == math.inf else deadline - now)
             for fd in ready:
                 if fd in streams:
                     buf = streams[fd]
@@ -175,8 +174,8 @@ async def _drive(
                             # the sandbox lives on; the failure says why.
                             outcome.channel_lost = outcome.failure is None
                             return
-                    if outcome.returncode is not None and deadline > anyio.current_time() + EXIT_GRACE:
-                        deadline = anyio.current_time() + EXIT_GRACE
+                    if outcome.returncode is not None and deadline > poller.now() + EXIT_GRACE:
+                        deadline = poller.now() + EXIT_GRACE
                 elif fd == in_w:
                     pending = _feed(in_w, pending)
                     if not pending:

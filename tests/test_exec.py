@@ -13,7 +13,7 @@ import anyio
 import pytest
 
 import nsbox
-from nsbox import CommandTimeout, OutputLimitExceeded, SandboxUnavailable, UserUnsupported
+from nsbox import CommandTimeout, OutputLimitExceeded, SandboxUnavailable, UserUnsupported, execfds
 
 
 async def processes(sb: nsbox.Sandbox) -> list[str]:
@@ -287,6 +287,32 @@ async def test_exec_as_root_and_unknown_user(sandbox: nsbox.Sandbox) -> None:
     assert (await sandbox.exec(["id", "-u"], user="root")).stdout == "0\n"
     r = await sandbox.exec(["id"], user="no-such-user")
     assert not r.success and "no-such-user" in r.stderr
+
+
+def test_spare_exec_descriptors_stay_with_the_process_that_made_them() -> None:
+    # The next exec's pipes and channel are made ahead (nsbox/execfds.py);
+    # a forked child must not share them with its parent.
+    execfds.restock()
+    spare = execfds._spare
+    assert spare is not None
+    fds = (spare.out_r, spare.out_w, spare.err_r, spare.err_w, spare.chan.fileno(), spare.chan_child.fileno())
+    pid = os.fork()
+    if pid == 0:
+        still_open = [fd for fd in fds if _is_open(fd)]
+        os._exit(0 if execfds._spare is None and not still_open else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert all(_is_open(fd) for fd in fds)  # the parent's are untouched
+    assert execfds.take() is spare
+    spare.close()
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
 
 
 async def test_exec_after_close_is_unavailable() -> None:
