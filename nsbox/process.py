@@ -116,8 +116,7 @@ async def _drive(
     pending = memoryview(input) if input else memoryview(b"")
     poller = Poller(pollers)
     try:
-        for fd in streams:
-            os.set_blocking(fd, False)
+        for fd in streams:  # non-blocking already (nsbox/execfds.py)
             poller.want_read(fd)
         poller.want_read(chan_fd)
         if in_w >= 0:
