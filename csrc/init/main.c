@@ -130,6 +130,15 @@ static void close_fds(const int *fds, int n)
         close(fds[i]);
 }
 
+/* Refuses a request: FAIL on its channel (fds[0], if it came with any
+ * descriptor), and every descriptor it brought closed. */
+static void refuse(const int *fds, int nfds, int32_t err, int32_t stage)
+{
+    if (nfds > 0)
+        send_reply(fds[0], NSBOX_REPLY_FAIL, 0, err, stage, -1);
+    close_fds(fds, nfds);
+}
+
 static void serve_status(int fd)
 {
     struct nsbox_status st = {
@@ -261,8 +270,7 @@ static void spawn_shared(struct request *rq, char *payload, int *fds, int nfds)
         char *m = mmap(NULL, SHARED_STACK_SIZE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK,
                        -1, 0);
         if (m == MAP_FAILED) {
-            send_reply(chan, NSBOX_REPLY_FAIL, 0, errno, NSBOX_STAGE_SPAWN, -1);
-            close_fds(fds, nfds);
+            refuse(fds, nfds, errno, NSBOX_STAGE_SPAWN);
             return;
         }
         mprotect(m, 4096, PROT_NONE); /* the guard page: best effort */
@@ -270,8 +278,7 @@ static void spawn_shared(struct request *rq, char *payload, int *fds, int nfds)
     }
     if (!parse_payload(rq, payload, rq->h.payload_len) || rq->h.argc == 0) {
         free(rq->strings);
-        send_reply(chan, NSBOX_REPLY_FAIL, 0, EINVAL, NSBOX_STAGE_REQUEST, -1);
-        close_fds(fds, nfds);
+        refuse(fds, nfds, EINVAL, NSBOX_STAGE_REQUEST);
         return;
     }
     struct shared_child c = {.rq = rq, .fds = fds};
@@ -284,8 +291,7 @@ static void spawn_shared(struct request *rq, char *payload, int *fds, int nfds)
     /* The child's credential changes reset the dumpable flag we share. */
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
     if (pid < 0) {
-        send_reply(chan, NSBOX_REPLY_FAIL, 0, clone_err, NSBOX_STAGE_SPAWN, -1);
-        close_fds(fds, nfds);
+        refuse(fds, nfds, clone_err, NSBOX_STAGE_SPAWN);
         return;
     }
     if (c.failure.stage)
@@ -309,15 +315,12 @@ static void spawn_request(struct request *rq, char *payload, int *fds, int nfds)
     int need = exec ? 4 : 1;
     bool in_fd = rq->h.flags & NSBOX_F_PAYLOAD_FD;
     if (nfds != need + (in_fd ? 1 : 0)) {
-        if (nfds > 0)
-            send_reply(fds[0], NSBOX_REPLY_FAIL, 0, EINVAL, NSBOX_STAGE_REQUEST, -1);
-        close_fds(fds, nfds);
+        refuse(fds, nfds, EINVAL, NSBOX_STAGE_REQUEST);
         return;
     }
     int chan = fds[0];
     if (exec && filter_err) {
-        send_reply(chan, NSBOX_REPLY_FAIL, 0, filter_err, NSBOX_STAGE_SPAWN, -1);
-        close_fds(fds, nfds);
+        refuse(fds, nfds, filter_err, NSBOX_STAGE_SPAWN);
         return;
     }
     if (exec && !in_fd) {
@@ -326,14 +329,12 @@ static void spawn_request(struct request *rq, char *payload, int *fds, int nfds)
     }
     int start[2] = {-1, -1};
     if (exec && pipe2(start, O_CLOEXEC | O_NONBLOCK) < 0) {
-        send_reply(chan, NSBOX_REPLY_FAIL, 0, errno, NSBOX_STAGE_SPAWN, -1);
-        close_fds(fds, nfds);
+        refuse(fds, nfds, errno, NSBOX_STAGE_SPAWN);
         return;
     }
     pid_t pid = fork();
     if (pid < 0) {
-        send_reply(chan, NSBOX_REPLY_FAIL, 0, errno, NSBOX_STAGE_SPAWN, -1);
-        close_fds(fds, nfds);
+        refuse(fds, nfds, errno, NSBOX_STAGE_SPAWN);
         close_fds(start, exec ? 2 : 0);
         return;
     }
@@ -393,9 +394,7 @@ static bool serve_conn(int fd)
     memcpy(&rq.h, buf, sizeof rq.h);
     size_t inline_len = (size_t)n - sizeof rq.h;
     if (!(rq.h.flags & NSBOX_F_PAYLOAD_FD) && rq.h.payload_len != inline_len) {
-        if (nfds > 0)
-            send_reply(fds[0], NSBOX_REPLY_FAIL, 0, EINVAL, NSBOX_STAGE_REQUEST, -1);
-        close_fds(fds, nfds);
+        refuse(fds, nfds, EINVAL, NSBOX_STAGE_REQUEST);
         return true;
     }
 
