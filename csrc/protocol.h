@@ -22,7 +22,7 @@
 
 #include <stdint.h>
 
-#define NSBOX_PROTOCOL_VERSION 3
+#define NSBOX_PROTOCOL_VERSION 4
 
 /* PATH of a command whose environment has none (the host sends the same
  * default; it reads this one through nsbox_default_path()). */
@@ -104,7 +104,10 @@ struct nsbox_status {
     uint32_t running; /* exec requests whose command has not exited */
     uint64_t execs;   /* exec requests served since start */
     uint32_t detached;
-    uint32_t pad;
+    uint32_t flags; /* NSBOX_STATUS_* */
 };
+
+/* Status flags. */
+#define NSBOX_STATUS_SHARED_SPAWN 0x1 /* commands start in a child sharing the init's memory */
 
 #endif

@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import struct
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -260,9 +261,9 @@ class InitClient:
                     return data
 
     async def status(self) -> dict[str, int]:
-        """The init's counters: execs served and commands running."""
-        _, running, execs, detached, _ = protocol.STATUS.unpack(await self._control(protocol.OP_STATUS))
-        return {"running": running, "execs": execs, "detached": detached}
+        """The init's counters (execs served, commands running) and whether
+        commands start in a child sharing its memory (see csrc/init/main.c)."""
+        return _status(await self._control(protocol.OP_STATUS))
 
     async def detach(self) -> None:
         """The control connection stops being the sandbox's lifeline."""
@@ -284,10 +285,15 @@ def query_status(path: str, timeout: float = 1.0) -> dict[str, int] | None:
             s.settimeout(timeout)
             s.connect(path)
             s.send(protocol.REQUEST.pack(protocol.OP_STATUS, *[0] * 9))
-            _, running, execs, detached, _ = protocol.STATUS.unpack(s.recv(protocol.STATUS.size))
-            return {"running": running, "execs": execs, "detached": detached}
-    except (OSError, ValueError):
+            return _status(s.recv(protocol.STATUS.size))
+    except (OSError, ValueError, struct.error):
         return None
+
+
+def _status(data: bytes) -> dict[str, int]:
+    _, running, execs, detached, flags = protocol.STATUS.unpack(data)
+    return {"running": running, "execs": execs, "detached": detached,
+            "shared_spawn": int(bool(flags & protocol.STATUS_SHARED_SPAWN))}
 
 
 _OPEN_STAGES = {
@@ -326,6 +332,9 @@ def failed_start(failure: protocol.Reply, command: str, workdir: str) -> ExecRes
     if failure.stage == protocol.STAGE_CREDS:
         raise UserUnsupported(f"switching to the requested user failed: {reason}")
     if failure.stage == protocol.STAGE_HELPER:
+        if err == errno.ETIMEDOUT:
+            raise NsboxError(f"nsbox's helper starting {command!r} was stuck (in the kernel, on a file system "
+                             f"that does not answer, say) and was killed")
         raise NsboxError(f"a process inside the sandbox stopped or killed nsbox's helper while it was "
                          f"starting {command!r}; the helper was killed")
     raise NsboxError(f"the sandbox could not start {command!r}: {reason}")

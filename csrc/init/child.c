@@ -52,6 +52,8 @@ bool parse_payload(struct request *rq, char *payload, size_t len)
         return false;
     rq->groups = (const uint32_t *)payload;
     size_t argc = rq->h.argc, envc = rq->h.envc, want = 1 + argc + envc;
+    if (argc > len || envc > len || want > len - glen) /* each string takes a byte at least */
+        return false;
     /* cwd, argv[argc], NULL, env[envc], NULL, then the sh fallback's argc + 2 */
     char **v = calloc(want + 2 + argc + 2, sizeof *v);
     if (!v)

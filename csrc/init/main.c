@@ -44,6 +44,7 @@
 
 #include "fdpass.h"
 #include "init/init.h"
+#include "init/rawsys.h"
 #include "seccomp.h"
 
 /* A forked child we answer for: a command started by EXEC whose exit has
@@ -77,6 +78,11 @@ static bool allow_nested_userns;
 /* Why the kernel refused our seccomp filter (an errno), or 0: with no
  * filter, no command runs. */
 static int filter_err;
+/* Whether a child may share our memory until its exec (spawn_shared):
+ * not if fs.suid_dumpable is 1, which would let the sandbox user ptrace
+ * that child between its credential change and its exec, and so reach our
+ * memory. Read once at start (check_shared_spawn); when unsure, we fork. */
+static bool shared_spawn_safe;
 
 void *grow(void *p, size_t *cap, size_t need, size_t elem)
 {
@@ -146,6 +152,7 @@ static void serve_status(int fd)
         .running = (uint32_t)njobs,
         .execs = exec_count,
         .detached = detached,
+        .flags = shared_spawn_safe ? NSBOX_STATUS_SHARED_SPAWN : 0,
     };
     send(fd, &st, sizeof st, MSG_NOSIGNAL | MSG_DONTWAIT);
 }
@@ -183,18 +190,35 @@ static void add_exec_job(pid_t pid, int start, const struct request *rq, int *fd
 #define SHARED_EXEC_LIMIT_MS 10000
 /* How often we look for a stopped child, or a lost lifeline, meanwhile. */
 #define SHARED_CHECK_MS 5
+/* How long we wait for a killed child to leave our memory. One stuck in an
+ * uninterruptible wait (on a FUSE file system a sandbox process serves, or
+ * a hung NFS mount) may never: we stop waiting and leave it its slot. */
+#define SHARED_KILL_WAIT_MS 1000
 
 /* The stack of the child of spawn_shared (one at a time), with a guard page
  * below it; mapped on first use. */
 #define SHARED_STACK_SIZE (256 * 1024)
 static char *shared_stack;
 
+/* The child of spawn_shared, in static memory: the kernel writes tid when
+ * the child leaves our memory, which may be after we stopped waiting. */
 struct shared_child {
     struct request *rq;
     int *fds;
-    struct start_failure failure; /* written by the child before it exits */
+    struct start_failure failure; /* the child's report; see shared_child_main */
     pid_t tid; /* the kernel zeroes it, and wakes us, at its exec or exit */
 };
+static struct shared_child shared;
+
+static void check_shared_spawn(void)
+{
+    char c = 0;
+    int fd = open("/proc/sys/fs/suid_dumpable", O_RDONLY | O_CLOEXEC);
+    if (fd >= 0) {
+        shared_spawn_safe = read(fd, &c, 1) == 1 && c == '0';
+        close(fd);
+    }
+}
 
 static int shared_child_main(void *arg)
 {
@@ -220,40 +244,56 @@ static long elapsed_ms(const struct timespec *since)
     return (now.tv_sec - since->tv_sec) * 1000 + (now.tv_nsec - since->tv_nsec) / 1000000;
 }
 
+static pid_t shared_tid(void)
+{
+    return __atomic_load_n(&shared.tid, __ATOMIC_ACQUIRE);
+}
+
 /* Waits until the child of spawn_shared has exec'd or died, that is, has
- * left our memory: CLONE_CHILD_CLEARTID makes the kernel zero c->tid and
- * wake a futex on it then. A futex, not a close-on-exec pipe: a pipe's
+ * left our memory: CLONE_CHILD_CLEARTID makes the kernel zero shared.tid
+ * and wake a futex on it then. A futex, not a close-on-exec pipe: a pipe's
  * wakeup would queue us behind the exec'd command on its CPU. A sandbox
  * process may stop the child (it runs as a sandbox user), so every few
  * milliseconds we look, and kill a stopped child rather than wait on it.
- * Meanwhile the child writes errno, which it shares with us: nothing here
- * reads it. */
-static void wait_for_exec(pid_t pid, struct shared_child *c)
+ * The child shares our errno: only errno-free calls here (rawsys.h).
+ * Returns false if a killed child still holds our memory after
+ * SHARED_KILL_WAIT_MS; it will never run its own code again. */
+static bool wait_for_exec(pid_t pid)
 {
-    struct timespec start, checked;
+    struct timespec start, checked, killed_at;
     clock_gettime(CLOCK_MONOTONIC, &start);
     checked = start;
     bool killed = false;
     pid_t t;
-    while ((t = __atomic_load_n(&c->tid, __ATOMIC_ACQUIRE)) != 0) {
+    while ((t = shared_tid()) != 0) {
         struct timespec ts = {.tv_nsec = SHARED_CHECK_MS * 1000000L};
-        syscall(SYS_futex, &c->tid, FUTEX_WAIT, t, &ts, NULL, 0);
-        if (killed || elapsed_ms(&checked) < SHARED_CHECK_MS)
+        raw_syscall5(SYS_futex, (long)&shared.tid, FUTEX_WAIT, t, (long)&ts, 0);
+        if (elapsed_ms(&checked) < SHARED_CHECK_MS)
             continue;
         clock_gettime(CLOCK_MONOTONIC, &checked);
         /* The lifeline holds while we wait: POLLHUP needs no events. */
         struct pollfd p = {.fd = detached ? -1 : NSBOX_FD_CONTROL};
-        if (poll(&p, 1, 0) > 0 && p.revents)
+        struct timespec now = {0};
+        if (raw_syscall5(SYS_ppoll, (long)&p, 1, (long)&now, 0, 0) > 0 && p.revents)
             shutdown_sandbox();
+        if (killed) {
+            if (elapsed_ms(&killed_at) >= SHARED_KILL_WAIT_MS)
+                return false;
+            continue;
+        }
         siginfo_t st = {0};
-        bool stopped = waitid(P_PID, (id_t)pid, &st, WSTOPPED | WNOHANG | WNOWAIT) == 0 && st.si_pid == pid;
+        bool stopped = raw_syscall5(SYS_waitid, P_PID, pid, (long)&st, WSTOPPED | WNOHANG | WNOWAIT, 0) == 0 &&
+                       st.si_pid == pid;
         bool late = elapsed_ms(&start) >= SHARED_EXEC_LIMIT_MS;
-        if (stopped || late) {
-            kill(pid, SIGKILL); /* our unreaped child: its pid cannot be reused */
+        /* A child that has exec'd meanwhile is the command: not ours to kill. */
+        if ((stopped || late) && shared_tid() != 0) {
+            raw_syscall5(SYS_kill, pid, SIGKILL, 0, 0, 0); /* our unreaped child: its pid cannot be reused */
             killed = true;
-            c->failure = (struct start_failure){.stage = NSBOX_STAGE_HELPER, .err = stopped ? EINTR : ETIMEDOUT};
+            clock_gettime(CLOCK_MONOTONIC, &killed_at);
+            shared.failure = (struct start_failure){.stage = NSBOX_STAGE_HELPER, .err = stopped ? EINTR : ETIMEDOUT};
         }
     }
+    return true;
 }
 
 /* Starts an EXEC command in a child that shares our memory (CLONE_VM, as
@@ -281,12 +321,14 @@ static void spawn_shared(struct request *rq, char *payload, int *fds, int nfds)
         refuse(fds, nfds, EINVAL, NSBOX_STAGE_REQUEST);
         return;
     }
-    struct shared_child c = {.rq = rq, .fds = fds};
+    /* Until the child clears it at its execve, the report says a sandbox
+     * process killed the child: dying without a word is that. */
+    shared = (struct shared_child){.rq = rq, .fds = fds, .failure = {.stage = NSBOX_STAGE_HELPER, .err = EINTR}};
     pid_t pid = clone(shared_child_main, shared_stack + SHARED_STACK_SIZE,
-                      CLONE_VM | CLONE_PARENT_SETTID | CLONE_CHILD_CLEARTID | SIGCHLD, &c, &c.tid, NULL, &c.tid);
+                      CLONE_VM | CLONE_PARENT_SETTID | CLONE_CHILD_CLEARTID | SIGCHLD, &shared, &shared.tid, NULL,
+                      &shared.tid);
     int clone_err = errno; /* only read if there is no child to change it */
-    if (pid > 0)
-        wait_for_exec(pid, &c);
+    bool left = pid < 0 || wait_for_exec(pid);
     free(rq->strings);
     /* The child's credential changes reset the dumpable flag we share. */
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
@@ -294,11 +336,18 @@ static void spawn_shared(struct request *rq, char *payload, int *fds, int nfds)
         refuse(fds, nfds, clone_err, NSBOX_STAGE_SPAWN);
         return;
     }
-    if (c.failure.stage)
-        send_reply(chan, NSBOX_REPLY_FAIL, 0, c.failure.err, c.failure.stage, -1);
+    exec_count++;
+    if (!left) {
+        /* Stuck, killed: it keeps its slot (we fork meanwhile), is reaped
+         * silently whenever it dies, and the host hears why now. */
+        refuse(fds, nfds, shared.failure.err, shared.failure.stage);
+        add_job((struct job){.pid = pid, .chan = -1, .start = -1});
+        return;
+    }
+    if (shared.failure.stage)
+        send_reply(chan, NSBOX_REPLY_FAIL, 0, shared.failure.err, shared.failure.stage, -1);
     else if (!(rq->h.flags & NSBOX_F_NO_STARTED))
         send_reply(chan, NSBOX_REPLY_STARTED, 0, 0, 0, -1);
-    exec_count++;
     add_exec_job(pid, -1, rq, fds, nfds);
 }
 
@@ -323,7 +372,9 @@ static void spawn_request(struct request *rq, char *payload, int *fds, int nfds)
         refuse(fds, nfds, filter_err, NSBOX_STAGE_SPAWN);
         return;
     }
-    if (exec && !in_fd) {
+    /* One child at a time shares our memory: while a stuck one holds it,
+     * we fork. */
+    if (exec && !in_fd && shared_spawn_safe && shared_tid() == 0) {
         spawn_shared(rq, payload, fds, nfds);
         return;
     }
@@ -548,6 +599,7 @@ int main(int argc, char **argv)
      * dumpable again. */
     if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0)
         return 70;
+    check_shared_spawn();
     if (fcntl(NSBOX_FD_USERNS, F_GETFD) >= 0 && fcntl(NSBOX_FD_MNTNS, F_GETFD) >= 0) {
         userns_fd = NSBOX_FD_USERNS;
         mntns_fd = NSBOX_FD_MNTNS;

@@ -25,11 +25,24 @@ static char *getenv_from(char **env, size_t envc, const char *name)
     return NULL;
 }
 
+/* execve. A child sharing the init's memory clears its report (see
+ * spawn_shared) only while the execve runs: if it dies meanwhile, the
+ * command did start. */
+static void execve_reported(const char *path, char **argv, char **env)
+{
+    struct start_failure *report = child_report_mem;
+    if (report)
+        *report = (struct start_failure){0};
+    execve(path, argv, env);
+    if (report)
+        *report = (struct start_failure){.stage = NSBOX_STAGE_HELPER, .err = EINTR};
+}
+
 /* execve, falling back to /bin/sh for files without a #! line (as execvp).
  * Allocates nothing: the child may share the init's memory. */
 static void try_exec(const char *path, struct request *rq)
 {
-    execve(path, rq->argv, rq->env);
+    execve_reported(path, rq->argv, rq->env);
     if (errno != ENOEXEC)
         return;
     char **sh = rq->sh;
@@ -38,7 +51,7 @@ static void try_exec(const char *path, struct request *rq)
     for (size_t i = 1; i < rq->h.argc; i++)
         sh[i + 1] = rq->argv[i];
     sh[rq->h.argc + 1] = NULL;
-    execve("/bin/sh", sh, rq->env);
+    execve_reported("/bin/sh", sh, rq->env);
     errno = ENOEXEC;
 }
 
@@ -100,7 +113,7 @@ void __attribute__((noreturn)) child_exec(struct request *rq, int fds[4])
     /* The channel stays with the init; we report on the start pipe (or,
      * sharing the init's memory, in it). */
     if (!arrange_fds(stdio, 3, &child_report_fd))
-        _exit(127);
+        child_fail(NSBOX_STAGE_SPAWN, errno);
     char *cwd = rq->strings[0];
 
     /* Like runc: enter the working directory while still root, so a user
