@@ -726,7 +726,7 @@ async def amain(args: argparse.Namespace) -> int:
     def iters(base: int) -> int:
         return max(3, round(base * args.scale))
 
-    n_exec, n_create, n_out, n_file = iters(200), iters(50), iters(20), iters(10)
+    n_exec, n_create, n_out, n_file = iters(200), iters(100), iters(40), iters(10)
     n_image, n_pull = iters(50), iters(5)
     for line in machine():
         print(line)
