@@ -46,5 +46,7 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value  # later lookups find it without this function
+        return value
     raise AttributeError(f"module 'nsbox' has no attribute {name!r}")
