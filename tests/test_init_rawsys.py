@@ -4,14 +4,12 @@ compiled into tests/rawsys_probe.c and run (aarch64 under qemu-user)."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from .test_seccomp import source_dir
+from .test_seccomp import source_dir, toolchain
 
 pytestmark = pytest.mark.timeout(120)
 TESTS = Path(__file__).parent
@@ -19,15 +17,11 @@ TESTS = Path(__file__).parent
 
 @pytest.mark.parametrize("arch", ["x86_64", "aarch64"])
 def test_raw_calls_return_the_kernels_result_and_leave_errno(arch: str, tmp_path: Path) -> None:
-    native = os.uname().machine == arch
-    cc = "cc" if native else f"{arch}-linux-gnu-gcc"
-    qemu = [] if native else [f"qemu-{arch}"]
-    if not shutil.which(cc) or (qemu and not shutil.which(qemu[0])):
-        pytest.skip(f"needs {cc} and {qemu[0]} (Debian: gcc-{arch}-linux-gnu, qemu-user)")
+    cc, runner = toolchain(arch)
     binary = tmp_path / f"rawsys-{arch}"
-    build = [cc, "-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror", "-static", f"-I{source_dir()}",
+    build = [*cc, "-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror", "-static", f"-I{source_dir()}",
              "-o", str(binary), str(TESTS / "rawsys_probe.c")]
     r = subprocess.run(build, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    r = subprocess.run([*qemu, str(binary)], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    r = subprocess.run([*runner, str(binary)], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert (r.returncode, r.stdout) == (0, "ok\n"), r.stdout + r.stderr

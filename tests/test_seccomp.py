@@ -82,10 +82,15 @@ def source_dir() -> Path:
     pytest.skip("nsbox's C sources (csrc/seccomp.c) are not reachable from here; set NSBOX_SOURCE_DIR")
 
 
+def native_cc() -> list[str]:
+    """This machine's C compiler, as setup.py finds it."""
+    return shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
+
+
 def compile_probe(dest: Path, cc: list[str] | None = None) -> Path:
     """Links tests/seccomp_probe.c with csrc/seccomp.c, statically, as setup.py builds the init."""
     csrc = source_dir()
-    cc = cc or shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
+    cc = cc or native_cc()
     cmd = [*cc, "-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror", "-static", f"-I{csrc}", "-o", str(dest),
            str(TESTS / "seccomp_probe.c"), str(csrc / "seccomp.c")]
     r = subprocess.run(cmd, capture_output=True, text=True)
@@ -366,18 +371,22 @@ class Bpf:
                 if self.run(arch, nr) != RET_ALLOW or self.run(arch, nr, (flags, TIOCSTI)) != RET_ALLOW}
 
 
+def toolchain(arch: str) -> tuple[list[str], list[str]]:
+    """The compiler for `arch` and what runs its programs here (nothing
+    for this machine's; qemu-user for another); skips the test if they
+    are missing."""
+    if arch == os.uname().machine:
+        return native_cc(), []
+    cc, qemu = f"{arch}-linux-gnu-gcc", f"qemu-{arch}"
+    if not shutil.which(cc) or not shutil.which(qemu):
+        pytest.skip(f"needs {cc} and {qemu} (Debian: gcc-{arch}-linux-gnu, qemu-user)")
+    return [cc], [qemu]
+
+
 def _dump(arch: str, tmp: Path, mode: str) -> Bpf:
-    native = os.uname().machine
-    if arch == native:
-        binary = compile_probe(tmp / f"probe-{arch}")
-        cmd = [str(binary)]
-    else:
-        cc, qemu = f"{arch}-linux-gnu-gcc", f"qemu-{arch}"
-        if not shutil.which(cc) or not shutil.which(qemu):
-            pytest.skip(f"needs {cc} and {qemu} (Debian: gcc-{arch}-linux-gnu, qemu-user)")
-        binary = compile_probe(tmp / f"probe-{arch}", [cc])
-        cmd = [qemu, str(binary)]
-    r = subprocess.run([*cmd, "--dump", mode], capture_output=True, text=True, timeout=60)
+    cc, runner = toolchain(arch)
+    binary = compile_probe(tmp / f"probe-{arch}", cc)
+    r = subprocess.run([*runner, str(binary), "--dump", mode], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     return Bpf(r.stdout)
 

@@ -35,6 +35,9 @@ struct start_failure {
     int32_t stage;
     int32_t err;
 };
+/* The report of a helper that died before its exec: a sandbox process
+ * stopped or killed it. */
+#define HELPER_KILLED ((struct start_failure){.stage = NSBOX_STAGE_HELPER, .err = EINTR})
 
 /* main.c */
 void *grow(void *p, size_t *cap, size_t need, size_t elem);

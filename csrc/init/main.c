@@ -323,7 +323,7 @@ static void spawn_shared(struct request *rq, char *payload, int *fds, int nfds)
     }
     /* Until the child clears it at its execve, the report says a sandbox
      * process killed the child: dying without a word is that. */
-    shared = (struct shared_child){.rq = rq, .fds = fds, .failure = {.stage = NSBOX_STAGE_HELPER, .err = EINTR}};
+    shared = (struct shared_child){.rq = rq, .fds = fds, .failure = HELPER_KILLED};
     pid_t pid = clone(shared_child_main, shared_stack + SHARED_STACK_SIZE,
                       CLONE_VM | CLONE_PARENT_SETTID | CLONE_CHILD_CLEARTID | SIGCHLD, &shared, &shared.tid, NULL,
                       &shared.tid);

@@ -35,7 +35,7 @@ static void execve_reported(const char *path, char **argv, char **env)
         *report = (struct start_failure){0};
     execve(path, argv, env);
     if (report)
-        *report = (struct start_failure){.stage = NSBOX_STAGE_HELPER, .err = EINTR};
+        *report = HELPER_KILLED;
 }
 
 /* execve, falling back to /bin/sh for files without a #! line (as execvp).
