@@ -27,4 +27,4 @@ bench:
 	$(PYTHON) bench/eval.py --samples 200 --rounds 3
 
 clean:
-	rm -rf build dist *.egg-info nsbox/_native*.so nsbox/_native.c nsbox/nsbox-init nsbox/nsbox-create rootfs/build
+	rm -rf build dist *.egg-info nsbox/_native*.so nsbox/_text*.so nsbox/_native.c nsbox/nsbox-init nsbox/nsbox-create rootfs/build

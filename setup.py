@@ -1,4 +1,5 @@
-"""Build glue: the cffi extension (csrc/spawn.c, csrc/spec.c) and the static programs.
+"""Build glue: the cffi extension (csrc/spawn.c, csrc/spec.c), the text buffer
+(csrc/text.c) and the static programs.
 
 Everything else about the package lives in pyproject.toml.
 """
@@ -9,7 +10,7 @@ import subprocess
 import sysconfig
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).parent.resolve()
@@ -23,7 +24,7 @@ PROGRAMS = {
 
 
 class BuildExtWithPrograms(build_ext):
-    """Builds the cffi module, then the two static programs.
+    """Builds the extensions, then the two static programs.
 
     The init runs as PID 1 inside root filesystems that may have no C library
     at all, so both are linked statically (the helper for a fast exec).
@@ -58,5 +59,8 @@ class BuildExtWithPrograms(build_ext):
 
 setup(
     cffi_modules=["nsbox/_build_ffi.py:ffibuilder"],
+    # CPython's C API, not cffi: it builds a str in place, which the
+    # limited API cannot (PyUnicode_New and the characters' address).
+    ext_modules=[Extension("nsbox._text", ["csrc/text.c"], extra_compile_args=["-std=gnu11", "-O2", "-Wall", "-Wextra"])],
     cmdclass={"build_ext": BuildExtWithPrograms},
 )

@@ -13,41 +13,26 @@ import os
 import select
 from collections import deque
 
+from ._text import TextBuffer
+
 READ_CHUNK = 65536
-
-# Rings of finished commands, kept for the next ones: a fresh 10 MiB buffer
-# costs a page fault per 4 KiB on every exec, which made large captures
-# slow. At most SPARE_RINGS are kept.
-SPARE_RINGS = 2
-_spare_rings: list[bytearray] = []
-
-
-def _get_ring(size: int) -> bytearray:
-    for i, ring in enumerate(_spare_rings):
-        if len(ring) == size:
-            return _spare_rings.pop(i)
-    return bytearray(size)
-
-
-def _put_ring(ring: bytearray) -> None:
-    if len(_spare_rings) < SPARE_RINGS:
-        _spare_rings.append(ring)
 
 
 class CappedBuffer:
     """Keeps the last `limit` bytes written into it, and counts them all.
 
     Output that fits one read stays in that chunk; more moves into a ring of
-    exactly `limit` bytes that reads land in directly (no copy), so a stream
-    costs at most limit + one chunk of memory whatever the command writes.
+    exactly `limit` bytes that reads land in directly, so a stream costs at
+    most limit + one chunk of memory whatever the command writes. The ring
+    is a TextBuffer (csrc/text.c): the very str that take_text() returns,
+    so that ASCII output is neither copied nor decoded once more.
     """
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.total = 0
         self._chunks: list[bytes] = []
-        self._ring: bytearray | None = None
-        self._view: memoryview | None = None
+        self._ring: TextBuffer | None = None
         self._pos = 0  # next write position in the ring
         self._filled = 0  # valid bytes in the ring
 
@@ -56,28 +41,27 @@ class CappedBuffer:
 
         Raises BlockingIOError when nothing is available.
         """
-        if self._view is None:
+        if self._ring is None:
             data = os.read(fd, READ_CHUNK)
             if data:
                 self.total += len(data)
-                self._chunks.append(data)
-                if self.total > min(self.limit, READ_CHUNK):
-                    self._start_ring()
+                if self.limit > 0:
+                    self._chunks.append(data)
+                    if self.total > min(self.limit, READ_CHUNK):
+                        self._start_ring()
             return len(data)
-        view, pos = self._view, self._pos
-        n = os.readv(fd, [view[pos:], view[:pos]])
+        n = self._ring.read_from(fd, self._pos)
         if n:
             self.total += n
-            self._pos = (pos + n) % self.limit
+            self._pos = (self._pos + n) % self.limit
             self._filled = min(self.limit, self._filled + n)
         return n
 
     def _start_ring(self) -> None:
         data = b"".join(self._chunks)[-self.limit :]
         self._chunks = []
-        self._ring = _get_ring(self.limit)
-        self._ring[: len(data)] = data
-        self._view = memoryview(self._ring)
+        self._ring = TextBuffer(self.limit)
+        self._ring.write_at(0, data)
         self._filled = len(data)
         self._pos = len(data) % self.limit
 
@@ -90,53 +74,30 @@ class CappedBuffer:
         """How many bytes front-truncation has dropped (0 if none)."""
         return max(0, self.total - self.limit)
 
-    def _pieces(self) -> list[bytes | memoryview]:
-        """The kept bytes, oldest first, without copying them."""
-        if self._view is None:
-            return [b"".join(self._chunks)[-self.limit :] if self.limit else b""]
-        if self._filled < self.limit or self._pos == 0:
-            return [self._view[: self._filled]]
-        return [self._view[self._pos :], self._view[: self._pos]]
-
-    def _release(self) -> None:
-        if self._view is not None:
-            self._view.release()
-            assert self._ring is not None
-            _put_ring(self._ring)
-        self._chunks, self._ring, self._view = [], None, None
+    def _start(self) -> int:
+        """Where the oldest kept byte is in the ring."""
+        return self._pos if self._filled == self.limit else 0
 
     def take(self) -> bytes:
         """Returns the kept bytes and releases the buffer."""
-        data = b"".join(self._pieces())
-        self._release()
+        ring, self._ring = self._ring, None
+        if ring is None:
+            data = b"".join(self._chunks)[-self.limit :] if self.limit else b""
+        else:
+            with memoryview(ring) as view:
+                start = self._start()
+                data = b"".join([view[start : self._filled], view[:start]])
+        self._chunks = []
         return data
 
-    def _unwrap(self) -> None:
-        """Rotates a wrapped ring in place so the kept bytes start at 0
-        (the temporary copy is at most half the ring)."""
-        view, pos, size = self._view, self._pos, self.limit
-        if view is None or pos == 0 or self._filled < size:
-            return
-        if pos <= size // 2:
-            head = bytes(view[:pos])
-            view[: size - pos] = view[pos:]
-            view[size - pos :] = head
-        else:
-            tail = bytes(view[pos:])
-            view[size - pos :] = view[:pos]
-            view[: size - pos] = tail
-        self._pos = 0
-
     def take_text(self) -> str:
-        """The kept bytes as UTF-8 text (invalid bytes replaced), decoded
-        straight from the buffer; releases the buffer. At the peak this
-        holds the buffer and the text: twice the limit."""
-        self._unwrap()
-        (piece,) = self._pieces()
-        text = str(piece, "utf-8", "replace")
-        del piece
-        self._release()
-        return text
+        """The kept bytes as UTF-8 text (invalid bytes replaced); releases
+        the buffer. ASCII text is the ring itself; other text is decoded
+        from it, so at the peak the host holds twice the limit."""
+        ring, self._ring = self._ring, None
+        if ring is None:
+            return str(self.take(), "utf-8", "replace")
+        return ring.take(self._filled, self._start())
 
 
 class Forwarder:
