@@ -26,6 +26,7 @@ typedef struct {
     PyObject_HEAD
     PyObject *text;     /* a compact ASCII str of `size` chars, NULL once taken */
     Py_ssize_t size;
+    Py_ssize_t written; /* bytes [0, written) were written: the rest is uninitialised */
     Py_ssize_t exports; /* buffer views alive: take() refuses while any is */
     int non_ascii;      /* a byte >= 0x80 came in (maybe overwritten since) */
 } TextBuffer;
@@ -49,6 +50,8 @@ static int textbuffer_init(TextBuffer *self, PyObject *args, PyObject *kwds) {
     if (self->text == NULL)
         return -1;
     self->size = size;
+    self->written = 0;
+    self->non_ascii = 0;
     return 0;
 }
 
@@ -62,7 +65,8 @@ static int textbuffer_getbuffer(TextBuffer *self, Py_buffer *view, int flags) {
         PyErr_SetString(PyExc_BufferError, "TextBuffer was taken");
         return -1;
     }
-    if (PyBuffer_FillInfo(view, (PyObject *)self, PyUnicode_1BYTE_DATA(self->text), self->size, 1, flags) < 0)
+    /* Only what was written: the rest is whatever malloc left there. */
+    if (PyBuffer_FillInfo(view, (PyObject *)self, PyUnicode_1BYTE_DATA(self->text), self->written, 1, flags) < 0)
         return -1;
     self->exports++;
     return 0;
@@ -122,7 +126,8 @@ static int is_ascii(const unsigned char *p, Py_ssize_t n) {
 
 PyDoc_STRVAR(read_from_doc,
 "read_from(fd, pos) -> int\n\n"
-"One read from `fd` into the buffer at `pos`, wrapping around to 0 (as\n"
+"One read from `fd` into the buffer at `pos` (at most the end of what was\n"
+"written so far), wrapping around to 0 (as\n"
 "os.readv with the two parts); returns the byte count, 0 at end of file.\n"
 "Raises BlockingIOError when nothing is available. The bytes are checked\n"
 "for ASCII here, while they are in the cache.");
@@ -136,7 +141,9 @@ static PyObject *textbuffer_read_from(TextBuffer *self, PyObject *args) {
         PyErr_SetString(PyExc_BufferError, "TextBuffer was taken");
         return NULL;
     }
-    if (pos < 0 || pos >= self->size) {
+    /* Writes only ever extend what was written, so that every byte take()
+     * hands out was written (and checked) by one of us. */
+    if (pos < 0 || pos >= self->size || pos > self->written) {
         PyErr_SetString(PyExc_ValueError, "TextBuffer.read_from: pos out of range");
         return NULL;
     }
@@ -167,12 +174,15 @@ static PyObject *textbuffer_read_from(TextBuffer *self, PyObject *args) {
         return PyErr_SetFromErrno(PyExc_OSError); /* EAGAIN: BlockingIOError */
     }
     self->non_ascii |= non_ascii;
+    if (pos + n > self->written)
+        self->written = pos + n > self->size ? self->size : pos + n; /* wrapped: all of it */
     return PyLong_FromSsize_t(n);
 }
 
 PyDoc_STRVAR(write_at_doc,
 "write_at(pos, data)\n\n"
-"Copies `data` (a bytes-like object) into the buffer at `pos`; it must fit.");
+"Copies `data` (a bytes-like object) into the buffer at `pos`, which is at\n"
+"most the end of what was written so far; it must fit.");
 
 static PyObject *textbuffer_write_at(TextBuffer *self, PyObject *args) {
     Py_ssize_t pos;
@@ -182,11 +192,16 @@ static PyObject *textbuffer_write_at(TextBuffer *self, PyObject *args) {
     PyObject *result = NULL;
     if (self->text == NULL)
         PyErr_SetString(PyExc_BufferError, "TextBuffer was taken");
-    else if (pos < 0 || in.len > self->size - pos)
+    else if (pos < 0 || pos > self->written || in.len > self->size - pos)
         PyErr_SetString(PyExc_ValueError, "TextBuffer.write_at: data does not fit");
     else {
-        memcpy(PyUnicode_1BYTE_DATA(self->text) + pos, in.buf, in.len);
-        self->non_ascii |= !is_ascii(in.buf, in.len);
+        unsigned char *dst = PyUnicode_1BYTE_DATA(self->text) + pos;
+        /* memmove: `data` may be a view of this buffer. The copy is
+         * checked, not the source, which another process may be changing. */
+        memmove(dst, in.buf, in.len);
+        self->non_ascii |= !is_ascii(dst, in.len);
+        if (pos + in.len > self->written)
+            self->written = pos + in.len;
         Py_INCREF(Py_None);
         result = Py_None;
     }
@@ -212,7 +227,7 @@ static PyObject *textbuffer_take(TextBuffer *self, PyObject *args) {
         PyErr_SetString(PyExc_BufferError, "TextBuffer is in use (a view, or a read in another thread)");
         return NULL;
     }
-    if (filled < 0 || filled > self->size || start < 0 || start >= self->size || (start && filled != self->size)) {
+    if (filled < 0 || filled > self->written || start < 0 || start >= self->size || (start && filled != self->size)) {
         PyErr_SetString(PyExc_ValueError, "TextBuffer.take: filled/start out of range");
         return NULL;
     }
@@ -227,8 +242,10 @@ static PyObject *textbuffer_take(TextBuffer *self, PyObject *args) {
         return decoded;
     }
     /* Shrinks in place (realloc; the terminating NUL is written). */
-    if (filled < self->size && PyUnicode_Resize(&text, filled) < 0)
-        return NULL; /* text was released */
+    if (filled < self->size && PyUnicode_Resize(&text, filled) < 0) {
+        Py_DECREF(text); /* left as it was, and still ours */
+        return NULL;
+    }
     return text;
 }
 
@@ -246,8 +263,9 @@ static PyBufferProcs textbuffer_as_buffer = {
 
 PyDoc_STRVAR(textbuffer_doc,
 "TextBuffer(size): `size` bytes that become a str with take(). They are\n"
-"written with read_from() and write_at(), which note whether they are\n"
-"ASCII; the buffer protocol gives a read-only view.");
+"written with read_from() and write_at(), from offset 0 on, which note\n"
+"whether they are ASCII; the buffer protocol gives a read-only view of\n"
+"the bytes written so far.");
 
 static PyTypeObject TextBufferType = {
     PyVarObject_HEAD_INIT(NULL, 0)
@@ -275,9 +293,7 @@ PyMODINIT_FUNC PyInit__text(void) {
     PyObject *m = PyModule_Create(&textmodule);
     if (m == NULL)
         return NULL;
-    Py_INCREF(&TextBufferType);
-    if (PyModule_AddObject(m, "TextBuffer", (PyObject *)&TextBufferType) < 0) {
-        Py_DECREF(&TextBufferType);
+    if (PyModule_AddObjectRef(m, "TextBuffer", (PyObject *)&TextBufferType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

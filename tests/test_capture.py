@@ -129,11 +129,12 @@ def test_text_buffer_refuses_misuse() -> None:
 
 def test_text_buffer_reads_report_errors_as_os_read_does() -> None:
     buf = TextBuffer(100)
+    buf.write_at(0, b"x" * 98)
     r, w = os.pipe()
     os.set_blocking(r, False)
     try:
         with pytest.raises(BlockingIOError):
-            buf.read_from(r, 0)
+            buf.read_from(r, 98)
         os.write(w, b"abc")
         assert buf.read_from(r, 98) == 3  # wraps: "ab" at 98, "c" at 0
         os.close(w)
@@ -146,7 +147,33 @@ def test_text_buffer_reads_report_errors_as_os_read_does() -> None:
     with pytest.raises(OSError) as e:
         buf.read_from(r, 0)
     assert e.value.errno == errno.EBADF
-    assert buf.take(3, 0)[:1] == "c"
+    assert buf.take(100, 1) == "x" * 97 + "abc"
+
+
+def test_text_buffer_hands_out_only_bytes_it_wrote() -> None:
+    # The str's memory starts uninitialised: a byte nobody wrote was never
+    # checked for ASCII, and may be anything a freed object left there.
+    buf = TextBuffer(100)
+    assert len(memoryview(buf)) == 0
+    with pytest.raises(ValueError):
+        buf.take(1, 0)
+    with pytest.raises(ValueError):
+        buf.write_at(5, b"a")  # would leave 0..4 unwritten
+    r, w = os.pipe()
+    try:
+        os.write(w, b"z")
+        with pytest.raises(ValueError):
+            buf.read_from(r, 5)
+    finally:
+        os.close(r)
+        os.close(w)
+    buf.write_at(0, b"abcdef")
+    with memoryview(buf) as view:
+        assert view.tobytes() == b"abcdef"
+        buf.write_at(1, view[:5])  # overlapping: memmove
+    with pytest.raises(ValueError):
+        buf.take(7, 0)
+    assert buf.take(6, 0) == "aabcde"
 
 
 READV = {"x86_64": "19", "aarch64": "65"}  # syscall numbers, as /proc/TID/syscall shows them
