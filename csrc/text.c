@@ -127,10 +127,10 @@ static int is_ascii(const unsigned char *p, Py_ssize_t n) {
 PyDoc_STRVAR(read_from_doc,
 "read_from(fd, pos) -> int\n\n"
 "One read from `fd` into the buffer at `pos` (at most the end of what was\n"
-"written so far), wrapping around to 0 (as\n"
-"os.readv with the two parts); returns the byte count, 0 at end of file.\n"
-"Raises BlockingIOError when nothing is available. The bytes are checked\n"
-"for ASCII here, while they are in the cache.");
+"written so far), wrapping around to 0 as os.readv with the two parts\n"
+"would; returns the byte count, 0 at end of file. Raises BlockingIOError\n"
+"when nothing is available. The bytes are checked for ASCII here, while\n"
+"they are in the cache.");
 
 static PyObject *textbuffer_read_from(TextBuffer *self, PyObject *args) {
     int fd;
