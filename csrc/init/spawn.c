@@ -5,6 +5,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <stdbool.h>
 #include <stdlib.h>
@@ -84,7 +85,11 @@ static int exec_command(struct request *rq)
                 memcpy(buf, p, dlen);
             buf[dlen] = '/';
             memcpy(buf + dlen + 1, cmd, clen + 1);
-            try_exec(buf, rq);
+            /* Look before calling execve on a path that is not there: while
+             * an execve runs, a helper that dies reads as the command, so
+             * that window stays as short as the one execve that counts. */
+            if (faccessat(AT_FDCWD, buf, F_OK, 0) == 0 || (errno != ENOENT && errno != ENOTDIR))
+                try_exec(buf, rq);
             switch (errno) {
             case EACCES:
                 denied = true;
