@@ -60,13 +60,19 @@ static void textbuffer_dealloc(TextBuffer *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static int textbuffer_getbuffer(TextBuffer *self, Py_buffer *view, int flags) {
+/* The str's characters, or NULL (BufferError set) once take() handed it out. */
+static unsigned char *chars(TextBuffer *self) {
     if (self->text == NULL) {
         PyErr_SetString(PyExc_BufferError, "TextBuffer was taken");
-        return -1;
+        return NULL;
     }
+    return PyUnicode_1BYTE_DATA(self->text);
+}
+
+static int textbuffer_getbuffer(TextBuffer *self, Py_buffer *view, int flags) {
+    unsigned char *data = chars(self);
     /* Only what was written: the rest is whatever malloc left there. */
-    if (PyBuffer_FillInfo(view, (PyObject *)self, PyUnicode_1BYTE_DATA(self->text), self->written, 1, flags) < 0)
+    if (data == NULL || PyBuffer_FillInfo(view, (PyObject *)self, data, self->written, 1, flags) < 0)
         return -1;
     self->exports++;
     return 0;
@@ -137,17 +143,15 @@ static PyObject *textbuffer_read_from(TextBuffer *self, PyObject *args) {
     Py_ssize_t pos;
     if (!PyArg_ParseTuple(args, "in", &fd, &pos))
         return NULL;
-    if (self->text == NULL) {
-        PyErr_SetString(PyExc_BufferError, "TextBuffer was taken");
+    unsigned char *data = chars(self);
+    if (data == NULL)
         return NULL;
-    }
     /* Writes only ever extend what was written, so that every byte take()
      * hands out was written (and checked) by one of us. */
     if (pos < 0 || pos >= self->size || pos > self->written) {
         PyErr_SetString(PyExc_ValueError, "TextBuffer.read_from: pos out of range");
         return NULL;
     }
-    unsigned char *data = PyUnicode_1BYTE_DATA(self->text);
     struct iovec iov[2] = {{data + pos, self->size - pos}, {data, pos}};
     int check = !self->non_ascii, non_ascii = 0, err = 0;
     ssize_t n;
@@ -190,12 +194,13 @@ static PyObject *textbuffer_write_at(TextBuffer *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "ny*", &pos, &in))
         return NULL;
     PyObject *result = NULL;
-    if (self->text == NULL)
-        PyErr_SetString(PyExc_BufferError, "TextBuffer was taken");
+    unsigned char *data = chars(self);
+    if (data == NULL)
+        ; /* BufferError set */
     else if (pos < 0 || pos > self->written || in.len > self->size - pos)
         PyErr_SetString(PyExc_ValueError, "TextBuffer.write_at: data does not fit");
     else {
-        unsigned char *dst = PyUnicode_1BYTE_DATA(self->text) + pos;
+        unsigned char *dst = data + pos;
         /* memmove: `data` may be a view of this buffer. The copy is
          * checked, not the source, which another process may be changing. */
         memmove(dst, in.buf, in.len);
@@ -219,10 +224,9 @@ static PyObject *textbuffer_take(TextBuffer *self, PyObject *args) {
     Py_ssize_t filled, start;
     if (!PyArg_ParseTuple(args, "nn", &filled, &start))
         return NULL;
-    if (self->text == NULL) {
-        PyErr_SetString(PyExc_BufferError, "TextBuffer was taken");
+    unsigned char *data = chars(self);
+    if (data == NULL)
         return NULL;
-    }
     if (self->exports) {
         PyErr_SetString(PyExc_BufferError, "TextBuffer is in use (a view, or a read in another thread)");
         return NULL;
@@ -231,7 +235,6 @@ static PyObject *textbuffer_take(TextBuffer *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "TextBuffer.take: filled/start out of range");
         return NULL;
     }
-    unsigned char *data = PyUnicode_1BYTE_DATA(self->text);
     if (start && rotate(data, self->size, start) < 0)
         return NULL;
     PyObject *text = self->text;
