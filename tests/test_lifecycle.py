@@ -180,6 +180,18 @@ async def test_init_is_pid_one_and_tiny(sandbox: nsbox.Sandbox) -> None:
     assert rss_kib < 1024, f"the init uses {rss_kib} KiB"
 
 
+async def test_the_first_command_sees_only_the_init_and_itself() -> None:
+    """The setup's last helper (the one that holds the nested namespaces
+    while their maps are written, csrc/create/lock.c) is not waited for
+    during the setup; the init reaps it before it serves anything, so no
+    command ever sees it, running or as a zombie."""
+    for _ in range(15):
+        async with nsbox.Sandbox() as sb:
+            r = await sb.exec(["sh", "-c", "cd /proc && echo [0-9]*"])
+            pids = r.stdout.split()
+            assert len(pids) == 2 and "1" in pids, r.stdout  # the init and this sh
+
+
 async def test_setup_failure_leaves_nothing(tmp_path: Path) -> None:
     # A root filesystem whose /dev is a symlink to a host directory: setup
     # must refuse it (a mount there would follow the link) and clean up.

@@ -88,9 +88,10 @@ int make_locked_namespaces(const char *uid_map, const char *gid_map, int *userns
         rc = (*userns >= 0 && *mntns >= 0) ? 0 : -1;
     }
     int err = errno;
+    /* The helper exits once it reads EOF. We do not wait for it: the init
+     * we become reaps it before it serves anything, and meanwhile the
+     * setup goes on. */
     close(hold[1]);
-    while (waitpid((pid_t)pid, NULL, 0) < 0 && errno == EINTR)
-        ;
     errno = err;
     return rc;
 }

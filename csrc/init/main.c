@@ -624,6 +624,16 @@ int main(int argc, char **argv)
         fcntl(listen_fd, F_SETFL, O_NONBLOCK);
     }
 
+    /* Our only child yet is the setup's helper (csrc/create/lock.c), on
+     * its way out, if not gone: reap it before any command can see it. It
+     * exited while we started, so this rarely waits. */
+    for (;;) {
+        if (waitpid(-1, NULL, 0) > 0 || errno == EINTR)
+            continue;
+        break;
+    }
+    reap(); /* the SIGCHLD it left on the signalfd */
+
     struct pollfd *pfds = NULL;
     size_t pcap = 0;
     for (;;) {
