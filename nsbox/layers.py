@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -124,13 +125,46 @@ _FS_IOC_GETFLAGS = 0x80086601  # chattr's flags (nodump, noatime...)
 # it may hold when untouched; the invisible work dirs first: they set the
 # expected group) and the files prepare() writes. A layer is only ever
 # reused for a sandbox of its kind.
-HOST_LAYER = "host"  # HostRootfs: the root and the /etc overlays
+HOST_LAYER = "host"  # HostRootfs: the root and the /etc overlays, both upper layers here
+# HostRootfs where /etc's upper layer is in memory (etc_upper_in_memory()):
+# "etc" holds the sandbox's own /etc files, as /etc's top lower layer.
+HOST_MEMORY_ETC_LAYER = "host-etc"
 DIR_LAYER = "dir"  # DirectoryRootfs, ImageRootfs: one overlay over any lower stack
 _SHAPES: dict[str, tuple[dict[str, set[str]], tuple[str, ...]]] = {
     HOST_LAYER: ({"work": set(), "etc-work": set(), "upper": set(), "etc-upper": {"hosts", "hostname"}},
                  ("etc-upper/hosts", "etc-upper/hostname")),
+    HOST_MEMORY_ETC_LAYER: ({"work": set(), "upper": set(), "etc": {"hosts", "hostname"}}, ("etc/hosts", "etc/hostname")),
     DIR_LAYER: ({"work": set(), "upper": set()}, ()),
 }
+
+
+def layer_dirs(kind: str) -> tuple[str, ...]:
+    """The directories a new layer of this kind has."""
+    return tuple(_SHAPES[kind][0])
+
+
+@functools.cache
+def etc_upper_in_memory() -> bool:
+    """Whether the host-composed root keeps /etc's upper layer on a tmpfs
+    (nsbox/mounts.py memory_overlay()) rather than in the layer directory:
+    where tmpfs keeps user.* xattrs (Linux 6.6), which overlayfs needs
+    under userxattr to delete or rename directories of a lower layer. On
+    a disk, each new sandbox costs overlayfs a work dir made and deleted
+    and its feature probes; on a tmpfs, nothing that outlives it."""
+    try:
+        major, minor = (int(part) for part in os.uname().release.split(".")[:2])
+    except ValueError:
+        return False
+    if (major, minor) < (6, 6):
+        return False
+    # The release says tmpfs can; a kernel built without tmpfs xattrs
+    # cannot. /dev/shm is a tmpfs almost everywhere: ask it.
+    try:
+        with tempfile.NamedTemporaryFile(dir="/dev/shm", prefix=".nsbox-xattr-") as f:
+            os.setxattr(f.fileno(), "user.nsbox", b"1")
+    except OSError as e:
+        return e.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP)
+    return True
 
 
 def _flags(fd: int) -> int | None:
@@ -185,10 +219,6 @@ def untouched_layer(layer: Path, uid: int, kind: str) -> bool:
     except OSError:
         return False
     return True
-
-
-def untouched_host_layer(layer: Path, uid: int) -> bool:
-    return untouched_layer(layer, uid, HOST_LAYER)
 
 
 REUSE = ".reuse"  # the directory of layers kept for reuse, in layers_dir()

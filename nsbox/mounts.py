@@ -107,3 +107,23 @@ def overlay(plan: Plan, lowers: Sequence[Path], upper: Path, work: Path, target:
     data = (f"lowerdir={':'.join(plan.host_dir(p) for p in lowers)},upperdir={upper_dir},"
             f"workdir={work_dir},{OVERLAY_OPTIONS}")
     plan.add(Phase.MOUNT, s.mount("overlay", target, "overlay", (), data, what))
+
+
+def memory_overlay(plan: Plan, lowers: Sequence[Path], name: str, target: str, what: str) -> None:
+    """An overlayfs on `target` (MOUNT phase) as overlay() makes, but with
+    its upper layer in memory: on the size-capped tmpfs of a disk limit,
+    else on a tmpfs mounted on `target` itself, which the overlay then
+    covers, so that nothing but the overlay reaches it. It ends with the
+    sandbox's mount namespace: no work dir on a disk to make and delete."""
+    if plan.writable is not None:
+        base = f"{plan.writable.path}/{name}"
+        plan.add(Phase.MOUNT, s.mkdir(base))
+    else:
+        base = target
+        plan.add(Phase.MOUNT, s.mount("tmpfs", target, "tmpfs", NOSUID_NODEV, plan.tmpfs_options("755"),
+                                      f"mount a tmpfs for the upper layer of {target}"))
+    upper, work = f"{base}/upper", f"{base}/work"
+    plan.add(Phase.MOUNT, s.mkdir(upper), s.mkdir(work))
+    data = (f"lowerdir={':'.join(plan.host_dir(p) for p in lowers)},upperdir={upper},"
+            f"workdir={work},{OVERLAY_OPTIONS}")
+    plan.add(Phase.MOUNT, s.mount("overlay", target, "overlay", (), data, what))

@@ -35,6 +35,7 @@ import sys
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -217,17 +218,17 @@ def etc_files(spec: SandboxSpec, hostname: str) -> dict[str, str]:
 
 def prepare_layer(spec: SandboxSpec, rootfs: object, layer: os.PathLike[str], hostname: str,
                   owner: tuple[int, int]) -> bool:
-    """For the host-composed root, writes etc_files() into its /etc upper
-    layer before the clone, as its prepare() writes /etc/hosts (the host's
-    own /etc/resolv.conf belongs to real root: sandbox root could not
-    replace it). True if done; else the caller writes them through the
+    """For the host-composed root, writes etc_files() with the sandbox's
+    own /etc files (HostRootfs.etc_dir) before the clone, as its prepare()
+    writes /etc/hosts (the host's own /etc/resolv.conf belongs to real
+    root: sandbox root could not replace it). True if done; else the caller writes them through the
     init once it runs (a directory or image root, whose files are mapped)."""
     from .rootfs import HostRootfs
 
     if not isinstance(rootfs, HostRootfs):
         return False
     for path, text in etc_files(spec, hostname).items():
-        write_file(os.path.join(layer, "etc-upper", os.path.basename(path)), text, owner)
+        write_file(HostRootfs.etc_dir(Path(layer)) / os.path.basename(path), text, owner)
     return True
 
 

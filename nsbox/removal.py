@@ -304,9 +304,10 @@ def remove_layer(layer: Path, mapping: IdMap | None) -> None:
 
 
 # What prepare() leaves in a layer the sandbox never wrote to, once
-# layers.set_aside_work() has taken overlayfs's work out, deepest first; no
-# other kind of layer exists.
-_UNTOUCHED = ("etc-upper/hosts", "etc-upper/hostname", "upper", "work", "etc-upper", "etc-work", "")
+# layers.set_aside_work() has taken overlayfs's work out, deepest first, for
+# every kind of layer (nsbox/layers.py): the files, then the directories.
+_UNTOUCHED_FILES = ("etc-upper/hosts", "etc-upper/hostname", "etc/hosts", "etc/hostname")
+_UNTOUCHED = (*_UNTOUCHED_FILES, "upper", "work", "etc-upper", "etc-work", "etc", "")
 
 
 def remove_untouched_layer(layer: Path) -> bool:
@@ -315,7 +316,7 @@ def remove_untouched_layer(layer: Path) -> bool:
     for rel in _UNTOUCHED:
         path = os.path.join(layer, rel) if rel else os.fspath(layer)
         try:
-            if rel.startswith("etc-upper/"):
+            if rel in _UNTOUCHED_FILES:
                 os.unlink(path)
             else:
                 os.rmdir(path)

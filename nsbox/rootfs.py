@@ -28,8 +28,9 @@ from typing import Any
 
 from . import steps
 from .errors import SandboxSetupError
-from .layers import write_file, DIR_LAYER, cached_dir, give, keep_layer, reuse_layer, untouched_host_layer, untouched_layer
-from .mounts import overlay
+from .layers import (DIR_LAYER, HOST_LAYER, HOST_MEMORY_ETC_LAYER, cached_dir, etc_upper_in_memory, give, keep_layer,
+                     layer_dirs, reuse_layer, untouched_layer, write_file)
+from .mounts import memory_overlay, overlay
 from .plan import Phase, Plan
 
 # Top-level names that are links into /usr on a merged-usr host.
@@ -42,8 +43,12 @@ class HostRootfs:
 
     Its root is an overlayfs whose lower layer is a cached skeleton (the
     top-level directories, with their modes) and /etc another one: the
-    fresh identity files over the host's /etc. A new sandbox needs only
-    empty upper layers, which keeps creating and deleting it cheap.
+    fresh identity files over the host's /etc, under the sandbox's own
+    (hostname, hosts). A new sandbox needs only empty upper layers, which
+    keeps creating and deleting it cheap. /etc's upper layer is in memory
+    where the kernel allows (layers.etc_upper_in_memory()), as /tmp is:
+    what a sandbox writes there is small, and a disk charges every
+    overlay mount a work dir to make and delete.
     """
 
     SKELETON = {
@@ -57,23 +62,32 @@ class HostRootfs:
     def describe(self) -> str:
         return "the host-composed default (this host's /usr, read-only)"
 
-    LAYER_DIRS = ("upper", "work", "etc-upper", "etc-work")
+    @staticmethod
+    def layer_kind() -> str:
+        return HOST_MEMORY_ETC_LAYER if etc_upper_in_memory() else HOST_LAYER
+
+    @classmethod
+    def etc_dir(cls, layer: Path) -> Path:
+        """Where the sandbox's own /etc files go in its layer."""
+        return layer / ("etc" if cls.layer_kind() == HOST_MEMORY_ETC_LAYER else "etc-upper")
 
     def prepare(self, layer: Path, hostname: str, owner: tuple[int, int]) -> None:
         # A disk filesystem charges ~0.1 ms per directory created or
         # removed: an untouched layer of a closed sandbox is reused instead.
-        if not reuse_layer(layer, owner):
+        kind = self.layer_kind()
+        if not reuse_layer(layer, owner, kind):
             layer.mkdir(mode=0o700)
-            for name in self.LAYER_DIRS:
+            for name in layer_dirs(kind):
                 (layer / name).mkdir()
                 give(layer / name, owner)
         for fname, text in (("hostname", f"{hostname}\n"), ("hosts", _hosts(hostname))):
-            write_file(layer / "etc-upper" / fname, text, owner)
+            write_file(self.etc_dir(layer) / fname, text, owner)
 
     def release_layer(self, layer: Path, owner: tuple[int, int]) -> bool:
         """Keeps `layer` for the next sandbox if it is exactly as a new one
         would be (so nothing of this sandbox carries over); True if kept."""
-        return untouched_host_layer(layer, owner[0]) and keep_layer(layer)
+        kind = self.layer_kind()
+        return untouched_layer(layer, owner[0], kind) and keep_layer(layer, kind)
 
     def identity_files(self) -> dict[str, str]:
         """The sandbox's /etc/passwd and /etc/group as created: known here."""
@@ -127,8 +141,12 @@ class HostRootfs:
         owner = plan.idmap.host_root
         overlay(plan, [self._skeleton(owner)], layer / "upper", layer / "work", plan.root,
                 "mount the sandbox root (overlayfs over the host-root skeleton)")
-        overlay(plan, [self._etc(owner), Path("/etc")], layer / "etc-upper", layer / "etc-work", f"{plan.root}/etc",
-                "mount the writable /etc (overlayfs over the host's /etc)")
+        what = "mount the writable /etc (overlayfs over the host's /etc)"
+        if self.layer_kind() == HOST_MEMORY_ETC_LAYER:
+            memory_overlay(plan, [self.etc_dir(layer), self._etc(owner), Path("/etc")], "etc", f"{plan.root}/etc", what)
+        else:
+            overlay(plan, [self._etc(owner), Path("/etc")], layer / "etc-upper", layer / "etc-work", f"{plan.root}/etc",
+                    what)
         # nosuid: the host's setuid binaries must not raise anyone's
         # privileges inside (with host root mapped they would).
         for name in ("usr", *self._real_top_dirs()):

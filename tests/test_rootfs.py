@@ -37,6 +37,65 @@ async def test_host_root_writable_dirs_are_private(sandbox: nsbox.Sandbox) -> No
             assert (await other.exec(["test", "-e", f"{d}/nsbox-private"])).returncode == 1
 
 
+ETC_OPERATIONS = (
+    "set -e; rm /etc/passwd; test ! -e /etc/passwd; echo 'root:x:0:0::/root:/bin/sh' > /etc/passwd; "
+    "mkdir -p /etc/d/e; touch /etc/d/e/f; mv /etc/d /etc/moved; test -f /etc/moved/e/f; "
+    "rm -rf /etc/moved; mkdir /etc/moved; test -z \"$(ls -A /etc/moved)\"; "
+    "head -c 1048576 /dev/zero > /etc/big; cat /etc/hostname"
+)
+
+
+@pytest.mark.parametrize("in_memory", [True, False], ids=["etc-in-memory", "etc-on-disk"])
+async def test_etc_upper_in_memory_or_on_disk(monkeypatch: pytest.MonkeyPatch, in_memory: bool) -> None:
+    """/etc's upper layer is a tmpfs where the kernel's tmpfs keeps user.*
+    xattrs (overlayfs needs them to delete and rename directories), else
+    the layer directory: either way /etc takes what a sandbox does to it,
+    and with the upper in memory nothing of it reaches the host's disk."""
+    from nsbox import layers, manage, removal, sandbox as sandbox_mod
+    from nsbox.rootfs import HostRootfs
+
+    if in_memory and not layers.etc_upper_in_memory():
+        pytest.skip(f"this kernel ({os.uname().release}) keeps /etc's upper layer on disk: tmpfs has no user xattrs")
+    monkeypatch.setattr("nsbox.rootfs.etc_upper_in_memory", lambda: in_memory)
+    monkeypatch.setattr(sandbox_mod, "_plan_templates", {})
+    kind = HostRootfs.layer_kind()
+    manage.gc(nsbox.idmap.detect())  # an empty pool
+    async with nsbox.Sandbox() as sb:
+        r = await sb.exec(["sh", "-c", ETC_OPERATIONS])
+        assert r.success and r.stdout == f"{sb.hostname}\n", r.stderr
+        layer = sb._layer
+        assert layer is not None
+        assert sorted(os.listdir(layer)) == sorted(layers.layer_dirs(kind))
+        etc_upper = layer / "etc-upper"
+        if in_memory:
+            assert sorted(os.listdir(HostRootfs.etc_dir(layer))) == ["hostname", "hosts"]  # written by nsbox only
+            mounts = (await sb.exec(["cat", "/proc/self/mountinfo"])).stdout
+            etc = [line for line in mounts.splitlines() if line.split()[4] == "/etc"]
+            assert [line.split(" - ")[1].split()[0] for line in etc] == ["tmpfs", "overlay"], etc
+        else:
+            assert {"big", "moved", "passwd"} <= set(os.listdir(etc_upper))
+    # A kept layer of one kind never serves a sandbox of the other.
+    pool = layers.layers_dir() / layers.REUSE
+
+    def kept() -> list[str]:
+        assert removal.wait_swept(10)
+        return os.listdir(pool) if pool.exists() else []
+
+    if in_memory:
+        assert [layers._of_kind(name, kind) for name in kept()] == [True]  # /etc's writes left it untouched
+    else:
+        assert kept() == []  # they are in it
+        async with nsbox.Sandbox():
+            pass
+        assert [layers._of_kind(name, kind) for name in kept()] == [True]
+    monkeypatch.setattr("nsbox.rootfs.etc_upper_in_memory", lambda: not in_memory)
+    monkeypatch.setattr(sandbox_mod, "_plan_templates", {})
+    async with nsbox.Sandbox() as other:
+        assert sorted(os.listdir(other._layer)) == sorted(layers.layer_dirs(HostRootfs.layer_kind()))
+        assert (await other.exec(["test", "-e", "/etc/big"])).returncode == 1
+        assert len(kept()) == 1  # the other kind's, still there
+
+
 async def test_overlay_directory_semantics(debian: nsbox.Sandbox) -> None:
     # Without userxattr these fail with EIO on overlayfs in a user namespace.
     script = ("set -e; mkdir -p /opt/a/b; echo x > /opt/a/b/f; mv /opt/a /opt/c; "
