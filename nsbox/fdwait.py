@@ -28,6 +28,32 @@ def readable_now(fd: int) -> bool:
     return bool(p.poll(0))
 
 
+async def readable(fd: int, timeout: float | None = None) -> bool:
+    """Waits until `fd` is readable (or hung up); False if `timeout` seconds
+    passed first. On asyncio a reader callback, a future and a timer:
+    anyio's wait_readable and a cancel scope around it cost more than the
+    rest of what the host does to create or close a sandbox."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # not asyncio (trio)
+        if timeout is None:
+            await anyio.wait_readable(fd)
+            return True
+        with anyio.move_on_after(timeout):
+            await anyio.wait_readable(fd)
+            return True
+        return False
+    waiter = loop.create_future()
+    loop.add_reader(fd, _expire, waiter, True)
+    timer = None if timeout is None else loop.call_later(timeout, _expire, waiter, False)
+    try:
+        return await waiter
+    finally:
+        loop.remove_reader(fd)
+        if timer is not None:
+            timer.cancel()
+
+
 class _LoopEpoll:
     """An epoll instance the asyncio loop watches, and the poller it wakes."""
 
@@ -195,6 +221,6 @@ class Poller:
                 timer.cancel()
 
 
-def _expire(waiter: "asyncio.Future[bool]") -> None:
+def _expire(waiter: "asyncio.Future[bool]", result: bool = False) -> None:
     if not waiter.done():
-        waiter.set_result(False)
+        waiter.set_result(result)

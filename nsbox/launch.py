@@ -26,7 +26,7 @@ from typing import Callable
 
 import anyio
 
-from . import hostcheck, native
+from . import fdwait, hostcheck, native
 from .errors import NsboxError, SandboxSetupError
 from .plan import ParentHook, Plan
 
@@ -87,7 +87,7 @@ async def launch(plan: Plan, launched: Launched, *, sandbox_id: str, socket_path
                 if zygote_goes:  # else after the hooks
                     native.go(go_w)
         with reply:
-            await anyio.wait_readable(reply)
+            await fdwait.readable(reply.fileno())
             try:
                 launched.pid, launched.pidfd = native.read_spawn_reply(reply)
             except native.IdMapError as e:
@@ -123,6 +123,9 @@ async def launch(plan: Plan, launched: Launched, *, sandbox_id: str, socket_path
 async def _setup_alongside(hooks: list[ParentHook], pid: int, err_r: int) -> bytes:
     """Waits for the child's setup report while `hooks` run; a failed step
     is reported first, else a failed hook is raised."""
+    if not hooks:
+        await fdwait.readable(err_r)
+        return os.read(err_r, 64)
     failed: list[Exception] = []
 
     async def run(hook: ParentHook) -> None:

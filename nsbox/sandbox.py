@@ -522,11 +522,9 @@ class Sandbox:
     async def _reap(self) -> None:
         pidfd = self._launched.pidfd
         if pidfd >= 0:
-            with anyio.move_on_after(CLOSE_WAIT) as scope:
-                await anyio.wait_readable(pidfd)
-            if scope.cancelled_caught:
+            if not await fdwait.readable(pidfd, CLOSE_WAIT):
                 signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-                await anyio.wait_readable(pidfd)
+                await fdwait.readable(pidfd)
             os.close(pidfd)
             self._launched.pidfd = -1
         try:
