@@ -77,7 +77,8 @@ def sandbox_dir(sandbox_id: str) -> Path:
 def write(info: SandboxInfo) -> None:
     """Records `info` atomically (write to a temporary file, then rename)."""
     d = os.fspath(sandbox_dir(info.id))
-    data = json.dumps({f.name: getattr(info, f.name) for f in fields(info)}, indent=1).encode()
+    # No indent: the C encoder (an indent takes the pure-Python one, ~0.1 ms).
+    data = json.dumps({f.name: getattr(info, f.name) for f in fields(info)}).encode()
     tmp = os.path.join(d, INFO + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:

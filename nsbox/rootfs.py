@@ -278,7 +278,8 @@ def _hosts(hostname: str) -> str:
     return f"127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\t{hostname}\n"
 
 
-def _fresh_etc() -> list[tuple[str, str, int]]:
+@functools.cache
+def _fresh_etc() -> tuple[tuple[str, str, int], ...]:
     """The identity files of the host-composed root: only root and nobody.
 
     Their backups ("passwd-"...), the shadow tools' lock and the subordinate
@@ -296,6 +297,6 @@ def _fresh_etc() -> list[tuple[str, str, int]]:
         ("subuid", "", 0o644),
         ("subgid", "", 0o644),
     ]
-    return identity + [(f"{name}-", text, mode) for name, text, mode in identity] + [(".pwd.lock", "", 0o600)]
+    return (*identity, *[(f"{name}-", text, mode) for name, text, mode in identity], (".pwd.lock", "", 0o600))
 
 

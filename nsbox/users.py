@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 
@@ -29,6 +30,7 @@ def _rows(text: str, fields: int) -> list[list[str]]:
     return rows
 
 
+@functools.lru_cache(maxsize=256)  # a pure function of its texts; Identity is frozen
 def lookup(user: str, passwd: str, group: str) -> Identity | None:
     """Resolves a user name or numeric uid, optionally with ":GROUP" (a
     name or gid, as Docker's USER takes it); None if a name is unknown.
