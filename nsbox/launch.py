@@ -162,16 +162,26 @@ def _request(plan: Plan, launched: Launched, sandbox_id: str, socket_path: Path,
             # Nested in the holder's namespace, which has the owner's maps:
             # every id maps to itself, written by the holder.
             idmaps = (*plan.idmap.nested_identity(), None, None, idmaps[4])
-        return native.request_spawn(
-            clone_flags=native.clone_flags(plan.namespaces), steps=plan.steps(), idmaps=idmaps,
-            error_fd=err_w, sync_fd=go_r,
+        assert plan.sandbox_id == sandbox_id
+        shape = dict(
+            clone_flags=native.clone_flags(plan.namespaces), idmaps=idmaps,
             # fds 3..6 of the init: control, listener, and the locked user
             # and mount namespaces (NSBOX_FD_*).
-            keep_fds=[ctl_child.fileno(), listener.fileno(), -1, -1], exec_fd=init_fd,
-            argv=["nsbox-init", sandbox_id, *plan.init_args], envp=[], keep_stdio=False, new_session=True,
-            lock_maps=plan.idmap.nested_identity(), lock_slot=native.lib.NSBOX_FD_USERNS - 3, via=via,
+            keep_fds=[ctl_child.fileno(), listener.fileno(), -1, -1], exec_fd=init_fd, envp=[], keep_stdio=False,
+            new_session=True, lock_maps=plan.idmap.nested_identity(), lock_slot=native.lib.NSBOX_FD_USERNS - 3,
             go_fd=go_w, host_go=host_go,
         )
+
+        def argv(p: Plan) -> list[str]:
+            return ["nsbox-init", p.sandbox_id, *p.init_args]
+
+        # A plan copied from a template is packed once per shape (which
+        # descriptors, not their numbers).
+        key = tuple((k, tuple(fd >= 0 for fd in val) if k == "keep_fds" else val >= 0 if k.endswith("_fd") else
+                     tuple(val) if isinstance(val, list) else val) for k, val in shape.items())
+        packed = plan.packed(key, lambda p: native.pack_spec(steps=p.steps(), argv=argv(p), **shape))  # type: ignore[arg-type]
+        return native.request_spawn(steps=[] if packed is not None else plan.steps(), argv=argv(plan), error_fd=err_w,
+                                    sync_fd=go_r, via=via, packed=packed, **shape)  # type: ignore[arg-type]
     finally:
         if init_fd >= 0:
             os.close(init_fd)

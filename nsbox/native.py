@@ -417,6 +417,7 @@ def request_spawn(
     via: _SubZygote | None = None,
     go_fd: int = -1,
     host_go: bool = False,
+    packed: bytes | None = None,
 ) -> socket.socket:
     """Asks the zygote to clone the process described; returns the socket
     its reply arrives on (read it with read_spawn_reply). The process waits
@@ -424,9 +425,19 @@ def request_spawn(
     steps. Given that pipe's write end as `go_fd`, the zygote writes the
     byte itself once the id maps are written; else write it (go()) once the
     reply came and the caller's hooks ran. With `go_fd` and `host_go`, the
-    process waits for a second byte, the caller's (go(), at any time)."""
-    memfd = _pack(steps, clone_flags, argv, envp, keep_fds, exec_fd >= 0, keep_stdio, new_session,
-                  lock_maps, lock_slot, idmaps, go_fd >= 0, host_go)
+    process waits for a second byte, the caller's (go(), at any time).
+    `packed`: what pack_spec() gives for these arguments, sent as it is."""
+    if packed is None:
+        memfd = _pack(steps, clone_flags, argv, envp, keep_fds, exec_fd >= 0, keep_stdio, new_session,
+                      lock_maps, lock_slot, idmaps, go_fd >= 0, host_go)
+    else:
+        memfd = os.memfd_create("nsbox-spec", os.MFD_CLOEXEC)
+        try:
+            if os.write(memfd, packed) != len(packed):
+                raise OSError(errno.EIO, "writing the spec was cut short")
+        except BaseException:
+            os.close(memfd)
+            raise
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         fds = [theirs.fileno(), memfd, error_fd, sync_fd] + ([go_fd] if go_fd >= 0 else [])
@@ -441,6 +452,32 @@ def request_spawn(
         theirs.close()
         os.close(memfd)
     return ours
+
+
+def pack_spec(
+    *,
+    clone_flags: int,
+    steps: Sequence[Step],
+    idmaps: tuple[str, str, str | None, str | None, bool],
+    keep_fds: Sequence[int],
+    exec_fd: int,
+    argv: Sequence[str],
+    envp: Sequence[str],
+    keep_stdio: bool,
+    new_session: bool,
+    lock_maps: tuple[str, str] | None = None,
+    lock_slot: int = 0,
+    go_fd: int = -1,
+    host_go: bool = False,
+) -> bytes:
+    """The spec request_spawn() would send for these arguments (of the
+    descriptors, only which ones are given counts)."""
+    memfd = _pack(steps, clone_flags, argv, envp, keep_fds, exec_fd >= 0, keep_stdio, new_session,
+                  lock_maps, lock_slot, idmaps, go_fd >= 0, host_go)
+    try:
+        return os.pread(memfd, os.fstat(memfd).st_size, 0)
+    finally:
+        os.close(memfd)
 
 
 class IdMapError(OSError):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
 from dataclasses import dataclass, field
 from enum import IntEnum
 from pathlib import Path
@@ -77,10 +78,15 @@ class Plan:
     writable: Writable | None = None  # where upper layers go, if not in the layer directory
     join: tuple[int, int] | None = None  # user and network namespace to create the sandbox in (network container:ID)
     userns: int | None = None  # a holder's user namespace to create it in (a named service network's)
+    sandbox_id: str = ""  # the sandbox's, as its init is told
     _steps: dict[Phase, list[Step]] = field(default_factory=lambda: {p: [] for p in Phase})
     _host_dirs: list[str] = field(default_factory=list)
     _slots: dict[str, int] = field(default_factory=dict)
     _marks: dict[tuple[str, ...], dict[Phase, list[int]]] = field(default_factory=dict, repr=False, compare=False)
+    # A lazy copy (replacing(lazy=True)): its template and what replaces the
+    # template's marks, until its steps are asked for.
+    _source: "tuple[Plan, dict[str, str]] | None" = field(default=None, repr=False, compare=False)
+    _packs: dict[object, bytes] = field(default_factory=dict, repr=False, compare=False)  # a template's, see packed()
 
     def add(self, phase: Phase, *new: Step) -> None:
         self._steps[phase].extend(new)
@@ -112,6 +118,10 @@ class Plan:
 
     def steps(self) -> list[Step]:
         """Every step, in the order the child runs them."""
+        if self._source is not None:
+            template, texts = self._source
+            real = template.replacing(texts)
+            self._steps, self._host_dirs, self._slots, self._source = real._steps, real._host_dirs, real._slots, None
         return [*self._steps[Phase.HOST], steps.become_root(), *self._steps[Phase.MOUNT],
                 steps.pivot(self.root), *self._steps[Phase.INSIDE]]
 
@@ -120,9 +130,10 @@ class Plan:
         the writable layer (whose contents the host looks at)."""
         return not (self.hooks or self.alongside or self.cleanups or self.writable or self.join or self.userns)
 
-    def replacing(self, texts: dict[str, str]) -> "Plan":
+    def replacing(self, texts: dict[str, str], lazy: bool = False) -> "Plan":
         """A copy of a pure plan with each key of `texts` replaced by its
-        value wherever a step or host directory names it."""
+        value wherever a step or host directory names it. Lazy: only once
+        its steps are asked for (see packed())."""
         assert self.pure()
 
         def swap(value: str | None) -> str | None:
@@ -132,11 +143,16 @@ class Plan:
                 value = value.replace(old, new)
             return value
 
+        if lazy:
+            return Plan(self.idmap, self.root, set(self.namespaces), init_args=list(self.init_args),
+                        sandbox_id=swap(self.sandbox_id) or "", _source=(self, texts))
+
         def step(st: Step) -> Step:
             return dataclasses.replace(st, what=swap(st.what) or "", a=swap(st.a), b=swap(st.b), c=swap(st.c),
                                        d=swap(st.d))
 
-        copy = Plan(self.idmap, self.root, set(self.namespaces), init_args=list(self.init_args))
+        copy = Plan(self.idmap, self.root, set(self.namespaces), init_args=list(self.init_args),
+                    sandbox_id=swap(self.sandbox_id) or "")
         for phase, marked in self._marked_steps(tuple(texts)).items():
             found = copy._steps[phase] = list(self._steps[phase])  # the same Step objects: see native._pack
             for i in marked:
@@ -144,6 +160,37 @@ class Plan:
         copy._host_dirs = [swap(d) or "" for d in self._host_dirs]
         copy._slots = dict(self._slots)
         return copy
+
+    def packed(self, key: object, pack: Callable[["Plan"], bytes]) -> bytes | None:
+        """The packed spec of a lazy copy: its template's, packed once per
+        `key` (what else `pack` puts in it) with the marks in it, then each
+        mark replaced in the bytes. None where that cannot be done: not a
+        lazy copy, or a replacement not as long as its mark (offsets in
+        the spec would move). Then pack the copy itself.
+
+        Checked once per key: the template packed with other marks of the
+        same length must be the same bytes with those marks."""
+        if self._source is None:
+            return None
+        template, texts = self._source
+        pairs = [(old.encode(), new.encode()) for old, new in texts.items()]
+        if any(len(old) != len(new) for old, new in pairs):
+            return None
+        blob = template._packs.get(key)
+        if blob is None:
+            blob = pack(template)
+            others = {old: _another_mark(old) for old in texts}
+            expected = blob
+            for old, other in others.items():
+                expected = expected.replace(old.encode(), other.encode())
+            if pack(template.replacing(others)) != expected:
+                blob = b""  # the marks are not only where they were put: never patch this one
+            template._packs[key] = blob
+        if not blob:
+            return None
+        for old, new in pairs:
+            blob = blob.replace(old, new)
+        return blob
 
     def _marked_steps(self, texts: tuple[str, ...]) -> dict[Phase, list[int]]:
         """Where in each phase a step names one of `texts` (found once: a
@@ -159,6 +206,12 @@ class Plan:
     async def run_hooks(self, pid: int) -> None:
         for hook in self.hooks:
             await hook(pid)
+
+
+def _another_mark(mark: str) -> str:
+    """A mark as long as `mark`, with the same first and last character."""
+    middle = secrets.token_hex(len(mark))[: len(mark) - 2]
+    return mark[0] + middle + mark[-1] if len(mark) >= 2 else mark
 
 
 def contribute_hostname(plan: Plan, hostname: str) -> None:

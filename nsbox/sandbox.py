@@ -243,7 +243,9 @@ class Sandbox:
         template = _plan_templates.get(self._plan_key(layers.mount_point(self.idmap.host_root)))
         if template is None:
             return None
-        return template.replacing({_LAYER_MARK: os.fspath(self._layer), _HOST_MARK: self.hostname})
+        # Lazy: with a hostname as long as the id (the default), the spec is
+        # the template's, packed once, with the marks replaced in its bytes.
+        return template.replacing({_ID_MARK: self.id, _HOST_MARK: self.hostname}, lazy=True)
 
     def _plan(self) -> plan_mod.Plan:
         """This sandbox's plan, built (after its layer is prepared), and
@@ -253,12 +255,13 @@ class Sandbox:
         plan = self._build_plan(mount_dir, self._layer, self.id, self.hostname)
         if plan.pure():
             _remember(_plan_templates, self._plan_key(mount_dir),
-                      self._build_plan(mount_dir, Path(_LAYER_MARK), self.id, _HOST_MARK), _PLAN_TEMPLATES_MAX)
+                      self._build_plan(mount_dir, self._layer.parent / _ID_MARK, _ID_MARK, _HOST_MARK),
+                      _PLAN_TEMPLATES_MAX)
         return plan
 
     def _build_plan(self, mount_dir: Path, layer: Path, sandbox_id: str, hostname: str) -> plan_mod.Plan:
         assert self.idmap is not None and self._rundir is not None
-        plan = plan_mod.Plan(self.idmap, root="")
+        plan = plan_mod.Plan(self.idmap, root="", sandbox_id=sandbox_id)
         resources.contribute(plan, resources.Limits.of(self.spec), sandbox_id, self._rundir, mount_dir)  # before mounts
         mounts.contribute(plan, self.rootfs, layer, mount_dir, self.mounts)
         plan_mod.contribute_hostname(plan, hostname)
@@ -829,8 +832,12 @@ def _creds(identity: users.Identity) -> protocol.Creds:
 # nsbox makes has.
 _plan_templates: dict[object, plan_mod.Plan] = {}
 _PLAN_TEMPLATES_MAX = 64
-_LAYER_MARK = f"/@nsbox-layer-{secrets.token_hex(8)}@"
-_HOST_MARK = f"@nsbox-host-{secrets.token_hex(8)}@"
+# The marks of a template (Sandbox._plan) where each sandbox has its id (in
+# its layer's path too) and its hostname. As long as an id, and with
+# characters no id, path or hostname nsbox makes has: see Plan.packed().
+_ID_MARK = f"@{secrets.token_hex(5)}@"
+_HOST_MARK = f"%{secrets.token_hex(5)}%"
+assert len(_ID_MARK) == len(_HOST_MARK) == len(secrets.token_hex(6))
 
 # What sandboxes found in their images (Sandbox._fresh_image_key): the
 # identity files, and the working directories that exist, by who opened them.

@@ -115,3 +115,61 @@ async def test_a_plan_from_the_cache_is_the_plan_built_for_the_sandbox(tmp_path)
         finally:
             procmask.enabled = saved
         assert any("/proc/keys" in (st.b or "") for st in plan_of(sb).steps())
+
+
+async def test_a_templated_spec_is_the_spec_packed_for_the_sandbox() -> None:
+    """A copied plan's spec is its template's, packed once, with the id and
+    hostname replaced in the bytes (Plan.packed): byte for byte what
+    packing the sandbox's own plan gives. A hostname of another length
+    than the id's packs the plan itself."""
+    import nsbox
+    from nsbox import native, sandbox as sandbox_mod
+
+    sandbox_mod._plan_templates.clear()
+    async with nsbox.Sandbox():
+        pass
+    (template,) = sandbox_mod._plan_templates.values()
+    shape = dict(clone_flags=native.clone_flags(template.namespaces), idmaps=template.idmap.how_to_write(),
+                 keep_fds=[3, 4, -1, -1], exec_fd=5, envp=[], keep_stdio=False, new_session=True)
+
+    def pack(p) -> bytes:
+        return native.pack_spec(steps=p.steps(), argv=["nsbox-init", p.sandbox_id, *p.init_args], **shape)
+
+    for hostname in (None, "twelve-chars", "short", "a-much-longer-hostname"):
+        async with nsbox.Sandbox(hostname=hostname) as sb:
+            copy = sb._plan_from_template()
+            assert copy is not None and copy.sandbox_id == sb.id
+            packed = copy.packed("key", pack)
+            assert (packed is not None) == (len(sb.hostname) == len(sb.id)), sb.hostname
+            whole = pack(sb._build_plan(nsbox.layers.mount_point(sb.idmap.host_root), sb._layer, sb.id, sb.hostname))
+            assert pack(copy) == whole  # the lazy copy's steps, asked for
+            if packed is not None:
+                assert packed == whole
+                assert sb.id.encode() in packed and sandbox_mod._ID_MARK.encode() not in packed
+            assert (await sb.exec(["hostname"])).stdout == f"{sb.hostname}\n"
+    assert "key" in template._packs and template._packs["key"]
+
+
+def test_marks_found_elsewhere_in_a_spec_are_never_patched() -> None:
+    """Plan.packed checks once that the marks are all its replacements may
+    touch: a packing with bytes that depend on the strings but are not
+    them (here, a checksum of them) is refused, and the copy is packed
+    whole."""
+    import zlib
+
+    from nsbox import idmap, plan as plan_mod, steps
+
+    template = plan_mod.Plan(idmap.detect(), root="", sandbox_id="@aaaaaaaaaa@")
+    template.add(plan_mod.Phase.INSIDE, steps.hostname("%bbbbbbbbbb%"), steps.mkdir("/x/@aaaaaaaaaa@"))
+
+    def faithful(p) -> bytes:
+        return "\0".join(filter(None, (f for st in p.steps() for f in (st.a, st.b)))).encode()
+
+    def summed(p) -> bytes:
+        data = faithful(p)
+        return zlib.crc32(data).to_bytes(4, "little") + data
+
+    texts = {"@aaaaaaaaaa@": "0123456789ab", "%bbbbbbbbbb%": "zzzzzzzzzzzz"}
+    assert template.replacing(texts, lazy=True).packed("f", faithful) == faithful(template.replacing(texts))
+    assert template.replacing(texts, lazy=True).packed("s", summed) is None
+    assert template._packs["s"] == b""  # refused once, for good
