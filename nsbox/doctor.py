@@ -34,6 +34,7 @@ import click
 
 from . import hostcheck
 from .errors import HostPrerequisiteError
+from .layers import etc_upper_in_memory
 from .mounts import OVERLAY_OPTIONS
 
 Status = Literal["pass", "warn", "fail"]
@@ -395,9 +396,12 @@ def check_overlay(host: Host, probe: Probe) -> Check:
     result = probe.get("overlay")
     layers = _state_parent()
     fs = hostcheck.fs_type(str(layers)) or "?"
-    details = {"state_dir": str(layers), "fs": fs}
+    etc = "memory" if etc_upper_in_memory() else "disk"
+    details = {"state_dir": str(layers), "fs": fs, "etc_upper": etc}
     if result == "ok":
-        return Check("overlay", "pass", f"overlayfs works in a user namespace, on {fs} ({layers})", details=details)
+        return Check("overlay", "pass", f"overlayfs works in a user namespace, on {fs} ({layers}); what a "
+                     f"sandbox writes to /etc is kept {'in memory' if etc == 'memory' else 'on disk'}",
+                     details=details)
     if result is None:
         return Check("overlay", "warn", "not tested: no user namespace to test it in", details=details)
     version = _kernel_version(host.kernel_release)
