@@ -17,7 +17,7 @@ import struct
 import threading
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from . import fdwait
 from ._native import ffi, lib
@@ -399,50 +399,27 @@ def _send(byte: bytes, anc: list[tuple[int, int, array.array[int]]], sock: socke
                 raise  # a fresh zygote died at once
 
 
-def request_spawn(
-    *,
-    clone_flags: int,
-    steps: Sequence[Step],
-    idmaps: tuple[str, str, str | None, str | None, bool],
-    error_fd: int,
-    sync_fd: int,
-    keep_fds: Sequence[int],
-    exec_fd: int,
-    argv: Sequence[str],
-    envp: Sequence[str],
-    keep_stdio: bool,
-    new_session: bool,
-    lock_maps: tuple[str, str] | None = None,
-    lock_slot: int = 0,
-    via: _SubZygote | None = None,
-    go_fd: int = -1,
-    host_go: bool = False,
-    packed: bytes | None = None,
-) -> socket.socket:
-    """Asks the zygote to clone the process described; returns the socket
-    its reply arrives on (read it with read_spawn_reply). The process waits
-    for one byte on the pipe whose read end is `sync_fd` before it runs its
-    steps. Given that pipe's write end as `go_fd`, the zygote writes the
-    byte itself once the id maps are written; else write it (go()) once the
-    reply came and the caller's hooks ran. With `go_fd` and `host_go`, the
-    process waits for a second byte, the caller's (go(), at any time).
-    `packed`: what pack_spec() gives for these arguments, sent as it is."""
-    if packed is None:
-        memfd = _pack(steps, clone_flags, argv, envp, keep_fds, exec_fd >= 0, keep_stdio, new_session,
-                      lock_maps, lock_slot, idmaps, go_fd >= 0, host_go)
-    else:
-        memfd = os.memfd_create("nsbox-spec", os.MFD_CLOEXEC)
-        try:
-            if os.write(memfd, packed) != len(packed):
-                raise OSError(errno.EIO, "writing the spec was cut short")
-        except BaseException:
-            os.close(memfd)
-            raise
+def request_spawn(*, error_fd: int, sync_fd: int, via: _SubZygote | None = None, packed: bytes | None = None,
+                  **spec: Any) -> socket.socket:
+    """Asks the zygote to clone the process `spec` describes (pack_spec's
+    arguments); returns the socket its reply arrives on (read it with
+    read_spawn_reply). `packed`: what pack_spec() gave for `spec`, sent as
+    it is. The process waits for one byte on the pipe whose read end is
+    `sync_fd` before it runs its steps. Given that pipe's write end as
+    `go_fd`, the zygote writes the byte itself once the id maps are
+    written; else write it (go()) once the reply came and the caller's
+    hooks ran. With `go_fd` and `host_go`, the process waits for a second
+    byte, the caller's (go(), at any time)."""
+    data = packed if packed is not None else pack_spec(**spec)
+    memfd = os.memfd_create("nsbox-spec", os.MFD_CLOEXEC)
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
+        if os.write(memfd, data) != len(data):
+            raise OSError(errno.EIO, "writing the spec was cut short")
+        go_fd, exec_fd = spec.get("go_fd", -1), spec["exec_fd"]
         fds = [theirs.fileno(), memfd, error_fd, sync_fd] + ([go_fd] if go_fd >= 0 else [])
         fds += [exec_fd] if exec_fd >= 0 else []
-        fds += [fd for fd in keep_fds if fd >= 0]
+        fds += [fd for fd in spec["keep_fds"] if fd >= 0]
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
         _send(b"s", anc, via.sock if via is not None else None)
     except BaseException:
