@@ -221,8 +221,9 @@ def prepare_layer(spec: SandboxSpec, rootfs: object, layer: os.PathLike[str], ho
     """For the host-composed root, writes etc_files() with the sandbox's
     own /etc files (HostRootfs.etc_dir) before the clone, as its prepare()
     writes /etc/hosts (the host's own /etc/resolv.conf belongs to real
-    root: sandbox root could not replace it). True if done; else the caller writes them through the
-    init once it runs (a directory or image root, whose files are mapped)."""
+    root: sandbox root could not replace it). True if done; else the
+    caller writes them through the init once it runs (a directory or
+    image root, whose files are mapped)."""
     from .rootfs import HostRootfs
 
     if not isinstance(rootfs, HostRootfs):

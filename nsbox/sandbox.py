@@ -827,14 +827,12 @@ def _creds(identity: users.Identity) -> protocol.Creds:
     return protocol.Creds(identity.uid, identity.gid, identity.groups)
 
 
-# Plans by what they depend on, with placeholders for the layer and the
-# hostname (Sandbox._plan). The marks hold characters no path or hostname
-# nsbox makes has.
+# Plans by what they depend on (Sandbox._plan), with marks where each
+# sandbox has its id (in its layer's path too) and its hostname. A mark is
+# as long as an id (see Plan.packed()) and holds characters no id or
+# hostname nsbox makes has, around random ones no path will.
 _plan_templates: dict[object, plan_mod.Plan] = {}
 _PLAN_TEMPLATES_MAX = 64
-# The marks of a template (Sandbox._plan) where each sandbox has its id (in
-# its layer's path too) and its hostname. As long as an id, and with
-# characters no id, path or hostname nsbox makes has: see Plan.packed().
 _ID_MARK = f"@{secrets.token_hex(5)}@"
 _HOST_MARK = f"%{secrets.token_hex(5)}%"
 assert len(_ID_MARK) == len(_HOST_MARK) == len(secrets.token_hex(6))
