@@ -104,9 +104,7 @@ def overlay(plan: Plan, lowers: Sequence[Path], upper: Path, work: Path, target:
             lowers = [upper, *lowers]
         upper_dir, work_dir = f"{plan.writable.path}/{upper.name}", f"{plan.writable.path}/{work.name}"
         plan.add(Phase.MOUNT, s.mkdir(upper_dir), s.mkdir(work_dir))
-    data = (f"lowerdir={':'.join(plan.host_dir(p) for p in lowers)},upperdir={upper_dir},"
-            f"workdir={work_dir},{OVERLAY_OPTIONS}")
-    plan.add(Phase.MOUNT, s.mount("overlay", target, "overlay", (), data, what))
+    _mount_overlay(plan, lowers, upper_dir, work_dir, target, what)
 
 
 def memory_overlay(plan: Plan, lowers: Sequence[Path], name: str, target: str, what: str) -> None:
@@ -124,6 +122,11 @@ def memory_overlay(plan: Plan, lowers: Sequence[Path], name: str, target: str, w
                                       f"mount a tmpfs for the upper layer of {target}"))
     upper, work = f"{base}/upper", f"{base}/work"
     plan.add(Phase.MOUNT, s.mkdir(upper), s.mkdir(work))
-    data = (f"lowerdir={':'.join(plan.host_dir(p) for p in lowers)},upperdir={upper},"
-            f"workdir={work},{OVERLAY_OPTIONS}")
+    _mount_overlay(plan, lowers, upper, work, target, what)
+
+
+def _mount_overlay(plan: Plan, lowers: Sequence[Path], upper: str, work: str, target: str, what: str) -> None:
+    """The mount step of overlay() and memory_overlay(): `upper` and `work`
+    as the child names them then, the lower layers through plan.host_dir."""
+    data = f"lowerdir={':'.join(plan.host_dir(p) for p in lowers)},upperdir={upper},workdir={work},{OVERLAY_OPTIONS}"
     plan.add(Phase.MOUNT, s.mount("overlay", target, "overlay", (), data, what))
