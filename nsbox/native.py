@@ -401,7 +401,7 @@ def _send(byte: bytes, anc: list[tuple[int, int, array.array[int]]], sock: socke
 
 def request_spawn(*, error_fd: int, sync_fd: int, via: _SubZygote | None = None, packed: bytes | None = None,
                   **spec: Any) -> socket.socket:
-    """Asks the zygote to clone the process `spec` describes (pack_spec's
+    """Asks the zygote to clone the process `spec` describes (spec_memfd's
     arguments); returns the socket its reply arrives on (read it with
     read_spawn_reply). `packed`: what pack_spec() gave for `spec`, sent as
     it is. The process waits for one byte on the pipe whose read end is
@@ -410,12 +410,18 @@ def request_spawn(*, error_fd: int, sync_fd: int, via: _SubZygote | None = None,
     written; else write it (go()) once the reply came and the caller's
     hooks ran. With `go_fd` and `host_go`, the process waits for a second
     byte, the caller's (go(), at any time)."""
-    data = packed if packed is not None else pack_spec(**spec)
-    memfd = os.memfd_create("nsbox-spec", os.MFD_CLOEXEC)
+    if packed is None:
+        memfd = spec_memfd(**spec)
+    else:
+        memfd = os.memfd_create("nsbox-spec", os.MFD_CLOEXEC)
+        try:
+            if os.write(memfd, packed) != len(packed):
+                raise OSError(errno.EIO, "writing the spec was cut short")
+        except BaseException:
+            os.close(memfd)
+            raise
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
-        if os.write(memfd, data) != len(data):
-            raise OSError(errno.EIO, "writing the spec was cut short")
         go_fd, exec_fd = spec.get("go_fd", -1), spec["exec_fd"]
         fds = [theirs.fileno(), memfd, error_fd, sync_fd] + ([go_fd] if go_fd >= 0 else [])
         fds += [exec_fd] if exec_fd >= 0 else []
@@ -431,7 +437,16 @@ def request_spawn(*, error_fd: int, sync_fd: int, via: _SubZygote | None = None,
     return ours
 
 
-def pack_spec(
+def pack_spec(**spec: Any) -> bytes:
+    """The spec request_spawn() would send for spec_memfd's arguments."""
+    memfd = spec_memfd(**spec)
+    try:
+        return os.pread(memfd, os.fstat(memfd).st_size, 0)
+    finally:
+        os.close(memfd)
+
+
+def spec_memfd(
     *,
     clone_flags: int,
     steps: Sequence[Step],
@@ -446,15 +461,11 @@ def pack_spec(
     lock_slot: int = 0,
     go_fd: int = -1,
     host_go: bool = False,
-) -> bytes:
-    """The spec request_spawn() would send for these arguments (of the
+) -> int:
+    """The spec of the process described, packed into a new memfd (of the
     descriptors, only which ones are given counts)."""
-    memfd = _pack(steps, clone_flags, argv, envp, keep_fds, exec_fd >= 0, keep_stdio, new_session,
-                  lock_maps, lock_slot, idmaps, go_fd >= 0, host_go)
-    try:
-        return os.pread(memfd, os.fstat(memfd).st_size, 0)
-    finally:
-        os.close(memfd)
+    return _pack(steps, clone_flags, argv, envp, keep_fds, exec_fd >= 0, keep_stdio, new_session,
+                 lock_maps, lock_slot, idmaps, go_fd >= 0, host_go)
 
 
 class IdMapError(OSError):
