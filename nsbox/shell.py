@@ -49,10 +49,20 @@ def _raw_terminal(fd: int) -> Iterator[None]:
         termios.tcsetattr(fd, termios.TCSADRAIN, saved)
 
 
-def _copy_window_size(src: int, dst: int) -> None:
-    if os.isatty(src):
-        size = fcntl.ioctl(src, termios.TIOCGWINSZ, b"\0" * 8)
-        fcntl.ioctl(dst, termios.TIOCSWINSZ, size)
+class _WindowSize:
+    """Passes the host terminal's window size on to the pty, when it changed."""
+
+    def __init__(self, src: int, dst: int) -> None:
+        self.src, self.dst = src, dst
+        self.resizable = os.isatty(src)
+        self.copied = b""
+
+    def sync(self) -> None:
+        if self.resizable:
+            size = fcntl.ioctl(self.src, termios.TIOCGWINSZ, b"\0" * 8)
+            if size != self.copied:
+                fcntl.ioctl(self.dst, termios.TIOCSWINSZ, size)
+                self.copied = size
 
 
 async def open_pty(sb: Sandbox, identity: Identity) -> tuple[int, int]:
@@ -85,13 +95,14 @@ async def interactive(sb: Sandbox, cmd: Sequence[str] | None = None, *, user: st
     master, slave = await open_pty(sb, identity)
     chan: Channel | None = None
     try:
-        _copy_window_size(stdin, master)
+        window = _WindowSize(stdin, master)
+        window.sync()
         try:
             chan = await sb.client.start(command, (slave, slave, slave), flags=protocol.F_SETCTTY)
         finally:
             os.close(slave)
         with _raw_terminal(stdin):
-            return await _relay(sb, chan, master, stdin, stdout, command)
+            return await _relay(sb, chan, master, stdin, stdout, command, window)
     finally:
         if chan is not None:
             chan.close()
@@ -114,13 +125,14 @@ def _drain(master: int, stdout: int) -> bool:
         os.write(stdout, data)
 
 
-async def _relay(sb: Sandbox, chan: Channel, master: int, stdin: int, stdout: int, command: Command) -> int:
+async def _relay(sb: Sandbox, chan: Channel, master: int, stdin: int, stdout: int, command: Command,
+                 window: _WindowSize) -> int:
     os.set_blocking(master, False)
     poller = Poller()
     loop = asyncio.get_running_loop()
-    resizable = os.isatty(stdin)
+    resizable = window.resizable
     if resizable:
-        loop.add_signal_handler(signal.SIGWINCH, _copy_window_size, stdin, master)
+        loop.add_signal_handler(signal.SIGWINCH, window.sync)
     code: int | None = None
     failure: protocol.Reply | None = None
     pending = b""  # input the pty has not taken yet (a large paste, say)
@@ -142,6 +154,9 @@ async def _relay(sb: Sandbox, chan: Channel, master: int, stdin: int, stdout: in
                 eofs_left -= 1
                 pending = b"\x04"
             if stdin in ready:
+                # What is typed after a resize must find the new size, though
+                # the SIGWINCH that says so may not have been handled yet.
+                window.sync()
                 data = os.read(stdin, 4096)
                 if not data:  # our input ended: end of file (^D) for the shell
                     stdin_open, data = False, b"\x04"

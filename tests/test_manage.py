@@ -283,6 +283,17 @@ def terminal(args: list[str], rows: int = 24, cols: int = 80) -> Iterator[Termin
         t.close()
 
 
+WAIT_FOR_RESIZE = """\
+import os, signal
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGWINCH})
+print("waiting", flush=True)
+if signal.sigtimedwait({signal.SIGWINCH}, 20) is None:
+    print("no SIGWINCH in 20s")
+size = os.get_terminal_size(0)
+print(f"resized to {size.columns}x{size.lines}")
+"""
+
+
 def test_shell_in_a_fresh_sandbox() -> None:
     with terminal([*NSBOX, "shell"], rows=33, cols=101) as t:
         t.run("echo $((6*7))", r"\b42\b")
@@ -290,12 +301,18 @@ def test_shell_in_a_fresh_sandbox() -> None:
         info = registry.read(sandbox_id)
         assert info is not None and info.origin == "cli" and not info.detached
 
-        # The window size, at start and after a change.
+        # The window size, at start and after changes: one that a program
+        # waits for (passed on when the SIGWINCH comes, nothing typed), one
+        # followed at once by a command (which must see the new size).
         t.run("stty size", r"\b33 101\b")
+        r = nsbox("exec", sandbox_id, "--", "sh", "-c", "cat > /tmp/winch.py", input=WAIT_FOR_RESIZE)
+        assert r.returncode == 0, r.stderr
+        t.run("python3 /tmp/winch.py", r"waiting")
         t.set_size(40, 120)
         t.proc.send_signal(signal.SIGWINCH)
-        time.sleep(0.3)
-        t.run("stty size", r"\b40 120\b")
+        t.expect(r"resized to 120x40\b")
+        t.set_size(45, 130)
+        t.run("stty size", r"\b45 130\b")
 
         # Job control: a background job, a stopped one, an interrupted one.
         t.run("sleep 100 &", r"\[1\] \d+")
