@@ -26,8 +26,6 @@ from typing import Callable
 from .dirs import cache_dir, data_dir
 from .removal import grant, remove_tree, sweep_later
 
-_built: dict[str, Path] = {}
-
 
 def cached_dir(kind: str, content: object, build: "Callable[[Path], None]", owner: tuple[int, int]) -> Path:
     """A directory built once per content (and kept under the cache dir),
@@ -35,11 +33,8 @@ def cached_dir(kind: str, content: object, build: "Callable[[Path], None]", owne
     (sandbox root's host ids). Built aside and renamed into place, so
     concurrent sandboxes never see a half-built one."""
     key = f"{kind}-" + hashlib.sha256(json.dumps([content, owner], sort_keys=True).encode()).hexdigest()[:16]
-    if key in _built and os.path.isdir(_built[key]):
-        return _built[key]
     final = cache_dir() / "layers" / key
     if final.is_dir():
-        _built[key] = final
         return final
     final.parent.mkdir(exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{kind}-", dir=final.parent))
@@ -52,7 +47,6 @@ def cached_dir(kind: str, content: object, build: "Callable[[Path], None]", owne
         remove_tree(tmp)
         if not final.is_dir():
             raise
-    _built[key] = final
     return final
 
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from . import steps
 from .errors import SandboxSetupError
+from .dirs import cache_dir
 from .layers import (DIR_LAYER, HOST_LAYER, HOST_MEMORY_ETC_LAYER, cached_dir, etc_upper_in_memory, give, keep_layer,
                      layer_dirs, reuse_layer, untouched_layer, write_file)
 from .mounts import memory_overlay, overlay
@@ -109,9 +110,11 @@ class HostRootfs:
             if not os.path.islink(f"/{name}") and os.path.isdir(f"/{name}")
         ]
 
+    # The cached layers are looked up once per owner and cache directory
+    # (which NSBOX_STATE_DIR or XDG_CACHE_HOME can change in a process).
     @classmethod
     @functools.cache
-    def _skeleton(cls, owner: tuple[int, int]) -> Path:
+    def _skeleton(cls, owner: tuple[int, int], where: Path) -> Path:
         links, real = cls._usr_links(), cls._real_top_dirs()
 
         def build(d: Path) -> None:
@@ -127,7 +130,7 @@ class HostRootfs:
 
     @staticmethod
     @functools.cache
-    def _etc(owner: tuple[int, int]) -> Path:
+    def _etc(owner: tuple[int, int], where: Path) -> Path:
         files = _fresh_etc()
 
         def build(d: Path) -> None:
@@ -138,15 +141,14 @@ class HostRootfs:
         return cached_dir("etc", files, build, owner)
 
     def contribute(self, plan: Plan, layer: Path) -> None:
-        owner = plan.idmap.host_root
-        overlay(plan, [self._skeleton(owner)], layer / "upper", layer / "work", plan.root,
+        owner, where = plan.idmap.host_root, cache_dir()
+        overlay(plan, [self._skeleton(owner, where)], layer / "upper", layer / "work", plan.root,
                 "mount the sandbox root (overlayfs over the host-root skeleton)")
-        what = "mount the writable /etc (overlayfs over the host's /etc)"
+        etc, what = self._etc(owner, where), "mount the writable /etc (overlayfs over the host's /etc)"
         if self.layer_kind() == HOST_MEMORY_ETC_LAYER:
-            memory_overlay(plan, [self.etc_dir(layer), self._etc(owner), Path("/etc")], "etc", f"{plan.root}/etc", what)
+            memory_overlay(plan, [self.etc_dir(layer), etc, Path("/etc")], "etc", f"{plan.root}/etc", what)
         else:
-            overlay(plan, [self._etc(owner), Path("/etc")], layer / "etc-upper", layer / "etc-work", f"{plan.root}/etc",
-                    what)
+            overlay(plan, [etc, Path("/etc")], layer / "etc-upper", layer / "etc-work", f"{plan.root}/etc", what)
         # nosuid: the host's setuid binaries must not raise anyone's
         # privileges inside (with host root mapped they would).
         for name in ("usr", *self._real_top_dirs()):

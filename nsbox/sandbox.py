@@ -232,9 +232,12 @@ class Sandbox:
     # sandbox's (~0.4 ms -> ~0.05 ms). Plans with host code or a capped
     # writable layer are built each time.
     def _plan_key(self, mount_dir: Path) -> tuple[object, ...]:
+        # The template names directories of the data dir (as mount_dir is)
+        # and of the cache dir; either can move (NSBOX_STATE_DIR, XDG_*).
         spec = self.spec
-        return (self.rootfs, self.idmap, tuple(self.mounts), mount_dir, self.network, spec.nested_userns, spec.memory,
-                spec.pids_limit, spec.cpus, spec.disk, procmask.enabled, tuple(procmask.covered()), resources.enabled)
+        return (self.rootfs, self.idmap, tuple(self.mounts), mount_dir, dirs.cache_dir(),
+                self.network, spec.nested_userns, spec.memory, spec.pids_limit, spec.cpus, spec.disk, procmask.enabled,
+                tuple(procmask.covered()), resources.enabled)
 
     def _plan_from_template(self) -> plan_mod.Plan | None:
         """This sandbox's plan, copied from a template, or None if there is

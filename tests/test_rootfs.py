@@ -180,3 +180,39 @@ async def test_bad_rootfs_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     with pytest.raises(nsbox.SandboxSetupError, match="not a directory"):
         nsbox.Sandbox(tmp_path / "file")
+
+
+
+async def test_a_process_that_moves_its_state_dir_uses_the_new_one(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pointing NSBOX_STATE_DIR or XDG_CACHE_HOME elsewhere in a running
+    process moves its sandboxes' layers, or the cached layers under them,
+    at once: nothing this process remembered names the old directory,
+    which may be gone."""
+    from nsbox import removal
+    from nsbox.removal import remove_layer
+
+    async def two_sandboxes(layers_in: Path, cached_in: Path) -> None:
+        for _ in range(2):  # the second one's plan is copied from a template
+            async with nsbox.Sandbox() as sb:
+                r = await sb.exec(["cat", "/etc/hostname"])
+                assert r.stdout == f"{sb.hostname}\n", r.stderr
+                assert sb._layer is not None and layers_in in sb._layer.parents
+        assert sorted(name.split("-")[0] for name in os.listdir(cached_in / "layers")) == ["etc", "skeleton"]
+        assert removal.wait_swept(10)
+
+    monkeypatch.setenv("NSBOX_STATE_DIR", str(tmp_path / "first"))
+    await two_sandboxes(tmp_path / "first", tmp_path / "first/cache")
+    remove_layer(tmp_path / "first", MODE)
+    monkeypatch.setenv("NSBOX_STATE_DIR", str(tmp_path / "second"))
+    await two_sandboxes(tmp_path / "second", tmp_path / "second/cache")
+
+    monkeypatch.delenv("NSBOX_STATE_DIR")
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache1"))
+    await two_sandboxes(tmp_path / "data", tmp_path / "cache1/nsbox")
+    remove_layer(tmp_path / "cache1", MODE)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache2"))  # the data directory stays
+    await two_sandboxes(tmp_path / "data", tmp_path / "cache2/nsbox")
+    for name in ("second", "data", "cache2"):
+        remove_layer(tmp_path / name, MODE)
