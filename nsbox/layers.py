@@ -23,17 +23,18 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from .dirs import cache_dir, data_dir
+from .dirs import data_dir
 from .removal import grant, remove_tree, sweep_later
 
 
-def cached_dir(kind: str, content: object, build: "Callable[[Path], None]", owner: tuple[int, int]) -> Path:
-    """A directory built once per content (and kept under the cache dir),
-    used as a shared read-only overlay layer, its entries owned by `owner`
-    (sandbox root's host ids). Built aside and renamed into place, so
-    concurrent sandboxes never see a half-built one."""
+def cached_dir(kind: str, content: object, build: "Callable[[Path], None]", owner: tuple[int, int],
+               cache: Path) -> Path:
+    """A directory built once per content (and kept under `cache`, the
+    cache dir), used as a shared read-only overlay layer, its entries owned
+    by `owner` (sandbox root's host ids). Built aside and renamed into
+    place, so concurrent sandboxes never see a half-built one."""
     key = f"{kind}-" + hashlib.sha256(json.dumps([content, owner], sort_keys=True).encode()).hexdigest()[:16]
-    final = cache_dir() / "layers" / key
+    final = cache / "layers" / key
     if final.is_dir():
         return final
     final.parent.mkdir(exist_ok=True)

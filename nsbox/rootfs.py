@@ -114,7 +114,7 @@ class HostRootfs:
     # (which NSBOX_STATE_DIR or XDG_CACHE_HOME can change in a process).
     @classmethod
     @functools.cache
-    def _skeleton(cls, owner: tuple[int, int], where: Path) -> Path:
+    def _skeleton(cls, owner: tuple[int, int], cache: Path) -> Path:
         links, real = cls._usr_links(), cls._real_top_dirs()
 
         def build(d: Path) -> None:
@@ -126,11 +126,11 @@ class HostRootfs:
             for name in real:
                 (d / name).mkdir()
 
-        return cached_dir("skeleton", [cls.SKELETON, links, real], build, owner)
+        return cached_dir("skeleton", [cls.SKELETON, links, real], build, owner, cache)
 
     @staticmethod
     @functools.cache
-    def _etc(owner: tuple[int, int], where: Path) -> Path:
+    def _etc(owner: tuple[int, int], cache: Path) -> Path:
         files = _fresh_etc()
 
         def build(d: Path) -> None:
@@ -138,13 +138,13 @@ class HostRootfs:
                 (d / fname).write_text(text)
                 os.chmod(d / fname, mode)
 
-        return cached_dir("etc", files, build, owner)
+        return cached_dir("etc", files, build, owner, cache)
 
     def contribute(self, plan: Plan, layer: Path) -> None:
-        owner, where = plan.idmap.host_root, cache_dir()
-        overlay(plan, [self._skeleton(owner, where)], layer / "upper", layer / "work", plan.root,
+        owner, cache = plan.idmap.host_root, cache_dir()
+        overlay(plan, [self._skeleton(owner, cache)], layer / "upper", layer / "work", plan.root,
                 "mount the sandbox root (overlayfs over the host-root skeleton)")
-        etc, what = self._etc(owner, where), "mount the writable /etc (overlayfs over the host's /etc)"
+        etc, what = self._etc(owner, cache), "mount the writable /etc (overlayfs over the host's /etc)"
         if self.layer_kind() == HOST_MEMORY_ETC_LAYER:
             memory_overlay(plan, [self.etc_dir(layer), etc, Path("/etc")], "etc", f"{plan.root}/etc", what)
         else:
