@@ -1,4 +1,4 @@
-"""Where nsbox keeps its state: XDG directories, checked before use.
+"""Where nsbox keeps its state: XDG directories, checked before each use.
 
 - runtime: $XDG_RUNTIME_DIR/nsbox (registry of live sandboxes, sockets),
            else a private /dev/shm/nsbox-$UID (tmpfs), else $TMPDIR/nsbox-$UID
@@ -8,8 +8,19 @@
 $XDG_RUNTIME_DIR is often unset or wrong (root, SSH without systemd, su);
 then a private directory of our own on /dev/shm or under the temporary
 directory is used.
-A directory that someone else owns, or that others can write to, is refused:
-it would let them plant sockets or layers in a sandbox.
+
+Whoever can rename an entry of a directory on the way to a state
+directory can later swap it for one of theirs, and the sandboxes' layers,
+sockets and images would then be kept where they can change them. So the
+whole path is checked, not just its last directory: it is walked from /
+with descriptors (openat with O_NOFOLLOW, through symlinks by hand), and
+every directory and symlink on the way must belong to you or to root, and
+no directory may be writable by others unless it is sticky (as /tmp is:
+there only an entry's owner may rename it, and that owner is checked in
+turn). The state directory itself must be yours, and is made mode 0700.
+The check runs each time a directory is asked for, so that a long-lived
+process notices one removed (by a /tmp cleaner, say) and made again by
+someone else.
 """
 
 from __future__ import annotations
@@ -18,55 +29,112 @@ import os
 import stat
 import tempfile
 from pathlib import Path
-from typing import Callable
 
 from .errors import NsboxError
 
+_MAX_SYMLINKS = 40  # as the kernel's path walk allows
+_FIX = "point NSBOX_STATE_DIR at a directory of your own, e.g. `export NSBOX_STATE_DIR=$(mktemp -d)`"
 
-_checked: dict[Path, Path] = {}
-# Each directory as last found, by what it was found from (the environment
-# variables it depends on): a sandbox's creation asks several times.
-_found: dict[tuple[str | None, ...], Path] = {}
+
+def _refuse(path: Path, where: str, problem: str, hint: str) -> NsboxError:
+    shown = f"{path}" if where == os.fspath(path) else f"{path}: {where}"
+    return NsboxError(f"refusing to use the state directory {shown} {problem}", hint=hint)
+
+
+def _trusted_uids() -> set[int]:
+    """You and root. Inside a user namespace other than the host's, the
+    host's root (and everyone else unmapped) shows as the overflow uid:
+    it cannot be told apart from the others there, and is taken for root."""
+    uids = {0, os.geteuid()}
+    try:
+        with open("/proc/self/uid_map") as f:
+            initial = f.read().split() == ["0", "0", "4294967295"]
+        if not initial:
+            with open("/proc/sys/kernel/overflowuid") as f:
+                uids.add(int(f.read()))
+    except (OSError, ValueError):
+        pass
+    return uids
+
+
+def _check_step(path: Path, where: str, st: os.stat_result, trusted: set[int]) -> None:
+    """A directory or symlink on the way to `path` (`where`) must not be
+    replaceable by anyone but you and root."""
+    if st.st_uid not in trusted:
+        raise _refuse(path, where, f"belongs to uid {st.st_uid}, who could replace what is in it",
+                      f"remove {where} if it is not yours to keep, or {_FIX}")
+    if stat.S_ISDIR(st.st_mode) and st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        who = "others" if st.st_mode & 0o002 else f"group {st.st_gid}"
+        raise _refuse(path, where, f"is writable by {who} (mode {stat.S_IMODE(st.st_mode):o}, not sticky), who "
+                      "could replace what is in it", f"`chmod go-w {where}`, or {_FIX}")
+
+
+def _open_private_dir(path: Path) -> int:
+    """Walks `path` from /, creating what is missing (mode 0700), checks
+    every step (see above) and returns a descriptor of the last one, which
+    is yours and mode 0700."""
+    uid, trusted = os.geteuid(), _trusted_uids()
+    todo = list(reversed(os.fspath(path).split("/")))
+    root = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    stack = [(root, "/")]  # the directories walked, for ".."
+    links = 0
+    try:
+        _check_step(path, "/", os.fstat(root), trusted)
+        while todo:
+            name = todo.pop()
+            if name in ("", "."):
+                continue
+            if name == "..":
+                if len(stack) > 1:
+                    os.close(stack.pop()[0])
+                continue
+            parent, parent_path = stack[-1]
+            where = os.path.join(parent_path, name)
+            try:
+                fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+            except FileNotFoundError:
+                try:
+                    os.mkdir(name, 0o700, dir_fd=parent)
+                except FileExistsError:
+                    pass  # made meanwhile: checked like any other
+                fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+            st = os.fstat(fd)
+            if stat.S_ISLNK(st.st_mode):
+                os.close(fd)
+                _check_step(path, where, st, trusted)
+                links += 1
+                if links > _MAX_SYMLINKS:
+                    raise _refuse(path, where, "goes through too many symlinks", _FIX)
+                target = os.readlink(name, dir_fd=parent)
+                if target.startswith("/"):
+                    while len(stack) > 1:
+                        os.close(stack.pop()[0])
+                todo.extend(reversed(target.split("/")))
+                continue
+            stack.append((fd, where))
+            if not stat.S_ISDIR(st.st_mode):
+                raise _refuse(path, where, "is not a directory", _FIX)
+            _check_step(path, where, st, trusted)
+        fd, where = stack[-1]
+        st = os.fstat(fd)
+        if st.st_uid != uid:
+            raise _refuse(path, where, f"belongs to uid {st.st_uid}, not to you (uid {uid})",
+                          f"remove it, or {_FIX}")
+        leaf = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=fd)
+        if st.st_mode & 0o077:
+            os.fchmod(leaf, 0o700)
+        return leaf
+    except OSError as e:
+        raise NsboxError(f"cannot create the state directory {path}: {e.strerror}") from None
+    finally:
+        for fd, _ in stack:
+            os.close(fd)
 
 
 def _checked_private_dir(path: Path) -> Path:
-    """Creates `path` (mode 0700) if needed and verifies it is ours alone.
-
-    The check runs once per process and directory; later calls only make
-    sure it still exists.
-    """
-    if path in _checked and os.path.isdir(path):
-        return path
-    _checked[path] = _check_private_dir(path)
-    return path
-
-
-def _found_dir(key: tuple[str | None, ...], find: Callable[[], Path]) -> Path:
-    """find(), or what it found last time for the same key, if that still
-    exists (whatever removed it may have left something else there)."""
-    path = _found.get(key)
-    if path is not None and os.path.isdir(path):
-        return path
-    _found[key] = path = find()
-    return path
-
-
-def _check_private_dir(path: Path) -> Path:
-    try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        st = os.lstat(path)
-    except OSError as e:
-        raise NsboxError(f"cannot create the state directory {path}: {e.strerror}") from None
-    uid = os.geteuid()
-    if not stat.S_ISDIR(st.st_mode):
-        raise NsboxError(f"refusing to use {path}: it is not a directory (a symlink?)")
-    if st.st_uid != uid:
-        raise NsboxError(
-            f"refusing to use {path}: it belongs to uid {st.st_uid}, not to you (uid {uid})",
-            hint="remove it, or point NSBOX_STATE_DIR / XDG_RUNTIME_DIR elsewhere",
-        )
-    if st.st_mode & 0o077:
-        os.chmod(path, 0o700)
+    """`path`, made if needed and checked (every time: see above)."""
+    path = Path(os.path.abspath(path))
+    os.close(_open_private_dir(path))
     return path
 
 
@@ -85,12 +153,6 @@ def _usable_runtime_base(value: str | None) -> Path | None:
 
 def runtime_dir() -> Path:
     """Registry and sockets of live sandboxes: small files, best on tmpfs."""
-    env = os.environ
-    return _found_dir(("run", env.get("NSBOX_STATE_DIR"), env.get("XDG_RUNTIME_DIR"), str(os.geteuid())),
-                      _find_runtime_dir)
-
-
-def _find_runtime_dir() -> Path:
     override = os.environ.get("NSBOX_STATE_DIR")
     if override:
         return _checked_private_dir(Path(override) / "run")
@@ -121,12 +183,7 @@ def cache_dir() -> Path:
 
 
 def _xdg_dir(kind: str, env_var: str, default: str) -> Path:
-    env = os.environ
-
-    def find() -> Path:
-        override = env.get("NSBOX_STATE_DIR")
-        if override:
-            return _checked_private_dir(Path(override) / kind)
-        return _checked_private_dir(_home_based(env_var, default) / "nsbox")
-
-    return _found_dir((kind, env.get("NSBOX_STATE_DIR"), env.get(env_var), env.get("HOME")), find)
+    override = os.environ.get("NSBOX_STATE_DIR")
+    if override:
+        return _checked_private_dir(Path(override) / kind)
+    return _checked_private_dir(_home_based(env_var, default) / "nsbox")

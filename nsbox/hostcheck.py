@@ -128,7 +128,7 @@ def step_failed(step: Step, err: int, layer: str) -> SandboxSetupError | HostPre
         if fs and fs.split(".")[0] in NO_UPPER:
             return SandboxSetupError(
                 what + f" (the writable layer {layer} is on {fs}, which overlayfs cannot use as an upper layer)",
-                "set NSBOX_STATE_DIR to a directory on a local disk, e.g. `export NSBOX_STATE_DIR=/tmp/$USER-nsbox`",
+                "set NSBOX_STATE_DIR to a directory of yours on a local disk, e.g. `export NSBOX_STATE_DIR=$(mktemp -d)` (a fixed name under /tmp can be taken by another user first)",
             )
         if _kernel_older_than(5, 11):
             return HostPrerequisiteError(what, f"overlayfs in a user namespace needs Linux 5.11 or later "
