@@ -97,7 +97,11 @@ def sandbox_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                      help="Memory limit, e.g. 512m or 2g (a process beyond it is killed: exit 137)."),
         click.option("--pids-limit", type=click.IntRange(min=1), default=None, help="Most processes at once."),
         click.option("--cpus", type=click.FloatRange(min=0.01), default=None, help="CPU time, in CPUs (e.g. 1.5)."),
-        click.option("--disk", default=None, metavar="SIZE", help="Size cap of the writable layer and /tmp, e.g. 2g."),
+        click.option("--disk", default=None, metavar="SIZE",
+                     help="Size cap of the writable layer with /tmp, /dev/shm and /run, e.g. 2g."),
+        click.option("--strict-limits", is_flag=True,
+                     help="Refuse --memory, --pids-limit or --cpus where no cgroup enforces it (see `nsbox doctor`) "
+                          "instead of approximating it."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -107,7 +111,7 @@ def sandbox_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 def make_sandbox(rootfs: str, image: str | None, pull: str, platform: str | None, user: str | None,
                  workdir: str | None, env: Sequence[str], volumes: Sequence[str], network: str,
                  id_mapping: str, nested_userns: bool, memory: str | None = None, pids_limit: int | None = None,
-                 cpus: float | None = None, disk: str | None = None, publish: Sequence[str] = (),
+                 cpus: float | None = None, disk: str | None = None, strict_limits: bool = False, publish: Sequence[str] = (),
                  allow: Sequence[str] = (), add_hosts: Sequence[str] = (), hostname: str | None = None,
                  network_aliases: Sequence[str] = ()) -> Sandbox:
     try:
@@ -123,7 +127,8 @@ def make_sandbox(rootfs: str, image: str | None, pull: str, platform: str | None
                                         ports=tuple(publish), allow=tuple(allow), hosts=hosts, hostname=hostname,
                                         network_aliases=tuple(network_aliases),
                                         id_mapping=id_mapping, nested_userns=nested_userns, origin="cli",
-                                        memory=memory, pids_limit=pids_limit, cpus=cpus, disk=disk))  # type: ignore[arg-type]
+                                        memory=memory, pids_limit=pids_limit, cpus=cpus, disk=disk,
+                                        strict_limits=strict_limits))  # type: ignore[arg-type]
     except ValueError as e:
         raise click.UsageError(str(e)) from None
 

@@ -411,7 +411,7 @@ def check_overlay(host: Host, probe: Probe) -> Check:
     if fs.split(".")[0] in hostcheck.NO_UPPER:
         return Check("overlay", "fail", f"the sandboxes' writable layers would be on {fs} ({layers}), which "
                      f"overlayfs cannot use ({result})",
-                     "set NSBOX_STATE_DIR to a directory on a local disk, e.g. `export NSBOX_STATE_DIR=/tmp/$USER-nsbox`",
+                     "set NSBOX_STATE_DIR to a directory of yours on a local disk, e.g. `export NSBOX_STATE_DIR=$(mktemp -d)` (a fixed name under /tmp can be taken by another user first)",
                      details)
     return Check("overlay", "fail", f"overlayfs in a user namespace failed on {fs} ({layers}): {result}",
                  "check that the kernel has overlayfs (CONFIG_OVERLAY_FS) or set NSBOX_STATE_DIR to a local disk",
@@ -470,6 +470,8 @@ def check_state_dirs() -> Check:
     from .errors import NsboxError
     try:
         runtime = dirs.runtime_dir()
+        dirs.data_dir()
+        dirs.cache_dir()
     except NsboxError as e:
         return Check("state", "fail", e.message, e.hint)
     details = {"runtime_dir": str(runtime)}
@@ -518,12 +520,15 @@ class LimitSupport:
 
 
 FALLBACK = {
-    "memory": "approximated by RLIMIT_AS per process (address space, not memory, and not per sandbox)",
+    "memory": "approximated by RLIMIT_AS per process (address space, not memory, and not per sandbox; memfd and "
+              "SysV shared memory, pipe and socket buffers and kernel memory are not bounded; /tmp, /dev/shm and "
+              "/run share one tmpfs of the limit's size)",
     "pids_limit": "approximated by RLIMIT_NPROC (per user of the sandbox; Linux >= 5.14 counts it per user "
                   "namespace, so your processes outside do not count)",
     "cpus": "not enforced (no cgroup cpu controller)",
 }
-DISK = "a size-limited tmpfs holds the writable layer and /tmp (its data counts as memory)"
+DISK = ("a size-limited tmpfs holds the writable layer with /tmp, /dev/shm and /run (its data counts as "
+        "memory)")
 
 
 def _cgroup_lines(host: Host) -> list[tuple[str, list[str], str]]:
@@ -627,15 +632,21 @@ def check_limits(host: Host) -> Check:
     missing = [k for k in ("memory", "pids_limit", "cpus") if k not in support.enforced]
     if not missing:
         return Check("limits", "pass", f"limits enforced: {listing}", details=details)
+    unbounded = ("; without a memory cgroup, memory= cannot bound memfd or SysV shared memory, pipe or socket "
+                 "buffers or kernel memory" if "memory" in missing else "")
+    return Check("limits", "warn", f"no cgroup for {', '.join(missing)}; {listing}{unbounded}; strict_limits "
+                 "refuses a limit no cgroup enforces", cgroup_fix(host), details)
+
+
+def cgroup_fix(host: Host) -> str:
+    """How to get cgroups nsbox may use, on this host."""
     unified = any(fstype == "cgroup2" and mp == "/sys/fs/cgroup" for mp, fstype, _ in _cgroup_mounts(host))
     if unified:
-        fix = ("run nsbox in a delegated cgroup: in a systemd user session, "
-               "`systemd-run --user --scope -p Delegate=yes nsbox ...` (`loginctl enable-linger $USER` keeps "
-               "one without a login)")
-    else:
-        fix = ("this host mounts cgroup v1, which cannot be delegated to an unprivileged user: run nsbox as root, "
-               "or boot with the unified hierarchy (systemd.unified_cgroup_hierarchy=1) and a systemd user session")
-    return Check("limits", "warn", f"no cgroup for {', '.join(missing)}; {listing}", fix, details)
+        return ("run nsbox in a delegated cgroup: in a systemd user session, "
+                "`systemd-run --user --scope -p Delegate=yes nsbox ...` (`loginctl enable-linger $USER` keeps "
+                "one without a login)")
+    return ("this host mounts cgroup v1, which cannot be delegated to an unprivileged user: run nsbox as root, "
+            "or boot with the unified hierarchy (systemd.unified_cgroup_hierarchy=1) and a systemd user session")
 
 
 def check_network(host: Host) -> Check:

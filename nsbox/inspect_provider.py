@@ -102,7 +102,9 @@ class SandboxSettings(BaseModel):
     cpus: float | None = Field(default=None, ge=0.01)
     """CPU time, in CPUs (1.5: one and a half)."""
     disk: int | str | None = None
-    """Size cap of the writable layer (and /tmp): bytes, or "2g"."""
+    """Size cap of the writable layer (with /tmp, /dev/shm and /run): bytes, or "2g"."""
+    strict_limits: bool = False
+    """Refuse memory, pids_limit or cpus where no cgroup enforces it (see `nsbox doctor`)."""
 
     @field_validator("memory", "disk")
     @classmethod
@@ -392,6 +394,7 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
             timeout=settings.timeout, mounts=tuple(Bind.parse(m) for m in settings.mounts), label=label,
             nested_userns=settings.nested_userns, memory=settings.memory, hostname=hostname,  # type: ignore[arg-type]
             pids_limit=settings.pids_limit, cpus=settings.cpus, disk=settings.disk,  # type: ignore[arg-type]
+            strict_limits=settings.strict_limits,
             origin="inspect",
         ))
 

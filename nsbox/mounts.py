@@ -51,9 +51,10 @@ def contribute(plan: Plan, rootfs: Rootfs, layer: Path, mount_dir: Path, binds: 
 
 
 def _dev_tmp(plan: Plan, tmpfs_tmp: bool = True) -> None:
-    tmp = plan.tmpfs_options("1777")
+    # Under a limit, few inodes too: empty files take no blocks but memory.
+    dev = "mode=755,size=1m" + (",nr_inodes=1024" if plan.writable else "")
     plan.add(Phase.INSIDE, s.mkdir("/dev"),
-             s.mount("tmpfs", "/dev", "tmpfs", ("MS_NOSUID", "MS_NOEXEC"), "mode=755,size=1m", "mount a tmpfs on /dev"))
+             s.mount("tmpfs", "/dev", "tmpfs", ("MS_NOSUID", "MS_NOEXEC"), dev, "mount a tmpfs on /dev"))
     for dev in DEVICES:
         plan.add(Phase.INSIDE, s.mkfile(f"/dev/{dev}"),
                  s.tree_attach(plan.slot(f"/dev/{dev}"), f"/dev/{dev}", f"attach /dev/{dev}"))
@@ -65,14 +66,15 @@ def _dev_tmp(plan: Plan, tmpfs_tmp: bool = True) -> None:
         s.mount("devpts", "/dev/pts", "devpts", ("MS_NOSUID", "MS_NOEXEC"), pts, "mount a private devpts"),
         s.symlink("pts/ptmx", "/dev/ptmx"),
         s.mkdir("/dev/shm"),
-        s.mount("tmpfs", "/dev/shm", "tmpfs", NOSUID_NODEV, tmp, "mount a tmpfs on /dev/shm"),
         s.symlink("/proc/self/fd", "/dev/fd"),
         s.symlink("/proc/self/fd/0", "/dev/stdin"),
         s.symlink("/proc/self/fd/1", "/dev/stdout"),
         s.symlink("/proc/self/fd/2", "/dev/stderr"),
     )
+    plan.tmpfs("/dev/shm", 0o1777, "mount a tmpfs on /dev/shm")
     if tmpfs_tmp:
-        plan.add(Phase.INSIDE, s.mkdir("/tmp"), s.mount("tmpfs", "/tmp", "tmpfs", NOSUID_NODEV, tmp, "mount a tmpfs on /tmp"))
+        plan.add(Phase.INSIDE, s.mkdir("/tmp"))
+        plan.tmpfs("/tmp", 0o1777, "mount a tmpfs on /tmp")
 
 
 def _attach_bind(plan: Plan, bind: Bind, slot: int) -> None:
@@ -95,7 +97,7 @@ def overlay(plan: Plan, lowers: Sequence[Path], upper: Path, work: Path, target:
     upper layer, flush included, and fsync inside the sandbox waits for
     the disk. The kernel then refuses to mount the same work dir again
     until the marker it leaves there is gone (layers.set_aside_work)."""
-    if plan.writable is None:
+    if plan.writable is None or not plan.writable.layers:
         upper_dir, work_dir = plan.host_dir(upper), plan.host_dir(work)
     else:
         # The upper layer is on a size-capped tmpfs (nsbox/resources.py);
@@ -109,7 +111,7 @@ def overlay(plan: Plan, lowers: Sequence[Path], upper: Path, work: Path, target:
 
 def memory_overlay(plan: Plan, lowers: Sequence[Path], name: str, target: str, what: str) -> None:
     """An overlayfs on `target` (MOUNT phase) as overlay() makes, but with
-    its upper layer in memory: on the size-capped tmpfs of a disk limit,
+    its upper layer in memory: on the size-capped tmpfs of a limit,
     else on a tmpfs mounted on `target` itself, which the overlay then
     covers, so that nothing but the overlay reaches it. It ends with the
     sandbox's mount namespace: no work dir on a disk to make and delete."""
@@ -118,7 +120,7 @@ def memory_overlay(plan: Plan, lowers: Sequence[Path], name: str, target: str, w
         plan.add(Phase.MOUNT, s.mkdir(base))
     else:
         base = target
-        plan.add(Phase.MOUNT, s.mount("tmpfs", target, "tmpfs", NOSUID_NODEV, plan.tmpfs_options("755"),
+        plan.add(Phase.MOUNT, s.mount("tmpfs", target, "tmpfs", NOSUID_NODEV, "mode=755",
                                       f"mount a tmpfs for the upper layer of {target}"))
     upper, work = f"{base}/upper", f"{base}/work"
     plan.add(Phase.MOUNT, s.mkdir(upper), s.mkdir(work))

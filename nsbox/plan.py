@@ -48,12 +48,16 @@ Cleanup = Callable[[], None]
 
 @dataclass(frozen=True)
 class Writable:
-    """A size-capped tmpfs that holds the sandbox's upper layers instead of
-    its layer directory (nsbox/resources.py): `path` names it as the child
-    does in the MOUNT phase; /tmp, /dev/shm and /run get the same cap."""
+    """A size-capped tmpfs of the sandbox's own (nsbox/resources.py), for a
+    memory or disk limit: `path` names it as the child does in the MOUNT
+    phase. /tmp, /dev/shm, /run and upper layers kept in memory are
+    directories of it, so that together they stay within `size` (each a
+    tmpfs of its own would take up to half the host's memory); with
+    `layers` (a disk limit) the sandbox's upper layers are there too."""
 
     path: str
     size: int
+    layers: bool = True
 
 
 class Phase(IntEnum):
@@ -104,10 +108,19 @@ class Plan:
         self.add(Phase.HOST, steps.path_fd(os.fspath(path), slot))
         return f"{steps.PROC_FD}/{steps.PATH_FD_BASE + slot}"
 
-    def tmpfs_options(self, mode: str) -> str:
-        """Mount options of a writable tmpfs in the sandbox (/tmp, /dev/shm,
-        /run): capped at the disk limit, if any, as the writable layer is."""
-        return f"mode={mode}" + (f",size={self.writable.size}" if self.writable else "")
+    def tmpfs(self, target: str, mode: int, what: str) -> None:
+        """A writable tmpfs on `target` inside the sandbox (/tmp, /dev/shm,
+        /run; an INSIDE step, after `target` is made). Under a limit it is
+        a directory of the capped tmpfs (self.writable), taken in the MOUNT
+        phase; else a tmpfs of its own."""
+        if self.writable is None:
+            self.add(Phase.INSIDE, steps.mount("tmpfs", target, "tmpfs", ("MS_NOSUID", "MS_NODEV"),
+                                               f"mode={mode:o}", what))
+            return
+        where = f"{self.writable.path}/tmpfs{target.replace('/', '-')}"
+        slot = self.slot(f"tmpfs:{target}")
+        self.add(Phase.MOUNT, steps.mkdir(where, mode), steps.tree_clone(where, slot, what))
+        self.add(Phase.INSIDE, steps.tree_attach(slot, target, what))
 
     def slot(self, name: str) -> int:
         """A slot number for a mount tree detached under `name` (a tree

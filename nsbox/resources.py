@@ -25,11 +25,19 @@ limit_support() decides, and `nsbox doctor` shows it):
   user's others (on older kernels it would count every process of the
   user's uid on the host, and nsbox declines it); cpus cannot be
   approximated and is not enforced. Each approximation is said once per
-  process on stderr.
-- disk, everywhere: the sandbox's upper layers live on a tmpfs of that size
-  (instead of its layer directory on the host's disk), and /tmp gets the
-  same cap. Writing beyond it fails with ENOSPC; the data counts as memory
-  (as the sandbox's own, under a memory cgroup).
+  process on stderr. What RLIMIT_AS cannot see stays unbounded: memfd and
+  SysV shared memory not mapped, pipe and socket buffers, kernel memory.
+  strict_limits refuses a limit that no cgroup enforces, before anything
+  of the sandbox exists.
+- memory and disk, everywhere: the sandbox gets one tmpfs of the smaller
+  of the two, and /tmp, /dev/shm and /run (and an /etc upper layer kept in
+  memory) are directories of it, so that together they stay within the
+  limit (each a tmpfs of its own would take up to half the host's memory,
+  which RLIMIT_AS does not count); its inodes are capped too (one per KiB).
+  With disk, the sandbox's upper layers live there too (instead of its
+  layer directory on the host's disk): writing beyond it fails with
+  ENOSPC; the data counts as memory (as the sandbox's own, under a memory
+  cgroup).
 
 A sandbox without limits gets none of this.
 """
@@ -48,6 +56,7 @@ from pathlib import Path
 
 from . import doctor
 from . import steps as s
+from .errors import HostPrerequisiteError
 from .plan import Phase, Plan, Writable
 
 CGROUPS_FILE = "cgroups"  # in the sandbox's run directory: the cgroups it has, one a line
@@ -58,6 +67,9 @@ LIMITS = ("memory", "pids_limit", "cpus", "disk")
 # Tests switch the enforcement off to show that their tests fail without it.
 enabled = True
 _noted: set[str] = set()
+# What the rlimit fallback for memory leaves unbounded, as warnings and `nsbox doctor` say it.
+UNBOUNDED = ("it cannot bound memfd or SysV shared memory, pipe or socket buffers or other kernel memory "
+             "(the tmpfs mounts share one of the limit's size); strict_limits refuses it")
 
 
 @dataclass(frozen=True)
@@ -66,10 +78,16 @@ class Limits:
     pids_limit: int | None = None
     cpus: float | None = None
     disk: int | None = None
+    strict: bool = False  # refuse what no cgroup enforces (strict_limits)
 
     @classmethod
     def of(cls, spec: object) -> "Limits":
-        return cls(*(getattr(spec, name) for name in LIMITS))
+        return cls(*(getattr(spec, name) for name in LIMITS), strict=getattr(spec, "strict_limits", False))
+
+    def scratch(self) -> int | None:
+        """The size of the sandbox's tmpfs (see above), if it has one."""
+        sizes = [v for v in (self.memory, self.disk) if v is not None]
+        return min(sizes) if sizes else None
 
     def requested(self) -> list[str]:
         return [name for name in LIMITS if getattr(self, name) is not None]
@@ -110,8 +128,8 @@ def plan_limits(limits: Limits) -> tuple[dict[str, tuple[str, str]], dict[int, i
             cgroups[name] = sup.cgroups[name]
         elif name == "memory":
             rlimits[resource.RLIMIT_AS] = value
-            notes.append("memory is approximated by RLIMIT_AS (address space per process, not memory of the "
-                         "sandbox; allocations beyond it fail instead of an OOM kill)")
+            notes.append(f"memory is approximated by RLIMIT_AS (address space per process, not memory of the "
+                         f"sandbox; allocations beyond it fail instead of an OOM kill); {UNBOUNDED}")
         elif name == "pids_limit" and _kernel_counts_nproc_per_userns():
             rlimits[resource.RLIMIT_NPROC] = value
             notes.append("pids_limit is approximated by RLIMIT_NPROC (per user of the sandbox, the init included)")
@@ -123,16 +141,36 @@ def plan_limits(limits: Limits) -> tuple[dict[str, tuple[str, str]], dict[int, i
     return cgroups, rlimits, notes
 
 
+def check(limits: Limits) -> None:
+    """With strict_limits: refuses a limit that no cgroup enforces here,
+    before anything of the sandbox exists."""
+    if not limits.strict:
+        return
+    sup = support()
+    weak = [name for name in ("memory", "pids_limit", "cpus")
+            if getattr(limits, name) is not None and name not in sup.cgroups]
+    if weak:
+        how = "; ".join(f"{name} would be {sup.how[name]}" for name in weak)
+        raise HostPrerequisiteError(f"strict_limits: this host cannot enforce {', '.join(weak)} (no cgroup for "
+                                    f"{'it' if len(weak) == 1 else 'them'}: {how})",
+                                    f"{doctor.cgroup_fix(doctor.Host())}; or drop strict_limits to accept the "
+                                    "approximation (`nsbox doctor` says what this host enforces)")
+
+
 def contribute(plan: Plan, limits: Limits, sandbox_id: str, run_dir: Path, mount_dir: Path) -> None:
-    """Before mounts.contribute (the disk cap moves the upper layers)."""
+    """Before mounts.contribute (the tmpfs holds /tmp, /dev/shm, /run, and
+    the upper layers under a disk limit)."""
     if not enabled or not limits.requested():
         return
-    if limits.disk is not None:
+    size = limits.scratch()
+    if size is not None:
         where = f"{plan.host_dir(mount_dir)}/disk"
+        options = f"size={size},nr_inodes={max(1024, size >> 10)},mode=755"
         plan.add(Phase.MOUNT, s.mkdir(where, 0o700),
-                 s.mount("tmpfs", where, "tmpfs", ("MS_NOSUID", "MS_NODEV"), f"size={limits.disk},mode=755",
-                         f"mount a tmpfs of {limits.disk} bytes for the writable layer"))
-        plan.writable = Writable(where, limits.disk)
+                 s.mount("tmpfs", where, "tmpfs", ("MS_NOSUID", "MS_NODEV"), options,
+                         f"mount a tmpfs of {size} bytes for /tmp, /dev/shm, /run"
+                         + (" and the writable layer" if limits.disk is not None else "")))
+        plan.writable = Writable(where, size, layers=limits.disk is not None)
     cgroups, rlimits, notes = plan_limits(limits)
     for text in notes:
         note_once(f"{text}; `nsbox doctor` says why")

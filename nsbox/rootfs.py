@@ -156,8 +156,8 @@ class HostRootfs:
                                                   f"take a read-only copy of the host's /{name}",
                                                   recursive=True, readonly=True, nosuid=True))
             plan.add(Phase.INSIDE, steps.tree_attach(plan.slot(f"/{name}"), f"/{name}", f"attach the host's /{name}"))
-        plan.add(Phase.INSIDE, steps.mount("tmpfs", "/run", "tmpfs", ("MS_NOSUID", "MS_NODEV"),
-                                           plan.tmpfs_options("755"), "mount a tmpfs on /run"))
+        plan.add(Phase.INSIDE, steps.mkdir("/run"))
+        plan.tmpfs("/run", 0o755, "mount a tmpfs on /run")
 
 
 @dataclass(frozen=True)

@@ -97,6 +97,7 @@ class Sandbox:
         pids_limit: int | None = None,
         cpus: float | None = None,
         disk: int | str | None = None,
+        strict_limits: bool = False,
         spec: SandboxSpec | None = None,
     ) -> None:
         if spec is None:
@@ -106,7 +107,7 @@ class Sandbox:
                 network_aliases=tuple(network_aliases), mounts=tuple(mounts),
                 id_mapping=id_mapping, output_limit_mode=output_limit_mode, timeout=timeout, label=label,
                 nested_userns=nested_userns, memory=memory, pids_limit=pids_limit, cpus=cpus,  # type: ignore[arg-type]
-                disk=disk)  # type: ignore[arg-type]
+                disk=disk, strict_limits=strict_limits)  # type: ignore[arg-type]
         self.spec = spec
         self.rootfs: rootfs_mod.Rootfs = rootfs_mod.resolve(spec.rootfs)
         self.image: Image | None = None  # the resolved image, once started
@@ -274,6 +275,7 @@ class Sandbox:
         return plan
 
     async def _create(self) -> None:
+        resources.check(resources.Limits.of(self.spec))  # strict_limits: before anything exists
         rlimits.raise_nofile_limit()  # once per process: soft NOFILE up to the hard limit
         self.idmap = idmap.detect(self.spec.id_mapping)  # type: ignore[arg-type]
         self.id = secrets.token_hex(6)

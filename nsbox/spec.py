@@ -137,9 +137,12 @@ class SandboxSpec:
         (Docker's --memory); a process that exceeds it is killed (exit 137).
     pids_limit: most processes the sandbox may have at once.
     cpus: CPU time, in CPUs (1.5: one and a half CPUs' worth).
-    disk: size cap of the writable layer (and of /tmp), in bytes or as "2g".
+    disk: size cap of the writable layer (with /tmp, /dev/shm and /run), in
+        bytes or as "2g".
         Limits are enforced by a cgroup where the host offers one, else
         approximated (see nsbox/resources.py and `nsbox doctor`).
+    strict_limits: refuse memory, pids_limit or cpus where no cgroup
+        enforces it, instead of approximating it.
     label, origin: what `nsbox ps` shows (origin: "api", "cli", "inspect").
     """
 
@@ -165,6 +168,7 @@ class SandboxSpec:
     pids_limit: int | None = None
     cpus: float | None = None
     disk: int | None = None
+    strict_limits: bool = False
     label: str = ""
     origin: str = "api"
 
@@ -203,6 +207,8 @@ class SandboxSpec:
             if isinstance(self.pids_limit, bool) or int(self.pids_limit) != self.pids_limit or self.pids_limit < 1:
                 raise ValueError(f"pids_limit must be a positive whole number, not {self.pids_limit!r}")
             object.__setattr__(self, "pids_limit", int(self.pids_limit))
+        if not isinstance(self.strict_limits, bool):
+            raise ValueError(f"strict_limits must be true or false, not {self.strict_limits!r}")
         if self.cpus is not None:
             if isinstance(self.cpus, bool) or not isinstance(self.cpus, (int, float)) or not self.cpus >= 0.01:
                 raise ValueError(f"cpus must be a number of CPUs of at least 0.01, not {self.cpus!r}")

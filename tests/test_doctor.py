@@ -283,6 +283,22 @@ def test_state_on_nfs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     checks = by_name(doctor.run_checks(host_with(tmp_path, {}, {**WORKING, "overlay": "EINVAL"}, False)))
     assert checks["overlay"].status == "fail" and "on nfs4" in checks["overlay"].summary
     assert "NSBOX_STATE_DIR" in (checks["overlay"].fix or "")
+    # Not a fixed name under /tmp, which another user could make first.
+    assert "NSBOX_STATE_DIR=$(mktemp -d)" in (checks["overlay"].fix or "")
+    assert "/tmp/$USER" not in (checks["overlay"].fix or "")
+
+
+def test_state_dir_others_can_swap(tmp_path: Path) -> None:
+    """NSBOX_STATE_DIR under a directory open to others (not sticky): they
+    could swap its run/, data/ or cache/ for theirs."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    status, checks, _ = run_doctor(env={"NSBOX_STATE_DIR": str(shared / "state")})
+    assert status == 1 and checks["state"]["status"] == "fail", checks["state"]
+    assert f"{shared} is writable by others" in checks["state"]["summary"]
+    assert f"chmod go-w {shared}" in checks["state"]["fix"]
+    assert not (shared / "state").exists()
 
 
 def test_no_tun_device(tmp_path: Path) -> None:
@@ -357,6 +373,10 @@ def test_no_cgroups_at_all(tmp_path: Path) -> None:
     check = doctor.check_limits(host)
     assert check.status == "warn" and "cpus: not enforced" in check.summary
     assert "RLIMIT_AS" in check.details["how"]["memory"]  # type: ignore[index]
+    # What the fallback cannot bound, and the way to refuse it, said plainly.
+    assert "memory= cannot bound memfd or SysV shared memory, pipe or socket buffers" in check.summary
+    assert "strict_limits refuses" in check.summary and "\n" not in check.summary
+    assert "memfd" in check.details["how"]["memory"]  # type: ignore[index]
 
 
 def test_clone_failure_is_explained(tmp_path: Path) -> None:

@@ -11,6 +11,8 @@ switched off: the protection tests must then fail (see the report).
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -19,8 +21,9 @@ import click
 import pytest
 
 import nsbox
-from nsbox import cli, resources
-from nsbox.inspect_provider import NsboxConfig
+from nsbox import cli, layers, registry, resources
+from nsbox.errors import HostPrerequisiteError
+from nsbox.inspect_provider import NsboxConfig, NsboxSandboxEnvironment
 from nsbox.spec import SandboxSpec, parse_size
 
 pytestmark = pytest.mark.timeout(60)
@@ -64,7 +67,16 @@ def test_spec_api_yaml_cli_agree() -> None:
     opts = {k: v for k, v in ctx.params.items() if k not in ("command", "timeout", "detach")}
     made = cli.make_sandbox(**opts).spec
     assert (made.memory, made.pids_limit, made.cpus, made.disk) == (512 * MiB, 256, 1.5, 2 << 30)
-    for bad in ({"memory": "1m"}, {"pids_limit": 0}, {"cpus": 0}, {"disk": "lots"}):
+    assert not made.strict_limits and not sb.spec.strict_limits and not cfg.strict_limits
+    # strict_limits: wherever the limits are given.
+    assert nsbox.Sandbox(memory="64m", strict_limits=True).spec.strict_limits
+    ctx = cli.run.make_context("run", ["--memory", "64m", "--strict-limits", "--", "true"])
+    opts = {k: v for k, v in ctx.params.items() if k not in ("command", "timeout", "detach")}
+    assert cli.make_sandbox(**opts).spec.strict_limits
+    cfg = NsboxConfig.model_validate({"memory": "64m", "strict_limits": True})
+    (name, settings), = cfg.specs()
+    assert NsboxSandboxEnvironment._make(cfg, settings, "t").spec.strict_limits
+    for bad in ({"memory": "1m"}, {"pids_limit": 0}, {"cpus": 0}, {"disk": "lots"}, {"strict_limits": "yes"}):
         with pytest.raises(ValueError):
             SandboxSpec(**bad)  # type: ignore[arg-type]
     with pytest.raises(click.UsageError):
@@ -106,7 +118,70 @@ async def test_memory_hog(capfd: pytest.CaptureFixture[str]) -> None:
     err = capfd.readouterr().err
     if not by_cgroup("memory"):
         assert "memory is approximated by RLIMIT_AS" in err
+        # What it cannot bound, said plainly, once.
+        assert err.count("cannot bound memfd or SysV shared memory, pipe or socket buffers") == 1, err
+        assert "strict_limits refuses it" in err
     assert leftover_cgroups(sandbox_id) == []
+
+
+# Writes N MiB of zeros to a file, for the tmpfs tests.
+def dd(path: str, mib: int) -> list[str]:
+    return ["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={mib}"]
+
+
+@pytest.mark.timeout(60)
+async def test_tmpfs_mounts_share_the_memory_limit() -> None:
+    """RLIMIT_AS does not count files in a tmpfs: /tmp, /dev/shm and /run
+    each a tmpfs of half the host's memory let a 64 MiB sandbox pin
+    gigabytes. They share one tmpfs of the memory limit's size."""
+    async with nsbox.Sandbox(memory="64m") as sb:
+        r = await sb.exec(["stat", "-f", "-c", "%b %S", "/tmp", "/dev/shm", "/run"])
+        sizes = [int(b) * int(bs) for b, bs in (line.split() for line in r.stdout.splitlines())]
+        assert len(sizes) == 3 and all(size <= 64 * MiB for size in sizes), r
+        r = await sb.exec(["stat", "-c", "%d %a", "/tmp", "/dev/shm", "/run"])
+        devices, modes = zip(*(line.split() for line in r.stdout.splitlines()))
+        assert len(set(devices)) == 1 and modes == ("1777", "1777", "755"), r  # one filesystem: a cap together
+        assert (await sb.exec(dd("/tmp/a", 40))).returncode == 0
+        for path in ("/dev/shm/b", "/run/b"):  # 40 + 40 > 64
+            r = await sb.exec(dd(path, 40))
+            assert r.returncode != 0, (path, r)
+            if not by_cgroup("memory"):
+                assert "No space left on device" in r.stderr, (path, r)
+            await sb.exec(["rm", "-f", path])
+        # Freed, it is usable again; the sandbox lives on.
+        await sb.exec(["rm", "/tmp/a"])
+        r = await sb.exec(["sh", "-c", f"{' '.join(dd('/dev/shm/c', 40))} 2>/dev/null && echo ok"])
+        assert r.stdout == "ok\n", r
+
+
+@pytest.mark.timeout(60)
+async def test_strict_limits(tmp_path: Path) -> None:
+    """strict_limits refuses a limit that no cgroup enforces here, with one
+    clear line and nothing left behind; where cgroups enforce them all (as
+    root here), the sandbox runs with them."""
+    want = {"memory": "64m", "pids_limit": 50, "cpus": 0.5}
+    weak = [name for name in want if not by_cgroup(name)]
+    args = ["--memory", "64m", "--pids-limit", "50", "--cpus", "0.5"]
+    r = subprocess.run([sys.executable, "-m", "nsbox", "run", "--strict-limits", *args, "--", "echo", "ran"],
+                       capture_output=True, text=True, timeout=60)
+    if not weak:
+        assert r.returncode == 0 and r.stdout == "ran\n" and "warning" not in r.stderr, r
+        async with nsbox.Sandbox(strict_limits=True, **want) as sb:  # type: ignore[arg-type]
+            assert (await sb.exec(["true"])).success
+            assert leftover_cgroups(sb.id) != []
+        return
+    assert r.returncode != 0 and r.stdout == "" and "Traceback" not in r.stderr, r
+    assert len(r.stderr.strip().splitlines()) == 1, r
+    assert f"strict_limits: this host cannot enforce {', '.join(weak)}" in r.stderr, r
+    before = (sorted(registry.runtime_dir().iterdir()), sorted(layers.layers_dir().iterdir()))
+    with pytest.raises(HostPrerequisiteError) as e:
+        await nsbox.Sandbox.create(strict_limits=True, **want)  # type: ignore[arg-type]
+    assert "memory would be approximated by RLIMIT_AS" in str(e.value) and e.value.hint
+    assert "nsbox doctor" in e.value.hint and "\n" not in str(e.value)
+    assert (sorted(registry.runtime_dir().iterdir()), sorted(layers.layers_dir().iterdir())) == before
+    # Without it, the same limits are approximated, as before.
+    async with nsbox.Sandbox(**want) as sb:  # type: ignore[arg-type]
+        assert (await sb.exec(["true"])).success
 
 
 # Forks until fork fails (or 1000 times): each child sleeps; prints how many.

@@ -88,7 +88,8 @@ static int run_step(const struct nsbox_step *s, int *slots)
         return 0;
 
     case NSBOX_STEP_MKDIR: {
-        if (mkdir(s->b, s->mode) < 0 && errno != EEXIST)
+        int made = mkdir(s->b, s->mode) == 0;
+        if (!made && errno != EEXIST)
             return -1;
         /* It must be a directory and not a symlink: a mount on it would
          * follow the link, and before the pivot that leads to the host. */
@@ -99,6 +100,10 @@ static int run_step(const struct nsbox_step *s, int *slots)
             errno = ENOTDIR;
             return -1;
         }
+        /* One made here gets its mode whatever the umask (a shared /tmp
+         * must be 1777); one that was there keeps its own. */
+        if (made && (st.st_mode & 07777) != s->mode && chmod(s->b, s->mode) < 0)
+            return -1;
         return 0;
     }
 
