@@ -25,6 +25,7 @@ someone else.
 
 from __future__ import annotations
 
+import functools
 import os
 import stat
 import tempfile
@@ -42,19 +43,27 @@ def _refuse(path: Path, where: str, problem: str, hint: str) -> NsboxError:
 
 
 def _trusted_uids() -> set[int]:
-    """You and root. Inside a user namespace other than the host's, the
-    host's root (and everyone else unmapped) shows as the overflow uid:
-    it cannot be told apart from the others there, and is taken for root."""
+    """You and root (see _unmapped_owner)."""
     uids = {0, os.geteuid()}
+    unmapped = _unmapped_owner()
+    if unmapped is not None:
+        uids.add(unmapped)
+    return uids
+
+
+@functools.cache
+def _unmapped_owner() -> int | None:
+    """Inside a user namespace other than the host's, the host's root (and
+    everyone else unmapped) shows as the overflow uid: it cannot be told
+    apart from the others there, and is taken for root."""
     try:
         with open("/proc/self/uid_map") as f:
-            initial = f.read().split() == ["0", "0", "4294967295"]
-        if not initial:
-            with open("/proc/sys/kernel/overflowuid") as f:
-                uids.add(int(f.read()))
+            if f.read().split() == ["0", "0", "4294967295"]:
+                return None
+        with open("/proc/sys/kernel/overflowuid") as f:
+            return int(f.read())
     except (OSError, ValueError):
-        pass
-    return uids
+        return None
 
 
 def _check_step(path: Path, where: str, st: os.stat_result, trusted: set[int]) -> None:
