@@ -135,9 +135,11 @@ async def test_tmpfs_mounts_share_the_memory_limit() -> None:
     each a tmpfs of half the host's memory let a 64 MiB sandbox pin
     gigabytes. They share one tmpfs of the memory limit's size."""
     async with nsbox.Sandbox(memory="64m") as sb:
-        r = await sb.exec(["stat", "-f", "-c", "%b %S", "/tmp", "/dev/shm", "/run"])
-        sizes = [int(b) * int(bs) for b, bs in (line.split() for line in r.stdout.splitlines())]
-        assert len(sizes) == 3 and all(size <= 64 * MiB for size in sizes), r
+        r = await sb.exec(["stat", "-f", "-c", "%b %S %c", "/tmp", "/dev/shm", "/run", "/dev"])
+        found = [[int(x) for x in line.split()] for line in r.stdout.splitlines()]
+        assert len(found) == 4 and all(b * bs <= 64 * MiB for b, bs, _ in found), r
+        # Empty files take no blocks but memory: inodes are capped too.
+        assert all(inodes <= 64 * 1024 for _, _, inodes in found), r
         r = await sb.exec(["stat", "-c", "%d %a", "/tmp", "/dev/shm", "/run"])
         devices, modes = zip(*(line.split() for line in r.stdout.splitlines()))
         assert len(set(devices)) == 1 and modes == ("1777", "1777", "755"), r  # one filesystem: a cap together
