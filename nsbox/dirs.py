@@ -29,6 +29,7 @@ import functools
 import os
 import stat
 import tempfile
+import time
 from pathlib import Path
 
 from .errors import NsboxError
@@ -140,10 +141,23 @@ def _open_private_dir(path: Path) -> int:
             os.close(fd)
 
 
+# When each path last passed the walk above. Once it has, only you or root
+# can change what it checks, so a sandbox's create (which asks for several
+# state directories) need not walk again; a path is walked again once its
+# check is older than this, so that a directory removed and made anew by
+# someone else is still noticed by a long-running process.
+_RECHECK_AFTER = 1.0
+_checked_at: dict[Path, float] = {}
+
+
 def _checked_private_dir(path: Path) -> Path:
-    """`path`, made if needed and checked (every time: see above)."""
+    """`path`, made if needed and checked (see above)."""
     path = Path(os.path.abspath(path))
+    now = time.monotonic()
+    if now - _checked_at.get(path, -_RECHECK_AFTER) < _RECHECK_AFTER:
+        return path
     os.close(_open_private_dir(path))
+    _checked_at[path] = now
     return path
 
 
