@@ -755,7 +755,7 @@ class Sandbox:
 
     async def start_process(self, cmd: Sequence[str], *, input: str | bytes | None = None, stdin_open: bool = False,
                             cwd: str | None = None, env: Mapping[str, str] | None = None,
-                            user: str | None = None) -> "streaming.Process":
+                            user: str | None = None, output_limit: int | None = None) -> "streaming.Process":
         """Starts `cmd` and returns a Process whose output streams to the
         host as the command writes it (see nsbox/streaming.py): iterate it
         for Output and Exit events, write_stdin/close_stdin (stdin_open=True),
@@ -764,8 +764,9 @@ class Sandbox:
         `input` is written to stdin first; stdin is then closed unless
         `stdin_open`. Output waiting for the consumer keeps its last N bytes
         per stream (N from nsbox.limits; the sandbox's timeout and "raise"
-        mode do not apply: the process runs until it exits or is killed).
-        Start failures are reported as exec reports them."""
+        mode do not apply: the process runs until it exits or is killed;
+        `output_limit` sets another N). Start failures are reported as exec
+        reports them."""
         from . import streaming
 
         client = self.client
@@ -774,7 +775,8 @@ class Sandbox:
             return streaming.finished(identity, self.command(cmd, self._identity, cwd, env), self.id)
         data = input.encode("utf-8") if isinstance(input, str) else input
         return await streaming.start(client, self.command(cmd, identity, cwd, env), input=data, stdin_open=stdin_open,
-                                     limit=exec_output_limit(), devnull=_shared_devnull(), sandbox_id=self.id)
+                                     limit=exec_output_limit() if output_limit is None else output_limit,
+                                     devnull=_shared_devnull(), sandbox_id=self.id)
 
     # ---- files -------------------------------------------------------
 

@@ -13,8 +13,14 @@
   init is PID 1 and reaps.
 - depends_on conditions: service_started (the sandbox runs),
   service_healthy (its healthcheck passed), service_completed_successfully
-  (its main process exited 0). Waiting has a deadline and fails naming the
-  service and what its last probe said, as `docker compose up --wait`.
+  (its main process exited 0).
+- Ready, as `docker compose up --wait` leaves a sample: start() returns
+  once every service with a healthcheck (its own or its image's) passed
+  it, and every other one's main process runs (or exited 0, which
+  Inspect accepts). A service whose main process exits before it is
+  healthy, or exits with another status, or whose probes keep failing,
+  fails start() naming it and what its last probe (or its main process)
+  said. Waiting has one deadline for the whole sample.
 """
 
 from __future__ import annotations
@@ -37,6 +43,11 @@ INTERVAL, TIMEOUT, RETRIES = 30.0, 30.0, 3
 # interval before the first probe; a sample should come up in milliseconds.
 FAST_PROBE = 0.1
 WAIT_LIMIT = 300.0  # default deadline for every dependency of a sample
+# Inspect's docker provider gives `compose up --wait` this long without
+# healthchecks, and this much beyond the longest healthcheck schedule.
+COMPOSE_WAIT, COMPOSE_STARTUP_ALLOWANCE = 600.0, 60.0
+# What the host keeps of a main process's output: the tail an error quotes.
+MAIN_OUTPUT_LIMIT = 64 * 1024
 
 
 class ServicesError(NsboxError):
@@ -83,6 +94,20 @@ class Healthcheck:
                              retries=int(retries) if isinstance(retries, int) and retries > 0 else RETRIES,
                              start_period=seconds("StartPeriod", 0.0))
 
+    def schedule(self) -> float:
+        """The longest a healthcheck can take to decide, as Inspect's docker
+        provider reckons it (a probe that starts inside the start period is
+        not counted, so one more `timeout` follows it)."""
+        grace = self.timeout if self.start_period > 0 else 0.0
+        return self.start_period + grace + self.retries * (self.interval + self.timeout)
+
+
+def compose_deadline(checks: Sequence[Healthcheck]) -> float:
+    """How long a sample may take to come up: what Inspect's docker provider
+    gives `docker compose up --wait` for these healthchecks (the compose
+    file's own; an image's do not count there)."""
+    return COMPOSE_STARTUP_ALLOWANCE + max(c.schedule() for c in checks) if checks else COMPOSE_WAIT
+
 
 @dataclass
 class ServiceSpec:
@@ -93,6 +118,7 @@ class ServiceSpec:
     command: list[str] | None = None  # None: the image's Entrypoint/Cmd
     depends_on: dict[str, str] = field(default_factory=dict)  # name -> condition
     healthcheck: Healthcheck | None = None  # None: the image's, if any
+    no_healthcheck: bool = False  # not even the image's (compose's `disable: true`)
     names: list[str] = field(default_factory=list)  # what it answers to besides its name (aliases)
 
 
@@ -158,6 +184,8 @@ class Services:
                     for dep, condition in service.depends_on.items():
                         await self._wait_for(dep, condition, deadline)
                     await self._run_command(service)
+                for service in self.order:  # then every service must get ready, at once
+                    tg.start_soon(guarded, functools.partial(self._wait_ready, service.name, deadline))
 
             async def guarded(work: Callable[[], Awaitable[None]]) -> None:
                 # The first failure is raised as itself, not in a group.
@@ -206,12 +234,10 @@ class Services:
         command = service.command if service.command is not None else sb.image_command()
         if not command:
             return
-        awaited = any(s.depends_on.get(service.name) == "service_completed_successfully" for s in self.order)
         try:
-            if awaited:  # its exit status is wanted: keep a handle on it
-                self._main[service.name] = await sb.start_process(command)
-            else:
-                await sb.spawn(command)
+            # A handle on it: whether it still runs, its exit status, and
+            # the tail of its output, for a failure to quote.
+            self._main[service.name] = await sb.start_process(command, output_limit=MAIN_OUTPUT_LIMIT)
         except (NsboxError, OSError) as e:
             raise ServicesError(f"service {service.name}: its command {shlex.join(command)} "
                                 f"could not start: {e}") from None
@@ -246,12 +272,38 @@ class Services:
             raise ServicesError(f"service {name} did not complete successfully (exit status "
                                 f"{result.returncode}){': ' + tail if tail else ''}")
 
+    def _healthcheck(self, name: str) -> Healthcheck | None:
+        """The service's healthcheck: its own, else its image's."""
+        service = self._service(name)
+        check = service.healthcheck
+        image = self.sandboxes[name].image
+        if check is None and image is not None and not service.no_healthcheck:
+            check = Healthcheck.from_image(image.config.healthcheck)
+        return check
+
+    async def _wait_ready(self, name: str, deadline: float) -> None:
+        """As `docker compose up --wait`: healthy if it has a healthcheck,
+        else its main process runs (or exited 0)."""
+        if self._healthcheck(name) is not None:
+            await self._wait_healthy(name, self.sandboxes[name], deadline)
+            return
+        process = self._main.get(name)
+        if process is not None and process.returncode not in (None, 0):
+            raise ServicesError(await self._exited(name, process))
+
+    async def _exited(self, name: str, process: "streaming.Process") -> str:
+        """What a failure says of a service whose main process exited."""
+        result = None
+        with anyio.move_on_after(1):
+            result = await process.wait()
+        tail = (result.stderr or result.stdout).strip()[-200:] if result is not None else ""
+        return f"service {name} exited with status {process.returncode}{': ' + tail if tail else ''}"
+
     async def _wait_healthy(self, name: str, sb: Sandbox, deadline: float) -> None:
         if name in self._healthy:
             return
-        check = self._service(name).healthcheck
-        if check is None and sb.image is not None:
-            check = Healthcheck.from_image(sb.image.config.healthcheck)
+        check = self._healthcheck(name)
+        process = self._main.get(name)
         if check is None:
             raise ServicesError(f"service {name} has no healthcheck, but another service depends on it with "
                                 f"condition service_healthy")
@@ -272,6 +324,9 @@ class Services:
                 last = f"the probe timed out after {check.timeout:g}s"
             except NsboxError as e:
                 last = str(e)
+            if process is not None and process.returncode is not None:  # it will never be healthy
+                raise ServicesError(f"{await self._exited(name, process)} before it was healthy "
+                                    f"(last probe: {last})")
             now = anyio.current_time()
             if now >= give_up:
                 raise ServicesError(f"service {name} is unhealthy after {now - started:.1f}s: "
