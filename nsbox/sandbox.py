@@ -34,7 +34,7 @@ from .client import DEFAULT_PATH, Command, ExecResult, InitClient, failed_start
 from .errors import CommandTimeout, NsboxError, OutputLimitExceeded, SandboxSetupError, SandboxUnavailable, UserUnsupported
 from .launch import Launched, launch
 from .limits import exec_output_limit, human_size
-from .manage import describe
+from .manage import collect_in_background, describe
 from .spec import NET, Network, OutputLimitMode, SandboxSpec
 
 if TYPE_CHECKING:
@@ -275,6 +275,7 @@ class Sandbox:
 
     async def _create(self) -> None:
         rlimits.raise_nofile_limit()  # once per process: soft NOFILE up to the hard limit
+        collect_in_background()  # once per process: what killed processes of this user left
         self.idmap = idmap.detect(self.spec.id_mapping)  # type: ignore[arg-type]
         self.id = secrets.token_hex(6)
         self.hostname = self.spec.hostname or self.id
