@@ -30,7 +30,7 @@ from . import users
 from . import plan as plan_mod
 from . import rootfs as rootfs_mod
 from .capture import CappedBuffer, Forwarder
-from .client import DEFAULT_PATH, Command, ExecResult, InitClient, failed_start
+from .client import DEFAULT_PATH, Channel, Command, ExecResult, InitClient, failed_start
 from .errors import CommandTimeout, NsboxError, OutputLimitExceeded, SandboxSetupError, SandboxUnavailable, UserUnsupported
 from .launch import Launched, launch
 from .limits import exec_output_limit, human_size
@@ -746,13 +746,16 @@ class Sandbox:
         return result.returncode
 
     async def spawn(self, cmd: Sequence[str], *, cwd: str | None = None, env: Mapping[str, str] | None = None,
-                    user: str | None = None) -> None:
+                    user: str | None = None, watch: bool = False) -> "Channel | None":
         """Starts `cmd` in the background, its stdio on /dev/null; it runs on
         its own, like a command started with `&`. Returns once it runs; a
         command that cannot be started raises as exec would; a later exit
-        is not reported."""
+        is not reported, unless `watch`: then the init reports it on the
+        returned channel while that is open (closing it leaves the command
+        running)."""
         client = self.client
-        await client.spawn(self.command(cmd, await self.identity(user), cwd, env), _shared_devnull())
+        return await client.spawn(self.command(cmd, await self.identity(user), cwd, env), _shared_devnull(),
+                                  watch=watch)
 
     async def start_process(self, cmd: Sequence[str], *, input: str | bytes | None = None, stdin_open: bool = False,
                             cwd: str | None = None, env: Mapping[str, str] | None = None,

@@ -9,8 +9,9 @@
   never see each other: each sample has its own namespace. Two services
   of one sample cannot listen on the same port.
 - Each service's main process (its command, or the image's
-  Entrypoint/Cmd) runs in the background, as a container's does; nsbox's
-  init is PID 1 and reaps.
+  Entrypoint/Cmd) runs in the background, as a container's does, and
+  outlives this process where the sample is kept; nsbox's init is PID 1
+  and reaps. Until the sample is up, the init reports its exit.
 - depends_on conditions: service_started (the sandbox runs),
   service_healthy (its healthcheck passed), service_completed_successfully
   (its main process exited 0).
@@ -19,21 +20,23 @@
   it, and every other one's main process runs (or exited 0, which
   Inspect accepts). A service whose main process exits before it is
   healthy, or exits with another status, or whose probes keep failing,
-  fails start() naming it and what its last probe (or its main process)
-  said. Waiting has one deadline for the whole sample.
+  fails start() naming it and what its last probe said (or its exit
+  status). Waiting has one deadline for the whole sample.
 """
 
 from __future__ import annotations
 
 import functools
 import shlex
+import signal
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Mapping, Sequence
 
 import anyio
 
+from .client import Channel
 from .errors import NsboxError
-from . import streaming
+from . import protocol, streaming
 from .sandbox import Sandbox
 from .spec import SandboxSpec
 
@@ -46,12 +49,37 @@ WAIT_LIMIT = 300.0  # default deadline for every dependency of a sample
 # Inspect's docker provider gives `compose up --wait` this long without
 # healthchecks, and this much beyond the longest healthcheck schedule.
 COMPOSE_WAIT, COMPOSE_STARTUP_ALLOWANCE = 600.0, 60.0
-# What the host keeps of a main process's output: the tail an error quotes.
+# What the host keeps of an awaited main process's output: the tail an error quotes.
 MAIN_OUTPUT_LIMIT = 64 * 1024
 
 
 class ServicesError(NsboxError):
     pass
+
+
+class Watched:
+    """A main process started detached (it outlives this process, as a kept
+    sample's services must), whose exit the init reports on `chan` while
+    the sample comes up."""
+
+    def __init__(self, chan: Channel) -> None:
+        self.chan = chan
+        self._code: int | None = None
+
+    @property
+    def returncode(self) -> int | None:
+        """Its exit status, once it exited (128+N for signal N)."""
+        if self._code is None and self.chan.fileno() >= 0:
+            replies, closed = self.chan.read_replies()
+            for reply in replies:
+                if reply.kind == protocol.REPLY_EXIT:
+                    self._code = reply.code
+            if closed and self._code is None:
+                self._code = 128 + signal.SIGKILL  # the sandbox went away under it
+        return self._code
+
+    def close(self) -> None:
+        self.chan.close()  # the command runs on
 
 
 @dataclass(frozen=True)
@@ -152,7 +180,8 @@ class Services:
         self.wait_limit = wait_limit
         self.sandboxes: dict[str, Sandbox] = {}
         self._healthy: set[str] = set()
-        self._main: dict[str, "streaming.Process"] = {}  # main processes whose exit is awaited
+        # Main processes: with their output where a service waits for their exit.
+        self._main: dict[str, "streaming.Process | Watched"] = {}
         self._given = [s.name for s in services]
 
     def _hosts(self) -> dict[str, str]:
@@ -205,6 +234,7 @@ class Services:
             with anyio.CancelScope(shield=True):
                 await self.close()
             raise
+        self._stop_watching()
         # The project's order (the default service first), as Inspect wants it.
         return {name: self.sandboxes[name] for name in self._given}
 
@@ -234,10 +264,14 @@ class Services:
         command = service.command if service.command is not None else sb.image_command()
         if not command:
             return
+        awaited = any(s.depends_on.get(service.name) == "service_completed_successfully" for s in self.order)
         try:
-            # A handle on it: whether it still runs, its exit status, and
-            # the tail of its output, for a failure to quote.
-            self._main[service.name] = await sb.start_process(command, output_limit=MAIN_OUTPUT_LIMIT)
+            if awaited:  # its exit status and output are wanted
+                self._main[service.name] = await sb.start_process(command, output_limit=MAIN_OUTPUT_LIMIT)
+            else:  # on its own, but watched until the sample is up
+                chan = await sb.spawn(command, watch=True)
+                assert chan is not None
+                self._main[service.name] = Watched(chan)
         except (NsboxError, OSError) as e:
             raise ServicesError(f"service {service.name}: its command {shlex.join(command)} "
                                 f"could not start: {e}") from None
@@ -261,6 +295,7 @@ class Services:
         if process is None:
             raise ServicesError(f"service {name} has no command to complete (depends_on: "
                                 f"service_completed_successfully)")
+        assert isinstance(process, streaming.Process)  # started so (_run_command)
         result = None
         with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
             result = await process.wait()
@@ -291,11 +326,12 @@ class Services:
         if process is not None and process.returncode not in (None, 0):
             raise ServicesError(await self._exited(name, process))
 
-    async def _exited(self, name: str, process: "streaming.Process") -> str:
+    async def _exited(self, name: str, process: "streaming.Process | Watched") -> str:
         """What a failure says of a service whose main process exited."""
         result = None
-        with anyio.move_on_after(1):
-            result = await process.wait()
+        if isinstance(process, streaming.Process):
+            with anyio.move_on_after(1):
+                result = await process.wait()
         tail = (result.stderr or result.stdout).strip()[-200:] if result is not None else ""
         return f"service {name} exited with status {process.returncode}{': ' + tail if tail else ''}"
 
@@ -334,8 +370,16 @@ class Services:
             await anyio.sleep(min(delay, give_up - now))
             delay = min(delay * 1.5, max(check.interval, FAST_PROBE))
 
+    def _stop_watching(self) -> None:
+        """The sample is up (or going): the detached main processes run on, unwatched."""
+        for name, process in list(self._main.items()):
+            if isinstance(process, Watched):
+                process.close()
+                del self._main[name]
+
     async def close(self) -> None:
         """Closes every sandbox: the joiners first, the network's owner last."""
+        self._stop_watching()
         for name in reversed(list(self.sandboxes)):
             sb = self.sandboxes.pop(name)
             with anyio.CancelScope(shield=True):
