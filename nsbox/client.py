@@ -71,13 +71,14 @@ class Channel:
         if sock.getblocking():
             sock.setblocking(False)
         self._buf = bytearray()
+        self._pending: list[protocol.Reply] = []  # read with an earlier one that next_reply() returned
 
     def fileno(self) -> int:
         return self.sock.fileno()
 
     def read_replies(self) -> tuple[list[protocol.Reply], bool]:
         """The replies that arrived, and whether the init closed the channel."""
-        out: list[protocol.Reply] = []
+        out, self._pending = self._pending, []
         while True:
             try:
                 data = self.sock.recv(4096)
@@ -93,11 +94,14 @@ class Channel:
     async def next_reply(self, timeout: float) -> protocol.Reply | None:
         """The first reply, or None if the channel closed before one came;
         TimeoutError after `timeout` seconds."""
+        if self._pending:
+            return self._pending.pop(0)
         with anyio.fail_after(timeout):
             while True:
                 await anyio.wait_readable(self.sock)
                 replies, closed = self.read_replies()
                 if replies:
+                    self._pending = replies[1:]  # a quick command's EXIT comes with its STARTED
                     return replies[0]
                 if closed:
                     return None
@@ -184,10 +188,13 @@ class InitClient:
                                          envc=len(cmd.env), flags=flags)
         return await self._request(message, memfd, stdio, channel)
 
-    async def spawn(self, cmd: Command, devnull: int) -> None:
+    async def spawn(self, cmd: Command, devnull: int, *, watch: bool = False) -> Channel | None:
         """Starts `cmd` detached, its stdio on /dev/null: it runs on its own
-        and a later exit is not reported. Returns once it runs."""
+        and a later exit is not reported. Returns once it runs. With
+        `watch`, returns its channel, on which the init reports its exit
+        while the channel is open (closing it does not kill the command)."""
         chan = await self.start(cmd, (devnull, devnull, devnull), flags=protocol.F_DETACHED)
+        kept = False
         try:
             try:
                 reply = await chan.next_reply(START_TIMEOUT)
@@ -197,8 +204,11 @@ class InitClient:
                 raise SandboxUnavailable(f"sandbox {self.sandbox_id} stopped while starting {cmd.argv[0]!r}")
             if reply.kind == protocol.REPLY_FAIL:
                 raise NsboxError(failed_start(reply, cmd.argv[0], cmd.cwd).stderr.strip())
+            kept = watch
+            return chan if watch else None
         finally:
-            chan.close()  # detached: the command does not die with it
+            if not kept:
+                chan.close()  # detached: the command does not die with it
 
     async def open(self, creds: protocol.Creds, path: str, open_flags: int, *, mode: int = 0o666,
                    mkdirs: bool = False, regular: bool = True) -> tuple[int, bool]:

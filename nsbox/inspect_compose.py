@@ -7,7 +7,9 @@ a Dockerfile, or its ComposeConfig) runs as nsbox services.
   task; a file nsbox cannot honour fails here, in one message.
 - sample_init (`start_sample`): fresh sandboxes for every service on a
   network of the sample's own (nsbox/services.py), the default service
-  first.
+  first, ready as `docker compose up --wait` leaves them (every
+  healthcheck passed, every other main process running), within the
+  deadline Inspect's docker provider sets.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from .compose import (ComposeError, Project, Service, aliases, dockerfile_projec
 from .compose.mapping import pull_policy
 from .layers import give
 from .removal import remove_layer
-from .services import Healthcheck, ServiceSpec, Services
+from .services import Healthcheck, ServiceSpec, Services, compose_deadline
 from .storage import Store
 from .storage.progress import Progress
 from .storage.store import Image
@@ -117,6 +119,7 @@ async def start_sample(task: ComposeTask, label: str, *, output_limit_mode: str 
     volumes = _volume_root(project, mapping) if _uses_named_volumes(project) else None
     names = aliases(project)
     specs = []
+    declared = []  # the compose file's healthchecks: they set the deadline, as in Inspect
     try:
         for service in project.services.values():
             image = task.images[service.name]
@@ -129,13 +132,16 @@ async def start_sample(task: ComposeTask, label: str, *, output_limit_mode: str 
                 check = Healthcheck.from_test(h.test, interval=h.interval, timeout=h.timeout, retries=h.retries,
                                               start_period=h.start_period) if h.test else \
                     Healthcheck.from_image(image.config.healthcheck)
+                if check is not None:
+                    declared.append(check)
             # main_command applied Docker's rules already: [] runs nothing (not the image's).
             specs.append(ServiceSpec(service.name, spec, command=main_command(service, image.config) or [],
                                      depends_on=dict(service.depends_on), healthcheck=check,
+                                     no_healthcheck=service.healthcheck is not None and service.healthcheck.disable,
                                      names=[n for n in names.get(service.name, []) if n != service.name]))
         if volumes is not None:
             give(volumes, mapping.host_root)  # the volume directories service_spec made
-        services = Services(specs, network=task.network)
+        services = Services(specs, network=task.network, wait_limit=compose_deadline(declared))
         sample = Sample(services, volumes, mapping)
         try:
             sandboxes = await services.start()

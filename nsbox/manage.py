@@ -11,9 +11,11 @@ and the others are still removed.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import select
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -216,3 +218,53 @@ def gc(mapping: IdMap) -> GcReport:
         except Exception as e:
             report.failures.append(f"cannot remove layer {layer}: {describe(e)}")
     return report
+
+
+def collect_dead() -> list[str]:
+    """Removes this user's sandboxes that nothing will remove any more:
+    their init and their owner process are both gone (a killed eval's,
+    say). A live sandbox, and a dead one whose owner still runs (it closes
+    its own), are never touched. Each is claimed with a lock on its
+    runtime directory, so that processes collecting at once do not remove
+    the same one; what fails is left for `nsbox gc`, which reports it."""
+    removed = []
+    for info in registry.entries():
+        if info.init_alive or info.owner_alive:
+            continue
+        try:
+            fd = os.open(registry.sandbox_dir(info.id), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            continue  # removed meanwhile
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if registry.read(info.id) is not None:  # else removed before we held the lock
+                remove(info, force=True)
+                removed.append(info.id)
+        except Exception:
+            pass  # another process holds it, or it cannot be removed: `nsbox gc` says why
+        finally:
+            os.close(fd)
+    return removed
+
+
+_collector: tuple[int, threading.Thread] | None = None  # (pid, thread): once per process
+
+
+def collect_in_background() -> None:
+    """collect_dead() once per process, on a thread of its own, so that a
+    sandbox's creation does not wait for it. A process that exits first
+    leaves the rest to the next one (a layer is removed before its entry)."""
+    global _collector
+    if _collector is not None and _collector[0] == os.getpid():
+        return
+    thread = threading.Thread(target=collect_dead, name="nsbox-collect", daemon=True)
+    _collector = (os.getpid(), thread)
+    thread.start()
+
+
+def wait_collected(timeout: float) -> bool:
+    """Whether this process's collect_in_background() is done within `timeout` s."""
+    if _collector is None or _collector[0] != os.getpid():
+        return True
+    _collector[1].join(timeout)
+    return not _collector[1].is_alive()

@@ -30,11 +30,11 @@ from . import users
 from . import plan as plan_mod
 from . import rootfs as rootfs_mod
 from .capture import CappedBuffer, Forwarder
-from .client import DEFAULT_PATH, Command, ExecResult, InitClient, failed_start
+from .client import DEFAULT_PATH, Channel, Command, ExecResult, InitClient, failed_start
 from .errors import CommandTimeout, NsboxError, OutputLimitExceeded, SandboxSetupError, SandboxUnavailable, UserUnsupported
 from .launch import Launched, launch
 from .limits import exec_output_limit, human_size
-from .manage import describe
+from .manage import collect_in_background, describe
 from .spec import NET, Network, OutputLimitMode, SandboxSpec
 
 if TYPE_CHECKING:
@@ -277,6 +277,7 @@ class Sandbox:
     async def _create(self) -> None:
         resources.check(resources.Limits.of(self.spec))  # strict_limits: before anything exists
         rlimits.raise_nofile_limit()  # once per process: soft NOFILE up to the hard limit
+        collect_in_background()  # once per process: what killed processes of this user left
         self.idmap = idmap.detect(self.spec.id_mapping)  # type: ignore[arg-type]
         self.id = secrets.token_hex(6)
         self.hostname = self.spec.hostname or self.id
@@ -747,17 +748,20 @@ class Sandbox:
         return result.returncode
 
     async def spawn(self, cmd: Sequence[str], *, cwd: str | None = None, env: Mapping[str, str] | None = None,
-                    user: str | None = None) -> None:
+                    user: str | None = None, watch: bool = False) -> "Channel | None":
         """Starts `cmd` in the background, its stdio on /dev/null; it runs on
         its own, like a command started with `&`. Returns once it runs; a
         command that cannot be started raises as exec would; a later exit
-        is not reported."""
+        is not reported, unless `watch`: then the init reports it on the
+        returned channel while that is open (closing it leaves the command
+        running)."""
         client = self.client
-        await client.spawn(self.command(cmd, await self.identity(user), cwd, env), _shared_devnull())
+        return await client.spawn(self.command(cmd, await self.identity(user), cwd, env), _shared_devnull(),
+                                  watch=watch)
 
     async def start_process(self, cmd: Sequence[str], *, input: str | bytes | None = None, stdin_open: bool = False,
                             cwd: str | None = None, env: Mapping[str, str] | None = None,
-                            user: str | None = None) -> "streaming.Process":
+                            user: str | None = None, output_limit: int | None = None) -> "streaming.Process":
         """Starts `cmd` and returns a Process whose output streams to the
         host as the command writes it (see nsbox/streaming.py): iterate it
         for Output and Exit events, write_stdin/close_stdin (stdin_open=True),
@@ -766,8 +770,9 @@ class Sandbox:
         `input` is written to stdin first; stdin is then closed unless
         `stdin_open`. Output waiting for the consumer keeps its last N bytes
         per stream (N from nsbox.limits; the sandbox's timeout and "raise"
-        mode do not apply: the process runs until it exits or is killed).
-        Start failures are reported as exec reports them."""
+        mode do not apply: the process runs until it exits or is killed;
+        `output_limit` sets another N). Start failures are reported as exec
+        reports them."""
         from . import streaming
 
         client = self.client
@@ -776,7 +781,8 @@ class Sandbox:
             return streaming.finished(identity, self.command(cmd, self._identity, cwd, env), self.id)
         data = input.encode("utf-8") if isinstance(input, str) else input
         return await streaming.start(client, self.command(cmd, identity, cwd, env), input=data, stdin_open=stdin_open,
-                                     limit=exec_output_limit(), devnull=_shared_devnull(), sandbox_id=self.id)
+                                     limit=exec_output_limit() if output_limit is None else output_limit,
+                                     devnull=_shared_devnull(), sandbox_id=self.id)
 
     # ---- files -------------------------------------------------------
 

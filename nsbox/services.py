@@ -9,25 +9,34 @@
   never see each other: each sample has its own namespace. Two services
   of one sample cannot listen on the same port.
 - Each service's main process (its command, or the image's
-  Entrypoint/Cmd) runs in the background, as a container's does; nsbox's
-  init is PID 1 and reaps.
+  Entrypoint/Cmd) runs in the background, as a container's does, and
+  outlives this process where the sample is kept; nsbox's init is PID 1
+  and reaps. Until the sample is up, the init reports its exit.
 - depends_on conditions: service_started (the sandbox runs),
   service_healthy (its healthcheck passed), service_completed_successfully
-  (its main process exited 0). Waiting has a deadline and fails naming the
-  service and what its last probe said, as `docker compose up --wait`.
+  (its main process exited 0).
+- Ready, as `docker compose up --wait` leaves a sample: start() returns
+  once every service with a healthcheck (its own or its image's) passed
+  it, and every other one's main process runs (or exited 0, which
+  Inspect accepts). A service whose main process exits before it is
+  healthy, or exits with another status, or whose probes keep failing,
+  fails start() naming it and what its last probe said (or its exit
+  status). Waiting has one deadline for the whole sample.
 """
 
 from __future__ import annotations
 
 import functools
 import shlex
+import signal
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Mapping, Sequence
 
 import anyio
 
+from .client import Channel
 from .errors import NsboxError
-from . import streaming
+from . import protocol, streaming
 from .sandbox import Sandbox
 from .spec import SandboxSpec
 
@@ -37,10 +46,40 @@ INTERVAL, TIMEOUT, RETRIES = 30.0, 30.0, 3
 # interval before the first probe; a sample should come up in milliseconds.
 FAST_PROBE = 0.1
 WAIT_LIMIT = 300.0  # default deadline for every dependency of a sample
+# Inspect's docker provider gives `compose up --wait` this long without
+# healthchecks, and this much beyond the longest healthcheck schedule.
+COMPOSE_WAIT, COMPOSE_STARTUP_ALLOWANCE = 600.0, 60.0
+# What the host keeps of an awaited main process's output: the tail an error quotes.
+MAIN_OUTPUT_LIMIT = 64 * 1024
 
 
 class ServicesError(NsboxError):
     pass
+
+
+class Watched:
+    """A main process started detached (it outlives this process, as a kept
+    sample's services must), whose exit the init reports on `chan` while
+    the sample comes up."""
+
+    def __init__(self, chan: Channel) -> None:
+        self.chan = chan
+        self._code: int | None = None
+
+    @property
+    def returncode(self) -> int | None:
+        """Its exit status, once it exited (128+N for signal N)."""
+        if self._code is None and self.chan.fileno() >= 0:
+            replies, closed = self.chan.read_replies()
+            for reply in replies:
+                if reply.kind == protocol.REPLY_EXIT:
+                    self._code = reply.code
+            if closed and self._code is None:
+                self._code = 128 + signal.SIGKILL  # the sandbox went away under it
+        return self._code
+
+    def close(self) -> None:
+        self.chan.close()  # the command runs on
 
 
 @dataclass(frozen=True)
@@ -83,6 +122,20 @@ class Healthcheck:
                              retries=int(retries) if isinstance(retries, int) and retries > 0 else RETRIES,
                              start_period=seconds("StartPeriod", 0.0))
 
+    def schedule(self) -> float:
+        """The longest a healthcheck can take to decide, as Inspect's docker
+        provider reckons it (a probe that starts inside the start period is
+        not counted, so one more `timeout` follows it)."""
+        grace = self.timeout if self.start_period > 0 else 0.0
+        return self.start_period + grace + self.retries * (self.interval + self.timeout)
+
+
+def compose_deadline(checks: Sequence[Healthcheck]) -> float:
+    """How long a sample may take to come up: what Inspect's docker provider
+    gives `docker compose up --wait` for these healthchecks (the compose
+    file's own; an image's do not count there)."""
+    return COMPOSE_STARTUP_ALLOWANCE + max(c.schedule() for c in checks) if checks else COMPOSE_WAIT
+
 
 @dataclass
 class ServiceSpec:
@@ -93,6 +146,7 @@ class ServiceSpec:
     command: list[str] | None = None  # None: the image's Entrypoint/Cmd
     depends_on: dict[str, str] = field(default_factory=dict)  # name -> condition
     healthcheck: Healthcheck | None = None  # None: the image's, if any
+    no_healthcheck: bool = False  # not even the image's (compose's `disable: true`)
     names: list[str] = field(default_factory=list)  # what it answers to besides its name (aliases)
 
 
@@ -126,7 +180,8 @@ class Services:
         self.wait_limit = wait_limit
         self.sandboxes: dict[str, Sandbox] = {}
         self._healthy: set[str] = set()
-        self._main: dict[str, "streaming.Process"] = {}  # main processes whose exit is awaited
+        # Main processes: with their output where a service waits for their exit.
+        self._main: dict[str, "streaming.Process | Watched"] = {}
         self._given = [s.name for s in services]
 
     def _hosts(self) -> dict[str, str]:
@@ -158,6 +213,8 @@ class Services:
                     for dep, condition in service.depends_on.items():
                         await self._wait_for(dep, condition, deadline)
                     await self._run_command(service)
+                for service in self.order:  # then every service must get ready, at once
+                    tg.start_soon(guarded, functools.partial(self._wait_ready, service.name, deadline))
 
             async def guarded(work: Callable[[], Awaitable[None]]) -> None:
                 # The first failure is raised as itself, not in a group.
@@ -177,6 +234,7 @@ class Services:
             with anyio.CancelScope(shield=True):
                 await self.close()
             raise
+        self._stop_watching()
         # The project's order (the default service first), as Inspect wants it.
         return {name: self.sandboxes[name] for name in self._given}
 
@@ -208,10 +266,12 @@ class Services:
             return
         awaited = any(s.depends_on.get(service.name) == "service_completed_successfully" for s in self.order)
         try:
-            if awaited:  # its exit status is wanted: keep a handle on it
-                self._main[service.name] = await sb.start_process(command)
-            else:
-                await sb.spawn(command)
+            if awaited:  # its exit status and output are wanted
+                self._main[service.name] = await sb.start_process(command, output_limit=MAIN_OUTPUT_LIMIT)
+            else:  # on its own, but watched until the sample is up
+                chan = await sb.spawn(command, watch=True)
+                assert chan is not None
+                self._main[service.name] = Watched(chan)
         except (NsboxError, OSError) as e:
             raise ServicesError(f"service {service.name}: its command {shlex.join(command)} "
                                 f"could not start: {e}") from None
@@ -235,6 +295,7 @@ class Services:
         if process is None:
             raise ServicesError(f"service {name} has no command to complete (depends_on: "
                                 f"service_completed_successfully)")
+        assert isinstance(process, streaming.Process)  # started so (_run_command)
         result = None
         with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
             result = await process.wait()
@@ -246,12 +307,39 @@ class Services:
             raise ServicesError(f"service {name} did not complete successfully (exit status "
                                 f"{result.returncode}){': ' + tail if tail else ''}")
 
+    def _healthcheck(self, name: str) -> Healthcheck | None:
+        """The service's healthcheck: its own, else its image's."""
+        service = self._service(name)
+        check = service.healthcheck
+        image = self.sandboxes[name].image
+        if check is None and image is not None and not service.no_healthcheck:
+            check = Healthcheck.from_image(image.config.healthcheck)
+        return check
+
+    async def _wait_ready(self, name: str, deadline: float) -> None:
+        """As `docker compose up --wait`: healthy if it has a healthcheck,
+        else its main process runs (or exited 0)."""
+        if self._healthcheck(name) is not None:
+            await self._wait_healthy(name, self.sandboxes[name], deadline)
+            return
+        process = self._main.get(name)
+        if process is not None and process.returncode not in (None, 0):
+            raise ServicesError(await self._exited(name, process))
+
+    async def _exited(self, name: str, process: "streaming.Process | Watched") -> str:
+        """What a failure says of a service whose main process exited."""
+        result = None
+        if isinstance(process, streaming.Process):
+            with anyio.move_on_after(1):
+                result = await process.wait()
+        tail = (result.stderr or result.stdout).strip()[-200:] if result is not None else ""
+        return f"service {name} exited with status {process.returncode}{': ' + tail if tail else ''}"
+
     async def _wait_healthy(self, name: str, sb: Sandbox, deadline: float) -> None:
         if name in self._healthy:
             return
-        check = self._service(name).healthcheck
-        if check is None and sb.image is not None:
-            check = Healthcheck.from_image(sb.image.config.healthcheck)
+        check = self._healthcheck(name)
+        process = self._main.get(name)
         if check is None:
             raise ServicesError(f"service {name} has no healthcheck, but another service depends on it with "
                                 f"condition service_healthy")
@@ -272,6 +360,9 @@ class Services:
                 last = f"the probe timed out after {check.timeout:g}s"
             except NsboxError as e:
                 last = str(e)
+            if process is not None and process.returncode is not None:  # it will never be healthy
+                raise ServicesError(f"{await self._exited(name, process)} before it was healthy "
+                                    f"(last probe: {last})")
             now = anyio.current_time()
             if now >= give_up:
                 raise ServicesError(f"service {name} is unhealthy after {now - started:.1f}s: "
@@ -279,8 +370,16 @@ class Services:
             await anyio.sleep(min(delay, give_up - now))
             delay = min(delay * 1.5, max(check.interval, FAST_PROBE))
 
+    def _stop_watching(self) -> None:
+        """The sample is up (or going): the detached main processes run on, unwatched."""
+        for name, process in list(self._main.items()):
+            if isinstance(process, Watched):
+                process.close()
+                del self._main[name]
+
     async def close(self) -> None:
         """Closes every sandbox: the joiners first, the network's owner last."""
+        self._stop_watching()
         for name in reversed(list(self.sandboxes)):
             sb = self.sandboxes.pop(name)
             with anyio.CancelScope(shield=True):

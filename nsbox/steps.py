@@ -118,5 +118,15 @@ def become_root() -> Step:
     return Step(Kind.BECOME_ROOT, "become root of the sandbox's user namespace")
 
 
+# Ports below it need CAP_NET_BIND_SERVICE over the network namespace's owner,
+# which sandbox processes (in a nested user namespace) never have.
+UNPRIVILEGED_PORT_START = "/proc/sys/net/ipv4/ip_unprivileged_port_start"
+
+
+@functools.cache
 def loopback_up() -> Step:
-    return Step(Kind.LOOPBACK_UP, "bring up the loopback interface")
+    """Brings up lo, and lets every user of the sandbox bind any port of
+    its own network namespace (net.ipv4.ip_unprivileged_port_start=0, as
+    Docker and podman set it): after pivot_root, in the sandbox's /proc."""
+    return Step(Kind.LOOPBACK_UP, "bring up the loopback interface and open ports below 1024 to every user",
+                a=UNPRIVILEGED_PORT_START)

@@ -394,3 +394,72 @@ async def test_default_network_has_outbound_access_and_names(images: dict[str, s
     finally:
         if sample is not None:
             await sample.close()
+
+
+# ---- a sample is ready as `docker compose up --wait` leaves it -----------------
+
+def _slow_web(images: dict[str, str], user: str, probe: str = "wget -q -O- http://127.0.0.1/flag.txt") -> str:
+    """web: busybox httpd on :80 that starts listening only after a while,
+    with a healthcheck; default: debian, `depends_on: [web]` (the short
+    form: service_started)."""
+    return f"""\
+        services:
+          default:
+            image: {images['debian']}
+            command: tail -f /dev/null
+            depends_on: [web]
+          web:
+            image: {images['busybox']}
+            user: "{user}"
+            command: ["sh", "-c", "mkdir -p /tmp/srv && echo FLAG-$$((6*7)) > /tmp/srv/flag.txt && sleep 0.7 && exec httpd -f -p 80 -h /tmp/srv"]
+            healthcheck:
+              test: ["CMD-SHELL", "{probe}"]
+              interval: 1s
+              retries: 20
+        """
+
+
+FETCH_WEB = ("exec 3<>/dev/tcp/web/80 && printf 'GET /flag.txt HTTP/1.0\\r\\n\\r\\n' >&3 && cat <&3")
+
+
+def test_a_service_on_port_80_reached_by_name(images: dict[str, str], tmp_path: Path, mode: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A non-root service user listens on :80 (where the mode has one),
+    and the default service's first command reaches it by name."""
+    monkeypatch.chdir(tmp_path)
+    user = "1000" if mode != "single" else "0"
+    task = _task(tmp_path, _slow_web(images, user), "nsbox_compose_port80", output_has("FLAG-42"),
+                 [Sample(input="get it", target="", id=i) for i in (1, 2)])
+    _check(_run(task, [("bash", {"command": FETCH_WEB})], tmp_path), 2)
+
+
+@pytest.mark.timeout(300)
+async def test_a_slow_service_is_never_seen_before_its_healthcheck(images: dict[str, str], tmp_path: Path) -> None:
+    compose = tmp_path / "compose.yaml"
+    compose.write_text(textwrap.dedent(_slow_web(images, "0")))
+    name = "nsbox_compose_slow"
+    await NsboxSandboxEnvironment.task_init(name, str(compose))
+    try:
+        for i in range(8):
+            envs = await NsboxSandboxEnvironment.sample_init(name, str(compose), {"__sample_id__": str(i)})
+            try:
+                r = await envs["default"].exec(["bash", "-c", FETCH_WEB])
+                assert "FLAG-42" in r.stdout, (i, r)
+            finally:
+                await NsboxSandboxEnvironment.sample_cleanup(name, str(compose), envs, interrupted=False)
+    finally:
+        await NsboxSandboxEnvironment.task_cleanup(name, str(compose), cleanup=True)
+
+
+async def test_a_service_that_never_gets_healthy_fails_the_sample(images: dict[str, str], tmp_path: Path) -> None:
+    compose = tmp_path / "compose.yaml"
+    text = _slow_web(images, "0", probe="echo web is not ready >&2; exit 1").replace("retries: 20", "retries: 2")
+    compose.write_text(textwrap.dedent(text.replace("interval: 1s", "interval: 200ms")))
+    name = "nsbox_compose_unhealthy"
+    await NsboxSandboxEnvironment.task_init(name, str(compose))
+    try:
+        with pytest.raises(NsboxError, match=r"service web is unhealthy after .*exit status 1: web is not ready"):
+            await NsboxSandboxEnvironment.sample_init(name, str(compose), {"__sample_id__": "1"})
+        assert [i for i in sandbox_registry.entries() if name in i.label] == []
+    finally:
+        await NsboxSandboxEnvironment.task_cleanup(name, str(compose), cleanup=True)

@@ -412,3 +412,90 @@ async def test_connection_after_cleanup() -> None:
     with pytest.raises(ConnectionError, match="not running"):
         await env.connection()
     assert_removed(info)
+
+
+# ---- what a killed eval leaves is collected by the next start -----------------
+
+KILLED_TASK = """\
+from inspect_ai import Task, task
+from inspect_ai.dataset import Sample
+from inspect_ai.solver import solver
+from inspect_ai.util import sandbox
+
+
+@solver
+def wait():
+    async def solve(state, generate):
+        await sandbox().exec(["sleep", "300"])
+        return state
+    return solve
+
+
+@task
+def killed():
+    return Task(dataset=[Sample(input="a", id=1), Sample(input="b", id=2)], solver=wait(), sandbox="nsbox")
+"""
+
+NEXT_START = """\
+import anyio, nsbox
+from nsbox import manage
+
+async def main():
+    async with nsbox.Sandbox() as sb:
+        assert (await sb.exec(["true"])).success
+    assert manage.wait_collected(60), "still collecting after 60s"
+
+anyio.run(main)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_evals_sandboxes_are_collected_by_the_next_start(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # A state directory of its own: no other process of this user (another
+    # test run's `nsbox gc`) collects them first.
+    monkeypatch.setenv("NSBOX_STATE_DIR", str(tmp_path / "state"))
+    (tmp_path / "task.py").write_text(KILLED_TASK)
+    inspect = Path(sys.executable).with_name("inspect")
+    ev = subprocess.Popen(["timeout", "-s", "TERM", "120", str(inspect), "eval", "task.py", "--model", "mockllm/model",
+                           "--max-samples", "2", "--log-dir", str(tmp_path / "logs"), "--display", "none"],
+                          cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        def theirs() -> list[registry.SandboxInfo]:
+            return [i for i in registry.entries() if i.label.startswith("killed sample")
+                    and _descends(i.owner_pid, ev.pid) and i.init_alive]
+
+        assert wait_for(lambda: len(theirs()) == 2, 60), "the eval did not start both samples"
+        infos = theirs()
+        for pid in {i.owner_pid for i in infos}:  # `inspect eval`, as `timeout` ends it
+            os.kill(pid, signal.SIGTERM)
+        ev.wait(30)
+    finally:
+        if ev.poll() is None:
+            ev.kill()
+            ev.wait()
+    # Left behind: dead, with their layers on disk.
+    assert wait_for(lambda: not any(i.init_alive for i in infos), 10)
+    rows = ps_rows()
+    assert all(rows[i.id]["state"] == "dead" for i in infos), rows
+    assert all(Path(i.layer).is_dir() for i in infos)
+    # The next start of nsbox by this user collects them, not touching others.
+    with owner_process() as (owner, live, _):
+        r = subprocess.run([sys.executable, "-c", NEXT_START], capture_output=True, text=True, timeout=90)
+        assert r.returncode == 0, r.stderr
+        for info in infos:
+            assert registry.read(info.id) is None
+            assert not Path(info.layer).exists(), info.layer
+            assert info.id not in ps_rows()
+        assert live.init_alive and registry.read(live.id) is not None and Path(live.layer).is_dir()
+        assert owner.poll() is None
+
+
+def _descends(pid: int, ancestor: int) -> bool:
+    """Whether `pid` is `ancestor` or one of its descendants."""
+    import psutil
+
+    try:
+        return pid == ancestor or any(p.pid == ancestor for p in psutil.Process(pid).parents())
+    except psutil.Error:
+        return False

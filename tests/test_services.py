@@ -4,12 +4,15 @@ completion, and failures that leave nothing behind."""
 
 from __future__ import annotations
 
+import os
+
+import anyio
 import psutil
 import pytest
 
 import nsbox
 from nsbox import registry
-from nsbox.services import Healthcheck, ServiceSpec, Services, ServicesError, start_order
+from nsbox.services import Healthcheck, ServiceSpec, Services, ServicesError, compose_deadline, start_order
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -19,7 +22,8 @@ GET = "import urllib.request as u; print(u.urlopen('http://{}:8000/', timeout=5)
 
 
 def _leftovers(before: set[str]) -> set[str]:
-    return {i.id for i in registry.entries()} - before
+    """This process's sandboxes made since `before` (others may run tests as the same user)."""
+    return {i.id for i in registry.entries() if i.owner_pid == os.getpid()} - before
 
 
 def _spec(**kw: object) -> nsbox.SandboxSpec:
@@ -89,3 +93,112 @@ def test_order_errors() -> None:
     assert Healthcheck.from_image({"Test": ["CMD", "true"], "Interval": 2_000_000_000}).interval == 2.0  # type: ignore[union-attr]
     with pytest.raises(ServicesError, match="CMD, CMD-SHELL or NONE"):
         Healthcheck.from_test(["SHELL", "x"])
+
+
+# ---- ready as `docker compose up --wait` leaves a sample -----------------------
+
+SLOW_SERVER = ["python3", "-c", "import http.server as h, time; time.sleep(0.6); "
+               "h.HTTPServer(('127.0.0.1', 8000), h.SimpleHTTPRequestHandler).serve_forever()"]
+PROBE = Healthcheck.from_test(["CMD-SHELL", "python3 -c \"" + GET.format("127.0.0.1") + "\""], interval=1, retries=30)
+
+
+@pytest.mark.timeout(180)
+async def test_start_waits_for_every_healthcheck_not_only_service_healthy() -> None:
+    """The short form `depends_on: [web]` (service_started): start() still
+    returns only once web's healthcheck passed, every time."""
+    for _ in range(6):
+        services = Services([ServiceSpec("default", _spec(), command=["sleep", "infinity"],
+                                         depends_on={"web": "service_started"}),
+                             ServiceSpec("web", _spec(), command=SLOW_SERVER, healthcheck=PROBE)])
+        sandboxes = await services.start()
+        try:
+            r = await sandboxes["default"].exec(["python3", "-c", GET.format("web")])
+            assert r.stdout == "200\n", r
+        finally:
+            await services.close()
+
+
+async def test_a_service_nobody_depends_on_must_get_healthy() -> None:
+    before = {i.id for i in registry.entries()}
+    children = {p.pid for p in psutil.Process().children()}
+    check = Healthcheck.from_test(["CMD-SHELL", "echo not yet; exit 1"], interval=0.2, retries=2)
+    services = Services([ServiceSpec("default", _spec(), command=["sleep", "infinity"]),
+                         ServiceSpec("db", _spec(), command=["sleep", "infinity"], healthcheck=check)])
+    with pytest.raises(ServicesError, match=r"service db is unhealthy.*exit 1' failed \(exit status 1: not yet\)"):
+        await services.start()
+    assert not _leftovers(before)
+    assert {p.pid for p in psutil.Process().children()} <= children
+
+
+async def test_a_main_process_that_exits_fails_the_sample() -> None:
+    before = {i.id for i in registry.entries()}
+    crash = ["sh", "-c", "echo cannot listen >&2; exit 4"]
+    services = Services([ServiceSpec("default", _spec(), command=["sleep", "infinity"]),
+                         ServiceSpec("web", _spec(), command=crash)])
+    with pytest.raises(ServicesError, match=r"service web exited with status 4$"):
+        await services.start()
+    assert not _leftovers(before)
+    # With a healthcheck: at once, not after its retries.
+    slow = Healthcheck.from_test(["CMD", "false"], interval=30, retries=3)
+    services = Services([ServiceSpec("default", _spec(), command=["sleep", "infinity"]),
+                         ServiceSpec("web", _spec(), command=crash, healthcheck=slow)])
+    with anyio.fail_after(10):
+        with pytest.raises(ServicesError, match=r"service web exited with status 4 before it was "
+                                                r"healthy \(last probe: exit status 1"):
+            await services.start()
+    assert not _leftovers(before)
+    # A main process that exits 0 is fine (Inspect accepts it), as is none at all.
+    services = Services([ServiceSpec("default", _spec(), command=["sleep", "infinity"]),
+                         ServiceSpec("setup", _spec(), command=["true"]), ServiceSpec("idle", _spec(), command=[])])
+    await services.start()
+    await services.close()
+
+
+def test_compose_deadline_is_inspects() -> None:
+    assert compose_deadline([]) == 600
+    # Docker's defaults: 3 * (30 + 30), plus Inspect's allowance of 60.
+    assert compose_deadline([Healthcheck(["true"])]) == 60 + 180
+    check = Healthcheck(["true"], interval=1, timeout=2, retries=5, start_period=10)
+    assert compose_deadline([check, Healthcheck(["true"], interval=1, timeout=1, retries=1)]) == 60 + 10 + 2 + 5 * 3
+
+
+KEEP = """
+import anyio, json
+from nsbox.services import ServiceSpec, Services
+import nsbox
+
+async def main():
+    web = ServiceSpec("web", nsbox.SandboxSpec(workdir="/tmp"), command=["sleep", "infinity"])
+    services = Services([ServiceSpec("default", nsbox.SandboxSpec(workdir="/tmp"), command=["sleep", "infinity"]), web])
+    sandboxes = await services.start()
+    for sb in sandboxes.values():
+        await sb.detach()
+    print(json.dumps({name: sb.id for name, sb in sandboxes.items()}), flush=True)
+
+anyio.run(main)
+"""
+
+
+def test_a_kept_samples_main_processes_outlive_its_process() -> None:
+    """Kept (--no-sandbox-cleanup, detached) services still run their main
+    process once the process that started them is gone."""
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", KEEP], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    ids = json.loads(r.stdout)
+    try:
+        for sandbox_id in ids.values():
+            info = registry.read(sandbox_id)
+            assert info is not None and info.init_alive
+            names = [p.name() for p in psutil.Process(info.init_pid).children(recursive=True)]
+            assert "sleep" in names, (sandbox_id, names)
+    finally:
+        from nsbox import manage
+
+        for sandbox_id in ids.values():
+            info = registry.read(sandbox_id)
+            if info is not None:
+                manage.remove(info, force=True)

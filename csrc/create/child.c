@@ -153,6 +153,20 @@ static int run_step(const struct nsbox_step *s, int *slots)
         int err = errno;
         close(fd);
         errno = err;
+        if (r < 0 || !s->a)
+            return r;
+        /* Every user may bind any port, as in Docker: the namespace is the
+         * sandbox's alone. Only its owner (us, root of the user namespace
+         * that owns it) may say so; sandbox processes live in a nested
+         * user namespace. A /proc/sys made read-only outside (a procfs
+         * bound from a container's) leaves the kernel's default. */
+        fd = open(s->a, O_WRONLY | O_CLOEXEC | O_NOFOLLOW);
+        if (fd < 0)
+            return errno == EROFS ? 0 : -1;
+        r = write(fd, "0", 1) == 1 ? 0 : -1;
+        err = errno;
+        close(fd);
+        errno = err;
         return r;
     }
 
