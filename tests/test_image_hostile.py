@@ -302,3 +302,66 @@ def test_fuzzed_layers_stay_inside(tmp_path: Path, capsys: pytest.CaptureFixture
             shutil.rmtree(work)
 
     check()
+
+
+# ---- configs and manifests -------------------------------------------------
+
+@pytest.mark.parametrize("config", [{"Entrypoint": ["sh", 1]}, {"Env": ["A=\0B"]}, {"WorkingDir": {"x": 1}},
+                                    {"User": ["root"]}, {"Cmd": {"a": "b"}}, {"Labels": ["x"]}])
+async def test_hostile_config_values(tmp_path: Path, store: Store, config: dict[str, Any]) -> None:
+    layout = Layout(tmp_path / "layout")
+    _image(layout, [tar_bytes(lambda t: add(t, "f", b"x"))], config=config)
+    with pytest.raises(NsboxError, match="the image config's .* is not") as info:
+        await import_image(store, layout.path, name="config:1")
+    assert "\n" not in str(info.value)
+    _nothing_published(store)
+
+
+async def test_one_string_entrypoint_is_one_argument(tmp_path: Path, store: Store) -> None:
+    layout = Layout(tmp_path / "layout")
+    _image(layout, [busybox_layer()], config={"Entrypoint": "/bin/echo", "Cmd": "hi there"})
+    image = await import_image(store, layout.path, name="str:1")
+    assert image.config.command == ["/bin/echo", "hi there"]
+
+
+async def test_too_many_layers(tmp_path: Path, store: Store) -> None:
+    layout = Layout(tmp_path / "layout")
+    _image(layout, [tar_bytes(lambda t, i=i: add(t, f"f{i}", b"x")) for i in range(129)])
+    with pytest.raises(NsboxError, match="129 layers, more than the 128"):
+        await import_image(store, layout.path, name="tall:1")
+    _nothing_published(store)
+
+
+def _put_blob(registry: Registry, repo: str, data: bytes) -> dict[str, Any]:
+    import httpx
+
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    base = f"http://{registry.host}/v2/{repo}"
+    r = httpx.post(f"{base}/blobs/uploads/")
+    assert r.status_code == 202, r.text
+    location = r.headers["location"]
+    location = location if location.startswith("http") else f"http://{registry.host}{location}"
+    r = httpx.put(f"{location}{'&' if '?' in location else '?'}digest={digest}", content=data,
+                  headers={"Content-Type": "application/octet-stream"})
+    assert r.status_code == 201, r.text
+    return {"digest": digest, "size": len(data)}
+
+
+async def test_huge_config_from_a_registry(tmp_path: Path, store: Store, registry: Registry) -> None:
+    """skopeo refuses to push a config over 4 MiB, so it goes over HTTP."""
+    import httpx
+
+    layer = gzip.compress(busybox_layer(), mtime=0)
+    ldesc = {"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", **_put_blob(registry, "hostile/cfg", layer)}
+    cfg = {"architecture": "amd64", "os": "linux", "config": {"Labels": {"junk": "x" * (5 << 20)}},
+           "rootfs": {"type": "layers", "diff_ids": ["sha256:" + hashlib.sha256(busybox_layer()).hexdigest()]}}
+    cdesc = {"mediaType": "application/vnd.oci.image.config.v1+json",
+             **_put_blob(registry, "hostile/cfg", json.dumps(cfg).encode())}
+    manifest = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                "config": cdesc, "layers": [ldesc]}
+    r = httpx.put(f"http://{registry.host}/v2/hostile/cfg/manifests/1", content=json.dumps(manifest).encode(),
+                  headers={"Content-Type": "application/vnd.oci.image.manifest.v1+json"})
+    assert r.status_code == 201, r.text
+    with pytest.raises(NsboxError, match="larger than"):
+        await store.resolve(f"{registry.host}/hostile/cfg:1")
+    assert store.records() == {}

@@ -44,6 +44,7 @@ INSECURE_ENV = "NSBOX_INSECURE_REGISTRIES"
 DOWNLOADS = 4
 TIMEOUT = httpx.Timeout(30.0, read=60.0)
 MAX_MANIFEST = 4 << 20
+MAX_CONFIG = 4 << 20  # podman's and skopeo's bound too
 RETRIES = 2  # per blob, after a dropped connection
 
 
@@ -268,8 +269,8 @@ class Registry:
                 raise RegistryError(f"blob {digest} of {self.ref}: {resp.status_code} {_error_text(resp)}")
             async for chunk in resp.aiter_bytes():
                 data += chunk
-                if len(data) > MAX_MANIFEST:
-                    raise RegistryError(f"the config {digest} of {self.ref} is larger than {MAX_MANIFEST} bytes")
+                if len(data) > MAX_CONFIG:
+                    raise RegistryError(f"the config {digest} of {self.ref} is larger than {MAX_CONFIG} bytes")
         finally:
             await resp.aclose()
         oci.verify(data, digest, f"blob {digest} of {self.ref}")
