@@ -114,6 +114,25 @@ async def test_layout_digests_naming_paths(tmp_path: Path, store: Store) -> None
         _nothing_published(store)
 
 
+async def test_layout_blob_larger_than_its_descriptor(tmp_path: Path, store: Store) -> None:
+    """A blob file that does not end where its descriptor says (a 1 GiB
+    sparse file here) is not copied whole into the store first."""
+    layout = Layout(tmp_path / "layout")
+    desc = _image(layout, [busybox_layer(), tar_bytes(lambda t: add(t, "f", b"x"))])
+    manifest = json.loads((layout.path / "blobs/sha256" / desc["digest"][7:]).read_bytes())
+    blob = layout.path / "blobs/sha256" / manifest["layers"][1]["digest"][7:]
+    with open(blob, "r+b") as f:
+        f.truncate(1 << 30)
+    with pytest.raises(NsboxError, match=r"larger than its \d+ bytes"):
+        await import_image(store, layout.path, name="long:1")
+    _nothing_published(store)
+    os.unlink(blob)
+    os.mkfifo(blob)
+    with pytest.raises(NsboxError, match="not a regular file"):
+        await import_image(store, layout.path, name="fifo:1")
+    _nothing_published(store)
+
+
 async def test_unverified_layer_directory_is_not_trusted(tmp_path: Path, store: Store) -> None:
     """A directory already at a layer's place, not unpacked and verified
     by the store, is replaced by the layer's real content."""

@@ -71,6 +71,8 @@ class _Files:
             path = (self.root / name).resolve()
             if not path.is_relative_to(self.root.resolve()):
                 raise NsboxError(f"{name} points outside the image layout")
+            if not path.is_file():  # a FIFO or device would block or never end
+                raise NsboxError(f"{name} in the image layout is not a regular file")
             with open(path, "rb") as f:
                 yield f
             return

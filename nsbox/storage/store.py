@@ -219,6 +219,8 @@ class Store:
                     h.update(chunk)
                     out.write(chunk)
                     n += len(chunk)
+                    if size is not None and n > size:  # stop now: the source may be endless
+                        raise oci.DigestMismatch(f"blob {expected or 'content'} is larger than its {size} bytes")
             digest = f"{algo}:{h.hexdigest()}"
             if size is not None and n != size:
                 raise oci.DigestMismatch(f"blob {expected or digest} has {n} bytes, not {size} (truncated?)")
