@@ -384,3 +384,17 @@ async def test_huge_config_from_a_registry(tmp_path: Path, store: Store, registr
     with pytest.raises(NsboxError, match="larger than"):
         await store.resolve(f"{registry.host}/hostile/cfg:1")
     assert store.records() == {}
+
+
+async def test_nested_indexes_stop(tmp_path: Path, store: Store) -> None:
+    layout = Layout(tmp_path / "layout")
+    desc = _image(layout, [tar_bytes(lambda t: add(t, "f", b"x"))])
+    for _ in range(5):
+        index = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json", "manifests": [desc]}
+        desc = {"mediaType": "application/vnd.oci.image.index.v1+json", **layout.blob(json.dumps(index).encode()),
+                "platform": {"architecture": "amd64", "os": "linux"}}
+    layout.index = []
+    layout.tag("deep", desc)
+    with pytest.raises(NsboxError, match="nest too deeply"):
+        await import_image(store, layout.path, name="deep:1", platform="linux/amd64")
+    _nothing_published(store)
