@@ -296,7 +296,7 @@ def test_fuzzed_layers_stay_inside(tmp_path: Path, capsys: pytest.CaptureFixture
     (sentinel / "file").write_text("untouched\n")
     before = snapshot(sentinel)
 
-    @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=100, deadline=None, database=None, suppress_health_check=list(HealthCheck))
     @given(_fuzz_members(), __import__("hypothesis").strategies.booleans())
     def check(members: list[Any], compressed: bool) -> None:
         work = Path(tempfile.mkdtemp(dir=tmp_path))
