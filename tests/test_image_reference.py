@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from nsbox import idmap
+from nsbox.errors import NsboxError
 from nsbox.storage import oci, registry
 from nsbox.storage.config import ImageConfig
 from nsbox.storage.reference import ReferenceError, is_loopback, parse
@@ -89,17 +90,22 @@ def test_credentials_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_platform_selection() -> None:
+    arm, att, amd, v7 = ("sha256:" + c * 64 for c in "abcd")
     index = {"manifests": [
-        {"digest": "sha256:arm", "platform": {"os": "linux", "architecture": "arm64", "variant": "v8"}},
-        {"digest": "sha256:att", "platform": {"os": "unknown", "architecture": "unknown"}},
-        {"digest": "sha256:amd", "platform": {"os": "linux", "architecture": "amd64"}},
-        {"digest": "sha256:v7", "platform": {"os": "linux", "architecture": "arm", "variant": "v7"}},
+        {"digest": arm, "platform": {"os": "linux", "architecture": "arm64", "variant": "v8"}},
+        {"digest": att, "platform": {"os": "unknown", "architecture": "unknown"}},
+        {"digest": amd, "platform": {"os": "linux", "architecture": "amd64"}},
+        {"digest": v7, "platform": {"os": "linux", "architecture": "arm", "variant": "v7"}},
     ]}
-    assert oci.select_manifest(index, oci.Platform.parse("linux/amd64"))["digest"] == "sha256:amd"
-    assert oci.select_manifest(index, oci.Platform.parse("arm64"))["digest"] == "sha256:arm"
-    assert oci.select_manifest(index, oci.Platform.parse("linux/arm/v7"))["digest"] == "sha256:v7"
+    assert oci.select_manifest(index, oci.Platform.parse("linux/amd64"))["digest"] == amd
+    assert oci.select_manifest(index, oci.Platform.parse("arm64"))["digest"] == arm
+    assert oci.select_manifest(index, oci.Platform.parse("linux/arm/v7"))["digest"] == v7
     with pytest.raises(Exception, match="no variant for linux/s390x.*linux/amd64"):
         oci.select_manifest(index, oci.Platform.parse("linux/s390x"))
+    # What the index names must be a digest: it becomes a path and a URL.
+    index["manifests"][2]["digest"] = "sha256:../../../v2/other/manifests/latest"
+    with pytest.raises(NsboxError, match="invalid digest"):
+        oci.select_manifest(index, oci.Platform.parse("linux/amd64"))
     assert oci.Platform.current().os == "linux"
 
 

@@ -22,10 +22,15 @@ import anyio
 
 from ..errors import NsboxError
 from ..idmap import IdMap
+from .oci import check_digest
 
 APPLIER = Path(__file__).with_name("applytar.py")
 # Two layers at once: the applier is single-threaded and machines have cores.
 PARALLEL = 2
+
+
+class Exceeded(Exception):
+    """The applier stopped at a bound: args[0] is "size" or "files"."""
 
 
 class CorruptLayer(NsboxError):
@@ -40,6 +45,7 @@ class ApplyReport:
     files: int
     skipped: dict[str, int] = field(default_factory=dict)
     examples: list[str] = field(default_factory=list)
+    entries: int = 0  # everything created (and members read): what the bound counts
 
     def summary(self) -> str | None:
         """One line on what was left out, or None."""
@@ -102,13 +108,18 @@ class Unpacker:
                 self._box = box
         return self._box
 
-    async def apply(self, blob: str, name: str) -> ApplyReport:
-        """Unpacks blob `sha256:…` into staging/`name` (which must not exist)."""
+    async def apply(self, blob: str, name: str, max_bytes: int, max_files: int) -> ApplyReport:
+        """Unpacks blob `sha256:…` into staging/`name` (which must not exist),
+        its tar stream at most `max_bytes`, its entries at most `max_files`
+        (else `Exceeded`)."""
+        algo, hexd = check_digest(blob, "a layer descriptor")
         box = await self._sandbox()
-        args = json.dumps({"blob": f"/blobs/{blob.replace(':', '/')}", "dest": f"/staging/{name}",
-                           "single": self.mapping.mode == "single"})
+        args = json.dumps({"blob": f"/blobs/{algo}/{hexd}", "dest": f"/staging/{name}",
+                           "single": self.mapping.mode == "single", "max_bytes": max_bytes, "max_files": max_files})
         async with self._slots:
             r = await box.exec([self._python, "-I", "-S", "-c", self._source, args])
+        if r.returncode == 4:
+            raise Exceeded(r.stderr.strip().splitlines()[-1])
         if r.returncode == 3:
             raise CorruptLayer(f"layer {blob}: {r.stderr.strip()[-500:]}",
                                hint="pull or import the image again; if it recurs, the source is damaged")
@@ -116,7 +127,7 @@ class Unpacker:
             raise NsboxError(f"unpacking layer {blob} failed: {r.stderr.strip()[-1000:]}")
         data = json.loads(r.stdout.strip().splitlines()[-1])
         return ApplyReport(data["diff_id"], data["size"], data["compression"], data["files"],
-                           data["skipped"], data["examples"])
+                           data["skipped"], data["examples"], data["entries"])
 
 
 def dir_size(path: Path) -> int:

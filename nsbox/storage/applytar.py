@@ -14,6 +14,9 @@ member never lands outside the layer or goes through a symlink:
   for writing), so a planted symlink or hardlink is replaced, not followed;
 - a hardlink must name an entry of this layer, resolved the same way;
 - device nodes are skipped (counted); FIFOs are made;
+- sparse members stay sparse: only their data is written;
+- the uncompressed stream and the entries created (a member's missing
+  parents included) are bounded (`max_bytes`, `max_files`): exit 4;
 - whiteouts: `.wh.NAME` becomes an overlay whiteout (a 0/0 character
   device, or the `user.overlay.whiteout` xattr form where mknod is refused),
   `.wh..wh..opq` sets `user.overlay.opaque="y"` (overlay runs with userxattr);
@@ -21,7 +24,8 @@ member never lands outside the layer or goes through a symlink:
   which would let a layer steer the overlay mount.
 
 It prints one JSON line: the uncompressed digest (the layer's diff_id) and
-what was skipped. Exit 3: the blob is corrupt or truncated; 1: other errors.
+what was skipped. Exit 3: the blob is corrupt or truncated; 4: over a bound
+("size" or "files" on stderr); 1: other errors.
 """
 
 from __future__ import annotations
@@ -55,10 +59,24 @@ class Unsafe(Exception):
     pass
 
 
+class TooBig(Exception):
+    """Over a bound: args[0] is "size" or "files"."""
+
+
+def _mtime(m: tarfile.TarInfo) -> tuple[int, int]:
+    """A member's mtime for utime, clamped: a PAX header may say anything."""
+    try:
+        t = int(min(max(float(m.mtime), 0.0), 2.0 ** 40))
+    except (TypeError, ValueError, OverflowError):
+        t = 0
+    return (t * 10**9,) * 2
+
+
 class Reader:
     """The decompressed layer stream, hashed as it is read (the diff_id)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
         self.raw = open(path, "rb", buffering=0)  # unbuffered: zstd reads the same fd
         magic = self.raw.read(6)
         self.raw.seek(0)
@@ -123,6 +141,8 @@ class Reader:
             raise Corrupt(f"the {self.kind} stream is corrupt: {e}") from None
         self.hash.update(data)
         self.size += len(data)
+        if self.size > self.max_bytes:
+            raise TooBig("size")
         return data
 
     def drain(self) -> None:
@@ -145,8 +165,10 @@ def clean(name: str) -> list[str] | None:
 
 
 class Applier:
-    def __init__(self, dest: str, single: bool) -> None:
+    def __init__(self, dest: str, single: bool, max_files: int) -> None:
         os.mkdir(dest, 0o755)
+        self.max_files = max_files
+        self.entries = 0
         self.root = os.open(dest, OPEN_DIR)
         self.single = single
         self.dirs: dict[tuple[str, ...], tarfile.TarInfo] = {}
@@ -173,6 +195,7 @@ class Applier:
                 except FileNotFoundError:
                     if not create:
                         raise Unsafe("missing in this layer") from None
+                    self.count()
                     os.mkdir(comp, 0o755, dir_fd=fd)
                     nfd = os.open(comp, OPEN_DIR, dir_fd=fd)
                 except OSError as e:
@@ -209,6 +232,12 @@ class Applier:
             os.unlink(name, dir_fd=pfd)
         return False
 
+    def count(self) -> None:
+        """One more entry (or member read): bounded, like the bytes."""
+        self.entries += 1
+        if self.entries > self.max_files:
+            raise TooBig("files")
+
     def skip(self, kind: str, name: str = "") -> None:
         self.skipped[kind] = self.skipped.get(kind, 0) + 1
         if name and kind in ("unsafe", "hardlink") and len(self.examples) < 5:
@@ -218,6 +247,7 @@ class Applier:
 
     def apply(self, tf: tarfile.TarFile) -> None:
         for m in tf:
+            self.count()
             parts = clean(m.name)
             if parts is None:
                 self.skip("unsafe", m.name)
@@ -241,7 +271,7 @@ class Applier:
                 continue
             try:
                 os.chmod(fd, d.mode & 0o7777)
-                os.utime(fd, ns=(int(d.mtime) * 10**9,) * 2)
+                os.utime(fd, ns=_mtime(d))
             finally:
                 os.close(fd)
         self.drop_cache()
@@ -281,7 +311,7 @@ class Applier:
         elif m.issym():
             os.symlink(m.linkname, base, dir_fd=pfd)
             self.owner(pfd, base, m)
-            os.utime(base, ns=(int(m.mtime) * 10**9,) * 2, dir_fd=pfd, follow_symlinks=False)
+            os.utime(base, ns=_mtime(m), dir_fd=pfd, follow_symlinks=False)
         elif m.isfifo():
             os.mkfifo(base, 0o600, dir_fd=pfd)
             self.owner(pfd, base, m)
@@ -292,24 +322,35 @@ class Applier:
             try:
                 src = tf.extractfile(m)
                 assert src is not None
-                remaining = m.size
-                while remaining > 0:
-                    data = src.read(min(CHUNK, remaining))
-                    if not data:
-                        raise Corrupt(f"{m.name}: the archive ends inside this file (truncated)")
-                    remaining -= len(data)
-                    view = memoryview(data)
-                    while view:
-                        view = view[os.write(fd, view):]
+                if m.issparse():
+                    self.sparse(tf, m, fd)
+                else:
+                    copy(src, m, fd, 0, m.size)
                 self.owner(fd, None, m)  # before chmod: chown clears setuid bits
                 os.chmod(fd, m.mode & 0o7777)
                 self.xattrs(fd, m)  # after chown: it clears security.capability
-                os.utime(fd, ns=(int(m.mtime) * 10**9,) * 2)
+                os.utime(fd, ns=_mtime(m))
             finally:
                 os.close(fd)
             self.files += 1
         else:
             self.skip("unknown")
+
+    def sparse(self, tf: tarfile.TarFile, m: tarfile.TarInfo, fd: int) -> None:
+        """Writes only the data of a sparse member; its holes stay holes
+        (tarfile would read them back as zeros, to be written out). The
+        archive holds the data segments one after the other."""
+        stream = tf.fileobj
+        stream.seek(m.offset_data)  # type: ignore[union-attr]
+        end = 0
+        for offset, size in m.sparse or ():
+            if size == 0:
+                continue
+            if offset < end or offset + size > m.size:
+                raise Corrupt(f"{m.name}: a sparse map out of order or past the file's end")
+            copy(stream, m, fd, offset, size)
+            end = offset + size
+        os.ftruncate(fd, m.size)
 
     def whiteout(self, parts: list[str]) -> None:
         name = parts[-1]
@@ -371,6 +412,8 @@ class Applier:
                 os.chown(fd, m.uid, m.gid)
             else:
                 os.chown(name, m.uid, m.gid, dir_fd=fd, follow_symlinks=False)
+        except OverflowError:
+            self.skip("owners")  # not even an id: stays root's
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
@@ -394,6 +437,20 @@ class Applier:
                 self.skip("xattrs")
 
 
+def copy(src: Any, m: tarfile.TarInfo, fd: int, offset: int, size: int) -> None:
+    """`size` bytes of the member from where `src` is to `offset` in fd."""
+    os.lseek(fd, offset, os.SEEK_SET)
+    remaining = size
+    while remaining > 0:
+        data = src.read(min(CHUNK, remaining))
+        if not data:
+            raise Corrupt(f"{m.name}: the archive ends inside this file (truncated)")
+        remaining -= len(data)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+
+
 def remove_tree(pfd: int, name: str) -> None:
     """rm -rf of name in pfd, never following a symlink."""
     fd = os.open(name, OPEN_DIR, dir_fd=pfd)
@@ -415,19 +472,23 @@ def _fail(code: int, message: str) -> int:
 
 def main(argv: list[str]) -> int:
     args = json.loads(argv[1])
-    reader = Reader(args["blob"])
-    applier = Applier(args["dest"], bool(args.get("single")))
+    reader = Reader(args["blob"], int(args.get("max_bytes") or 1 << 62))
+    applier = Applier(args["dest"], bool(args.get("single")), int(args.get("max_files") or 1 << 62))
     try:
         with tarfile.open(fileobj=reader, mode="r|") as tf:  # type: ignore[call-overload]
             applier.apply(tf)
         reader.drain()
-    except (Corrupt, tarfile.TarError, EOFError) as e:
+    except TooBig as e:
+        return _fail(4, str(e))
+    except (Corrupt, tarfile.TarError, EOFError, UnicodeError) as e:
         return _fail(3, f"corrupt or truncated layer: {e}")
+    except (ValueError, OverflowError) as e:  # a NUL in a name, a number out of range
+        return _fail(3, f"corrupt layer: {applier.current or 'a member'}: {e}")
     except OSError as e:
         return _fail(1, f"{applier.current or 'the layer'}: {e}")
     report = {
         "diff_id": "sha256:" + reader.hash.hexdigest(), "size": reader.size, "compression": reader.kind,
-        "files": applier.files, "skipped": applier.skipped, "examples": applier.examples,
+        "files": applier.files, "entries": applier.entries, "skipped": applier.skipped, "examples": applier.examples,
         "whiteout_xattr": applier.whiteout_xattr,
     }
     print(json.dumps(report))

@@ -21,7 +21,7 @@ import subprocess
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import anyio
 
@@ -71,6 +71,8 @@ class _Files:
             path = (self.root / name).resolve()
             if not path.is_relative_to(self.root.resolve()):
                 raise NsboxError(f"{name} points outside the image layout")
+            if not path.is_file():  # a FIFO or device would block or never end
+                raise NsboxError(f"{name} in the image layout is not a regular file")
             with open(path, "rb") as f:
                 yield f
             return
@@ -207,6 +209,11 @@ async def _from_docker(s: Session, files: _Files, tag: str | None) -> tuple[str,
     entries = json.loads(files.read("manifest.json"))
     if not entries:
         raise NsboxError("the archive's manifest.json lists no image")
+    if not isinstance(entries, list) or not all(
+            isinstance(e, dict) and isinstance(e.get("Config"), str) and isinstance(e.get("Layers"), list)
+            and all(isinstance(p, str) for p in e["Layers"]) and len(e["Layers"]) <= oci.MAX_LAYERS
+            for e in entries):
+        raise NsboxError("the archive's manifest.json is not a list of images with a Config and Layers")
     entry = entries[0]
     if tag:
         wanted = _normal(tag) if ":" in tag or "/" in tag else None
@@ -235,16 +242,16 @@ async def _from_docker(s: Session, files: _Files, tag: str | None) -> tuple[str,
 
 # ---- OCI layouts ------------------------------------------------------
 
-def _blob_name(digest: str) -> str:
-    algo, _, hexd = digest.partition(":")
-    if not re.fullmatch(r"sha(256|512)", algo) or not re.fullmatch(r"[0-9a-f]+", hexd):
-        raise NsboxError(f"invalid digest {digest!r} in the layout")
+def _blob_name(digest: object) -> str:
+    algo, hexd = oci.check_digest(digest, "the image layout")
     return f"blobs/{algo}/{hexd}"
 
 
 async def _from_layout(s: Session, files: _Files, want: oci.Platform, tag: str | None) -> tuple[str, list[str]]:
-    index = json.loads(files.read("index.json"))
+    index = _object(files.read("index.json"), "index.json")
     manifests = index.get("manifests") or []
+    if not isinstance(manifests, list) or not all(isinstance(m, dict) for m in manifests):
+        raise NsboxError("the layout's index.json does not list descriptors")
     if tag:
         manifests = [m for m in manifests if (m.get("annotations") or {}).get(REF_NAME) in (tag, _try_normal(tag))]
         if not manifests:
@@ -260,22 +267,33 @@ async def _from_layout(s: Session, files: _Files, want: oci.Platform, tag: str |
                              hint="pick one with --tag")
         desc = oci.select_manifest({"manifests": manifests}, want)
     for _ in range(4):  # an index may point at another index
-        data = files.read(_blob_name(desc["digest"]))
+        data = files.read(_blob_name(desc.get("digest")))
         oci.verify(data, desc["digest"], f"manifest {desc['digest']}")
-        doc = json.loads(data)
+        doc = _object(data, f"manifest {desc['digest']}")
         if oci.media_type(doc, desc.get("mediaType")) not in oci.INDEX_TYPES:
             break
         desc = oci.select_manifest(doc, want)
     else:
         raise NsboxError("the layout's indexes nest too deeply")
+    layers = oci.layer_descriptors(doc)
+    cdesc = oci.check_descriptor(doc.get("config"), f"manifest {desc['digest']}")
     s.store.put_bytes(data)
-    cdesc = doc["config"]
     await _put(s, files, _blob_name(cdesc["digest"]), cdesc["digest"], int(cdesc["size"]))
-    for d in oci.layer_descriptors(doc):
+    for d in layers:
         await _put(s, files, _blob_name(d["digest"]), d["digest"], int(d["size"]))
     # A ref.name is a tag ("latest") or a whole reference.
     tags = [f"localhost/{_layout_stem(files)}:{n}" if _valid_tag(n) else _try_normal(n) for n in names]
     return desc["digest"], [t for t in tags if t]
+
+
+def _object(data: bytes, what: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(data)
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict):
+        raise NsboxError(f"{what} is not a JSON object")
+    return doc
 
 
 def _try_normal(name: str) -> str | None:

@@ -11,7 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import NsboxError
 from ..idmap import IdMap
+from .oci import MAX_LAYERS, check_digest
 
 
 @dataclass(frozen=True)
@@ -34,29 +36,40 @@ class ImageConfig:
 
     @classmethod
     def parse(cls, doc: Mapping[str, Any]) -> ImageConfig:
-        c = doc.get("config") or {}
+        """The config of an image, whose author may be hostile: every field
+        must have its documented type (one clear error otherwise), and the
+        diff_ids, which the store turns into paths, must be digests."""
+        if not isinstance(doc, Mapping):
+            raise NsboxError("the image config is not a JSON object")
+        c = _mapping(doc.get("config"), "config")
         env: dict[str, str] = {}
-        for item in c.get("Env") or []:
-            key, _, value = str(item).partition("=")
+        for item in _strings(c.get("Env"), "Env"):
+            key, _, value = item.partition("=")
             if key:
                 env[key] = value
-        rootfs = doc.get("rootfs") or {}
+        rootfs = _mapping(doc.get("rootfs"), "rootfs")
+        diff_ids = _strings(rootfs.get("diff_ids"), "rootfs.diff_ids")
+        for d in diff_ids:
+            check_digest(d, "the image config's rootfs.diff_ids")
+        if len(diff_ids) > MAX_LAYERS:
+            raise NsboxError(f"the image has {len(diff_ids)} layers, more than the {MAX_LAYERS} nsbox stacks")
+        health = c.get("Healthcheck")
         return cls(
             env=env,
-            workdir=c.get("WorkingDir") or None,
-            user=c.get("User") or None,
-            entrypoint=list(c.get("Entrypoint") or []),
-            cmd=list(c.get("Cmd") or []),
-            exposed_ports=sorted(c.get("ExposedPorts") or {}),
-            volumes=sorted(c.get("Volumes") or {}),
-            labels=dict(c.get("Labels") or {}),
-            stop_signal=c.get("StopSignal") or None,
-            healthcheck=dict(c["Healthcheck"]) if isinstance(c.get("Healthcheck"), dict) else None,
-            os=doc.get("os") or "linux",
-            architecture=doc.get("architecture") or "",
-            variant=doc.get("variant") or None,
-            diff_ids=list(rootfs.get("diff_ids") or []),
-            created=doc.get("created"),
+            workdir=_string(c.get("WorkingDir"), "WorkingDir"),
+            user=_string(c.get("User"), "User"),
+            entrypoint=_strings(c.get("Entrypoint"), "Entrypoint"),
+            cmd=_strings(c.get("Cmd"), "Cmd"),
+            exposed_ports=sorted(str(p) for p in _mapping(c.get("ExposedPorts"), "ExposedPorts")),
+            volumes=sorted(str(v) for v in _mapping(c.get("Volumes"), "Volumes")),
+            labels={str(k): str(v) for k, v in _mapping(c.get("Labels"), "Labels").items()},
+            stop_signal=_string(c.get("StopSignal"), "StopSignal"),
+            healthcheck=dict(health) if isinstance(health, dict) else None,
+            os=_string(doc.get("os"), "os") or "linux",
+            architecture=_string(doc.get("architecture"), "architecture") or "",
+            variant=_string(doc.get("variant"), "variant"),
+            diff_ids=diff_ids,
+            created=doc.get("created") if isinstance(doc.get("created"), str) else None,
         )
 
     @property
@@ -97,3 +110,34 @@ class ImageConfig:
             "Volumes": self.volumes, "Labels": self.labels, "StopSignal": self.stop_signal,
             "Os": self.os, "Architecture": self.architecture, "Variant": self.variant, "Created": self.created,
         }
+
+
+def _bad(field: str, wanted: str) -> NsboxError:
+    return NsboxError(f"the image config's {field} is not {wanted}", hint="the image is damaged or hostile")
+
+
+def _mapping(value: Any, field: str) -> Mapping[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise _bad(field, "an object")
+    return value
+
+
+def _string(value: Any, field: str) -> str | None:
+    """A string without NUL (which no exec or path can hold); "" is None."""
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str) or "\0" in value:
+        raise _bad(field, "a string")
+    return value
+
+
+def _strings(value: Any, field: str) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str) and field in ("Entrypoint", "Cmd"):
+        value = [value]  # Docker reads one string as a list of one
+    if not isinstance(value, list) or not all(isinstance(v, str) and "\0" not in v for v in value):
+        raise _bad(field, "a list of strings")
+    return list(value)

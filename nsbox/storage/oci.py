@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import platform as _platform
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,15 +28,29 @@ class DigestMismatch(NsboxError):
     """Content that is not what its digest says."""
 
 
+# An image names its blobs and layers by digest, and the store turns those
+# into paths: only these exact forms may ever reach a path.
+_DIGEST = re.compile(r"(sha256):([0-9a-f]{64})|(sha512):([0-9a-f]{128})")
+# More layers than this fails overlay's mount anyway (and Docker's at 125).
+MAX_LAYERS = 128
+
+
+def check_digest(digest: object, what: str = "an image") -> tuple[str, str]:
+    """(algorithm, hex) of a well-formed digest, else a one-line error."""
+    m = _DIGEST.fullmatch(digest) if isinstance(digest, str) else None
+    if m is None:
+        shown = repr(digest)[:100]
+        raise NsboxError(f"invalid digest {shown} in {what}",
+                         hint="the image is damaged or hostile; a digest is sha256: and 64 hex digits")
+    return (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
+
+
 def digest_of(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
 def hasher(digest: str) -> hashlib._Hash:
-    algo = digest.split(":", 1)[0]
-    if algo not in ("sha256", "sha512"):
-        raise NsboxError(f"unsupported digest algorithm in {digest}")
-    return hashlib.new(algo)
+    return hashlib.new(check_digest(digest)[0])
 
 
 def verify(data: bytes, digest: str, what: str) -> None:
@@ -104,24 +119,44 @@ _ARCH_ALIASES: dict[str, tuple[str, str | None]] = {
 
 def select_manifest(index: dict[str, Any], want: Platform) -> dict[str, Any]:
     """The descriptor of an index's manifest for `want` (the first match)."""
-    candidates = [m for m in index.get("manifests") or [] if m.get("mediaType", OCI_MANIFEST) not in INDEX_TYPES
-                  or "platform" in m]
+    listed = index.get("manifests") or []
+    if not isinstance(listed, list) or not all(isinstance(m, dict) for m in listed):
+        raise NsboxError("the image index's manifests are not a list of descriptors")
+    candidates = [m for m in listed if m.get("mediaType", OCI_MANIFEST) not in INDEX_TYPES or "platform" in m]
     for desc in candidates:
         p = desc.get("platform")
-        if p and want.matches(p):
-            return desc
-    offered = sorted({f"{p['os']}/{p['architecture']}" + (f"/{p['variant']}" if p.get('variant') else "")
-                      for d in candidates if (p := d.get("platform")) and p.get("os") != "unknown"})
+        if isinstance(p, dict) and want.matches(p):
+            return check_descriptor(desc, "the image index")
+    offered = sorted({f"{p.get('os')}/{p.get('architecture')}" + (f"/{p['variant']}" if p.get('variant') else "")
+                      for d in candidates if isinstance(p := d.get("platform"), dict) and p.get("os") != "unknown"})
     raise NsboxError(f"the image has no variant for {want} (it has: {', '.join(offered) or 'none'})",
                      hint="choose one with --platform")
 
 
 def layer_descriptors(manifest: dict[str, Any]) -> list[dict[str, Any]]:
-    layers = [d for d in manifest.get("layers") or [] if d.get("mediaType") not in _SKIPPED_LAYER_TYPES]
+    """The layers to unpack, each with a well-formed digest and size."""
+    found = manifest.get("layers") or []
+    if not isinstance(found, list) or not all(isinstance(d, dict) for d in found):
+        raise NsboxError("the image manifest's layers are not a list of descriptors")
+    layers = [d for d in found if d.get("mediaType") not in _SKIPPED_LAYER_TYPES]
+    if len(layers) > MAX_LAYERS:
+        raise NsboxError(f"the image has {len(layers)} layers, more than the {MAX_LAYERS} nsbox stacks")
     for d in layers:
         if "foreign" in (d.get("mediaType") or "") and d.get("urls"):
             raise NsboxError("this image has foreign layers (Windows base layers); nsbox runs Linux images only")
+        check_descriptor(d, "the image manifest")
     return layers
+
+
+def check_descriptor(desc: object, what: str) -> dict[str, Any]:
+    """A descriptor with a well-formed digest and a size that is a count."""
+    if not isinstance(desc, dict):
+        raise NsboxError(f"{what} has a descriptor that is not an object")
+    check_digest(desc.get("digest"), what)
+    size = desc.get("size", 0)
+    if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size < 1 << 50:
+        raise NsboxError(f"{what} gives {desc['digest']} the size {str(size)[:40]!r}")
+    return desc
 
 
 def manifest_doc(config: tuple[str, int], layers: list[tuple[str, int, str]]) -> bytes:

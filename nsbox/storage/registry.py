@@ -33,6 +33,7 @@ from .. import idmap
 from ..errors import NsboxError
 from . import oci
 from .config import ImageConfig
+from .limits import Budget
 from .progress import Progress
 from .reference import DOCKER_HUB, DOCKER_HUB_API, Reference, is_loopback, parse
 from .store import Image, ImageNotFound, Store, task_group
@@ -43,6 +44,7 @@ INSECURE_ENV = "NSBOX_INSECURE_REGISTRIES"
 DOWNLOADS = 4
 TIMEOUT = httpx.Timeout(30.0, read=60.0)
 MAX_MANIFEST = 4 << 20
+MAX_CONFIG = 4 << 20  # podman's and skopeo's bound too
 RETRIES = 2  # per blob, after a dropped connection
 
 
@@ -223,6 +225,8 @@ class Registry:
 
     async def manifest(self, reference: str) -> tuple[bytes, str]:
         """The manifest bytes for a tag or digest (digests verified), and its Content-Type."""
+        if reference.startswith("sha"):
+            oci.check_digest(reference, f"the index of {self.ref}")
         last: Exception | None = None
         for ep in ([self._endpoint] if self._auth else self._endpoints):
             self._endpoint = ep
@@ -255,21 +259,28 @@ class Registry:
         raise last
 
     async def small_blob(self, desc: dict[str, Any]) -> bytes:
-        resp = await self._send(f"blobs/{desc['digest']}")
+        """A config: read whole, so bounded like a manifest."""
+        digest = oci.check_descriptor(desc, f"the manifest of {self.ref}")["digest"]
+        resp = await self._send(f"blobs/{digest}")
+        data = b""
         try:
-            await resp.aread()
             if resp.status_code != 200:
-                raise RegistryError(f"blob {desc['digest']} of {self.ref}: {resp.status_code} {_error_text(resp)}")
+                await resp.aread()
+                raise RegistryError(f"blob {digest} of {self.ref}: {resp.status_code} {_error_text(resp)}")
+            async for chunk in resp.aiter_bytes():
+                data += chunk
+                if len(data) > MAX_CONFIG:
+                    raise RegistryError(f"the config {digest} of {self.ref} is larger than {MAX_CONFIG} bytes")
         finally:
             await resp.aclose()
-        oci.verify(resp.content, desc["digest"], f"blob {desc['digest']} of {self.ref}")
-        return resp.content
+        oci.verify(data, digest, f"blob {digest} of {self.ref}")
+        return data
 
     async def blob_to_store(self, desc: dict[str, Any], store: Store, progress: Progress) -> None:
         """Downloads a layer into the store, verifying size and digest; a
         concurrent pull of the same blob waits for this one instead."""
-        digest, size = desc["digest"], int(desc["size"])
-        async with store.lock(f"blob-{digest.split(':')[1]}"):
+        digest, size = oci.check_descriptor(desc, f"the manifest of {self.ref}")["digest"], int(desc["size"])
+        async with store.lock(f"blob-{oci.check_digest(digest)[1]}"):
             if store.has_blob(digest):
                 progress.advance(size)
                 return
@@ -313,6 +324,16 @@ class Registry:
             raise
 
 
+def _json_object(data: bytes, r: Reference) -> dict[str, Any]:
+    try:
+        doc = json.loads(data)
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict):
+        raise RegistryError(f"{r}: the manifest is not a JSON object")
+    return doc
+
+
 async def pull(store: Store, ref: str, *, platform: str | None = None, progress: Progress | None = None,
                id_mapping: idmap.Requested = "auto") -> Image:
     """Pulls `ref` into the store, unpacks its layers for this user's id
@@ -324,26 +345,27 @@ async def pull(store: Store, ref: str, *, platform: str | None = None, progress:
     async with Registry(r) as reg:
         data, ctype = await reg.manifest(r.reference)
         digest = r.digest or oci.digest_of(data)
-        doc = json.loads(data)
+        doc = _json_object(data, r)
         if oci.media_type(doc, ctype) in oci.INDEX_TYPES:
             desc = oci.select_manifest(doc, want)
             digest = desc["digest"]
             data, ctype = await reg.manifest(digest)
-            doc = json.loads(data)
+            doc = _json_object(data, r)
             if oci.media_type(doc, ctype) not in oci.MANIFEST_TYPES:
                 raise RegistryError(f"{r}: the index entry for {want} is not an image manifest")
+        layers = oci.layer_descriptors(doc)
         store.put_bytes(data)
-        config_bytes = await reg.small_blob(doc["config"])
+        config_bytes = await reg.small_blob(doc.get("config"))
         store.put_bytes(config_bytes)
         cfg = ImageConfig.parse(json.loads(config_bytes))
         if cfg.architecture and cfg.architecture != want.architecture:
             progress.note(f"warning: {r.short()} is for {cfg.os}/{cfg.architecture}, not {want}")
-        layers = oci.layer_descriptors(doc)
         if len(layers) != len(cfg.diff_ids):
             raise RegistryError(f"{r}: the manifest has {len(layers)} layers, its config {len(cfg.diff_ids)}")
         for d in layers:
             progress.expect(int(d["size"]))
         downloads = anyio.Semaphore(DOWNLOADS)
+        budget = Budget(r.short())
         async with store.session(id_mapping, progress) as s:
             async def one(desc: dict[str, Any], diff_id: str) -> None:
                 # Every image keeps its blobs (builds read them, prune and
@@ -354,7 +376,7 @@ async def pull(store: Store, ref: str, *, platform: str | None = None, progress:
                         await reg.blob_to_store(desc, store, progress)
                 else:
                     progress.advance(int(desc["size"]))
-                await s.layer(desc["digest"], diff_id)
+                await s.layer(desc["digest"], diff_id, budget)
                 progress.layer_done()
 
             async with task_group() as tg:

@@ -4,6 +4,8 @@ Under $XDG_DATA_HOME/nsbox/images:
 
     blobs/sha256/HEX        manifests, configs, layer archives (verified when written)
     layers/KEY/HEX          a layer unpacked for id mapping KEY, HEX its diff_id
+    layers/KEY/HEX.verified written once HEX was unpacked here and its tar
+                            stream hashed to the diff_id: only then is HEX used
     layers/KEY/.staging-*   unpacking in progress (bound into the unpack sandbox)
     tmp/                    downloads in progress (same filesystem: rename publishes)
     locks/                  flock files
@@ -14,6 +16,10 @@ An image's sandbox stacks its layer directories as overlay lower dirs:
 nothing is copied per sandbox. Layers are keyed by diff_id (the digest of
 the uncompressed tar) so images share them whatever the compression, and by
 the id mapping because the files' host owners differ per mapping.
+
+Every digest an image gives is checked to be one (oci.check_digest) before
+it becomes a path, and a layer directory without its marker is unpacked
+again, never used as it is.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import json
 import os
 import re
 import secrets
+import stat
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -40,14 +47,16 @@ from .. import idmap
 from ..dirs import data_dir
 from ..errors import NsboxError
 from . import oci
-from .apply import ApplyReport, CorruptLayer, Unpacker
+from .apply import ApplyReport, CorruptLayer, Exceeded, Unpacker
 from .config import ImageConfig
+from .limits import Budget, TooLarge
 from .progress import Progress
 from .reference import ReferenceError, parse
 
 PullPolicy = Literal["missing", "always", "never"]
 _ID = re.compile(r"(?:sha256:)?([0-9a-f]{4,64})")
 COPY_CHUNK = 1 << 20
+MARK = ".verified"
 
 
 class ImageNotFound(NsboxError):
@@ -149,9 +158,7 @@ class Store:
     # ---- blobs -------------------------------------------------------
 
     def blob_path(self, digest: str) -> Path:
-        algo, _, hexd = digest.partition(":")
-        if algo not in ("sha256", "sha512") or not re.fullmatch(r"[0-9a-f]{64,128}", hexd):
-            raise NsboxError(f"invalid digest {digest!r}")
+        algo, hexd = oci.check_digest(digest, "a blob descriptor")
         return self.blobs / algo / hexd
 
     def has_blob(self, digest: str) -> bool:
@@ -212,6 +219,8 @@ class Store:
                     h.update(chunk)
                     out.write(chunk)
                     n += len(chunk)
+                    if size is not None and n > size:  # stop now: the source may be endless
+                        raise oci.DigestMismatch(f"blob {expected or 'content'} is larger than its {size} bytes")
             digest = f"{algo}:{h.hexdigest()}"
             if size is not None and n != size:
                 raise oci.DigestMismatch(f"blob {expected or digest} has {n} bytes, not {size} (truncated?)")
@@ -230,7 +239,32 @@ class Store:
     # ---- layers ------------------------------------------------------
 
     def layer_dir(self, diff_id: str, key: str) -> Path:
-        return self.layers_root / key / diff_id.split(":", 1)[1]
+        return self.layers_root / key / oci.check_digest(diff_id, "a layer's diff_id")[1]
+
+    def verified(self, diff_id: str, key: str) -> dict[str, Any] | None:
+        """What the marker of layer `diff_id` says, if the layer was unpacked
+        and verified here (a directory, not a symlink); else None."""
+        layer = self.layer_dir(diff_id, key)
+        try:
+            if not stat.S_ISDIR(os.lstat(layer).st_mode):
+                return None
+            fd = os.open(_marker(layer), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with os.fdopen(fd) as f:
+                info = json.loads(f.read(4096))
+        except (OSError, ValueError):
+            return None
+        return info if isinstance(info, dict) and info.get("diff_id") == diff_id else None
+
+    def _mark(self, layer: Path, report: ApplyReport) -> None:
+        tmp = self.temp_path()
+        tmp.write_text(json.dumps({"diff_id": report.diff_id, "size": report.size, "entries": report.entries}))
+        os.rename(tmp, _marker(layer))
+
+    def _unpublish(self, layer: Path, mapping: idmap.IdMap | None) -> None:
+        """Removes a layer directory, its marker first (so a crash between
+        the two leaves a directory that is not trusted)."""
+        _marker(layer).unlink(missing_ok=True)
+        _remove(layer, mapping)
 
     @contextlib.asynccontextmanager
     async def session(self, id_mapping: idmap.Requested = "auto",
@@ -319,8 +353,8 @@ class Store:
         cfg = ImageConfig.parse(self.read_json(rec.id))
         names = sorted(n for n, r in self.records().items() if r.id == rec.id)
         key = idmap.detect().key
-        layers = [{"digest": d["digest"], "size": d.get("size"), "mediaType": d.get("mediaType"),
-                   "diff_id": diff, "unpacked": os.fspath(p) if (p := self.layer_dir(diff, key)).is_dir() else None}
+        layers = [{"digest": d["digest"], "size": d.get("size"), "mediaType": d.get("mediaType"), "diff_id": diff,
+                   "unpacked": os.fspath(self.layer_dir(diff, key)) if self.verified(diff, key) else None}
                   for d, diff in zip(oci.layer_descriptors(manifest), cfg.diff_ids)]
         return {**rec.to_dict(), "names": names, "config": cfg.to_dict(), "layers": layers}
 
@@ -363,9 +397,9 @@ class Store:
         """The image if all its layers are unpacked for id mapping `key`, else None."""
         manifest = self.read_json(digest)
         cfg = ImageConfig.parse(self.read_json(manifest["config"]["digest"]))
-        layers = tuple(self.layer_dir(d, key) for d in cfg.diff_ids)
-        if not all(p.is_dir() for p in layers):
+        if not all(self.verified(d, key) for d in cfg.diff_ids):
             return None
+        layers = tuple(self.layer_dir(d, key) for d in cfg.diff_ids)
         return Image(name, digest, manifest["config"]["digest"], cfg, layers, key)
 
     # ---- prune -------------------------------------------------------
@@ -393,13 +427,18 @@ class Store:
             mapping = idmap.detect()
             for key_dir in self.layers_root.iterdir():
                 for layer in key_dir.iterdir():
+                    if layer.name.endswith(MARK):
+                        continue
                     if layer.name.startswith(".staging-") or (
                             layer.name not in keep_diffs and os.path.realpath(layer) not in busy):
                         try:
-                            _remove(layer, mapping if key_dir.name == mapping.key else None)
+                            self._unpublish(layer, mapping if key_dir.name == mapping.key else None)
                         except PermissionError:
                             continue  # another mapping's files: prune as that user
                         report.layers += not layer.name.startswith(".")
+                for marker in key_dir.glob(f"*{MARK}"):
+                    if not os.path.lexists(marker.with_name(marker.name[:-len(MARK)])):
+                        marker.unlink()
                 with contextlib.suppress(OSError):
                     key_dir.rmdir()
             for leftover in (*self.tmp.iterdir(), *self.locks.iterdir()):
@@ -418,49 +457,77 @@ class Session:
         self.unpacker = unpacker
         self.progress = progress
 
-    async def layer(self, blob: str, diff_id: str | None) -> tuple[str, Path]:
-        """Unpacks blob into its layer directory unless there already is
-        one; returns (diff_id, directory). diff_id None: learn it by unpacking."""
+    async def layer(self, blob: str, diff_id: str | None, budget: Budget | None = None) -> tuple[str, Path]:
+        """Unpacks blob into its layer directory unless there already is a
+        verified one; returns (diff_id, directory). diff_id None: learn it
+        by unpacking. `budget`: the image's bounds, shared by its layers."""
         key = self.mapping.key
+        budget = budget or Budget(blob[:19])
         if diff_id:
             final = self.store.layer_dir(diff_id, key)
-            if final.is_dir():
-                return diff_id, final
-            async with self.store.lock(f"layer-{key}-{diff_id.split(':')[1]}"):
-                if final.is_dir():
-                    return diff_id, final
-                await self._apply(blob, diff_id, final)
+            if (info := self.store.verified(diff_id, key)) is None:
+                async with self.store.lock(f"layer-{key}-{final.name}"):
+                    if (info := self.store.verified(diff_id, key)) is None:
+                        report, tmp = await self._unpack(blob, budget)
+                        if report.diff_id != diff_id:
+                            _remove(tmp, self.mapping)
+                            raise CorruptLayer(f"layer {blob} unpacks to {report.diff_id}, but the image config "
+                                               f"says {diff_id}", hint="the image is damaged or tampered with")
+                        self._publish(tmp, final, report, budget)
+                        return diff_id, final
+            self._count(final, info, budget)
             return diff_id, final
-        report, tmp = await self._unpack(blob)
+        report, tmp = await self._unpack(blob, budget)
         final = self.store.layer_dir(report.diff_id, key)
-        async with self.store.lock(f"layer-{key}-{report.diff_id.split(':')[1]}"):
-            if final.is_dir():
+        async with self.store.lock(f"layer-{key}-{final.name}"):
+            if (info := self.store.verified(report.diff_id, key)) is not None:
                 _remove(tmp, self.mapping)
+                self._count(final, info, budget)
             else:
-                os.rename(tmp, final)
+                self._publish(tmp, final, report, budget)
         return report.diff_id, final
 
-    async def _unpack(self, blob: str) -> tuple[ApplyReport, Path]:
+    def _publish(self, tmp: Path, final: Path, report: ApplyReport, budget: Budget) -> None:
+        """Renames a verified unpack into place (replacing what is there
+        unverified: a crash's leftover or not ours), then marks it."""
+        if os.path.lexists(final):
+            self.store._unpublish(final, self.mapping)
+        os.rename(tmp, final)
+        self.store._mark(final, report)
+        budget.published.append(final)
+        self._count(final, {"size": report.size, "entries": report.entries}, budget)
+
+    def _count(self, final: Path, info: dict[str, Any], budget: Budget) -> None:
+        """Adds a layer to its image's sums; over the image's bound, the
+        layers this session published for it go again."""
+        error = budget.add(int(info.get("size") or 0), int(info.get("entries") or 0))
+        if error is not None:
+            raise self._refused(budget, error)
+
+    def _refused(self, budget: Budget, error: TooLarge) -> TooLarge:
+        """A refused image keeps nothing: the layers this pull or import
+        unpacked for it go too (no name refers to them yet)."""
+        for layer in budget.published:
+            self.store._unpublish(layer, self.mapping)
+        budget.published.clear()
+        return error
+
+    async def _unpack(self, blob: str, budget: Budget) -> tuple[ApplyReport, Path]:
         name = secrets.token_hex(8)
         tmp = self.staging / name
+        allowed = budget.for_layer()
         try:
-            report = await self.unpacker.apply(blob, name)
-        except BaseException:
+            report = await self.unpacker.apply(blob, name, *allowed)
+        except BaseException as e:
             with anyio.CancelScope(shield=True):
                 _remove(tmp, self.mapping)
+            if isinstance(e, Exceeded):
+                raise self._refused(budget, budget.refusal(blob[:19], e.args[0], allowed)) from None
             raise
         summary = report.summary()
         if summary:
             self.progress.note(summary)
         return report, tmp
-
-    async def _apply(self, blob: str, diff_id: str, final: Path) -> None:
-        report, tmp = await self._unpack(blob)
-        if report.diff_id != diff_id:
-            _remove(tmp, self.mapping)
-            raise CorruptLayer(f"layer {blob} unpacks to {report.diff_id}, but the image config says {diff_id}",
-                               hint="the image is damaged or tampered with")
-        os.rename(tmp, final)
 
     async def unpack_image(self, digest: str, *, name: str | None) -> Image:
         """Unpacks every layer of a stored manifest (concurrently)."""
@@ -469,9 +536,11 @@ class Session:
         descs = oci.layer_descriptors(manifest)
         if len(descs) != len(cfg.diff_ids):
             raise NsboxError(f"image {name or digest}: {len(descs)} layers but {len(cfg.diff_ids)} diff_ids")
+        budget = Budget(name or digest[:19])
         async with task_group() as tg:
             for d, diff in zip(descs, cfg.diff_ids):
-                tg.start_soon(self.layer, d["digest"], diff)
+                tg.start_soon(self.layer, d["digest"], diff, budget)
+
         image = self.store.image(digest, name=name, key=self.mapping.key)
         assert image is not None
         return image
@@ -516,3 +585,7 @@ def _remove(path: Path, mapping: idmap.IdMap | None) -> None:
         if e.errno not in (errno.ENOENT,):
             raise
 
+
+
+def _marker(layer: Path) -> Path:
+    return layer.with_name(layer.name + MARK)
