@@ -16,6 +16,7 @@ components it did without.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -110,7 +111,7 @@ def fixture_tar(name: str) -> Path:
     """The fixture tarball `name` ("busybox" or "debian"); a test that asks
     for it is skipped where it could not be built (components.py)."""
     components.require(name)
-    return FIXTURES / f"{name}.tar"
+    return components.FIXTURES / f"{name}.tar"
 
 
 def _imported_rootfs(name: str) -> Path:
@@ -119,9 +120,12 @@ def _imported_rootfs(name: str) -> Path:
     st = tar.stat()
     cache = dirs.cache_dir() / "test-rootfs"
     cache.mkdir(exist_ok=True)
-    dest = cache / f"{name}-{st.st_size}-{st.st_mtime_ns}-{MODE.key}"
+    # Keyed by the tarball's path too: runs from other checkouts, as the same
+    # user at the same time, keep their copies instead of removing each other's.
+    where = hashlib.sha256(str(tar.resolve()).encode()).hexdigest()[:8]
+    dest = cache / f"{name}-{where}-{st.st_size}-{st.st_mtime_ns}-{MODE.key}"
     if not dest.exists():
-        for old in cache.glob(f"{name}-*"):
+        for old in cache.glob(f"{name}-{where}-*"):
             remove_layer(old, MODE)
         anyio.run(import_tarball, tar, dest)
     return dest

@@ -63,3 +63,23 @@ def test_names_and_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
         "needs component tun (...): ...", "Skipped: root owns /"]) == {"tun": 2}
     lines = components.report([])
     assert lines == ["  none: every component the tests need is here"]
+
+
+def test_another_checkouts_fixture_rootfs_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  busybox_rootfs: Path) -> None:
+    # Two checkouts tested at once by the same user share its cache: the
+    # import of one's tarball must not remove the other's unpacked copy.
+    from nsbox.removal import remove_layer
+
+    from . import conftest
+
+    other = tmp_path / "fixtures"
+    other.mkdir()
+    (other / "busybox.tar").write_bytes(conftest.fixture_tar("busybox").read_bytes())
+    monkeypatch.setattr(components, "FIXTURES", other)
+    mine = conftest._imported_rootfs("busybox")
+    try:
+        assert mine != busybox_rootfs and (mine / "bin" / "busybox").exists()
+        assert (busybox_rootfs / "bin" / "busybox").exists(), "the other checkout's copy was removed"
+    finally:
+        remove_layer(mine, conftest.MODE)
