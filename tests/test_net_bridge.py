@@ -178,6 +178,7 @@ OWNER_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.needs("iproute2")
 def test_sigkill_of_the_owner_leaves_nothing() -> None:
     kind = "outbound" if components.usable("tun", "usernet") else "internal"
     owner = subprocess.Popen([sys.executable, "-c", OWNER_SCRIPT, kind], stdout=subprocess.PIPE, text=True)
