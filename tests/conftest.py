@@ -5,10 +5,19 @@ subuid or single; see nsbox/idmap.py). tests/run.sh runs the suite once per
 mode with a real user of each kind, and sets NSBOX_TEST_EXPECT_MODE so that
 a machine missing a prerequisite fails loudly instead of silently testing
 another mode.
+
+What a test needs beyond the Python packages (a fixture rootfs, skopeo,
+/dev/net/tun, ...) is declared with @pytest.mark.needs("name", ...) or
+components.require("name"); see tests/components.py for the names, and for
+what happens where a component is absent (a skip naming the command that
+installs it; a failure under CI=true). The run ends with a table of the
+components it did without.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -21,13 +30,38 @@ from nsbox import dirs, idmap, removal
 from nsbox.images import import_tarball
 from nsbox.removal import remove_layer
 
-FIXTURES = Path(os.environ.get("NSBOX_TEST_FIXTURES") or Path(__file__).resolve().parent.parent / "rootfs" / "build")
+from . import components
+from .components import FIXTURES
+
 MODE = idmap.detect()
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
     return [f"nsbox identity mode: {MODE.mode} (uid {os.getuid()}) - {MODE.reason}",
             f"nsbox fixture tarballs: {FIXTURES}"]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "needs(*components): skipped where a component of tests/components.py "
+                                       "is absent (failed under CI=true)")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    for mark in item.iter_markers("needs"):
+        components.require(*mark.args)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    reasons = [r.longrepr[2] for r in terminalreporter.stats.get("skipped", [])
+               if isinstance(r.longrepr, tuple) and len(r.longrepr) == 3]
+    counts = components.skipped_by(reasons)
+    out = os.environ.get("NSBOX_TEST_COMPONENTS_REPORT")
+    if out:  # tests/run.sh merges these into the table it ends with
+        Path(out).write_text(json.dumps(counts))
+    if counts:
+        terminalreporter.section("components this run did without: their tests were skipped")
+        for line in components.table(counts):
+            terminalreporter.write_line(line)
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -73,17 +107,25 @@ def process_named(init: int, name: str) -> Any:
         time.sleep(0.02)
 
 
+def fixture_tar(name: str) -> Path:
+    """The fixture tarball `name` ("busybox" or "debian"); a test that asks
+    for it is skipped where it could not be built (components.py)."""
+    components.require(name)
+    return components.FIXTURES / f"{name}.tar"
+
+
 def _imported_rootfs(name: str) -> Path:
     """The fixture tarball `name` unpacked for this user (cached)."""
-    tar = FIXTURES / f"{name}.tar"
-    if not tar.is_file():
-        pytest.fail(f"fixture {tar} is missing: run `make rootfs`")
+    tar = fixture_tar(name)
     st = tar.stat()
     cache = dirs.cache_dir() / "test-rootfs"
     cache.mkdir(exist_ok=True)
-    dest = cache / f"{name}-{st.st_size}-{st.st_mtime_ns}-{MODE.key}"
+    # Keyed by the tarball's path too: runs from other checkouts, as the same
+    # user at the same time, keep their copies instead of removing each other's.
+    where = hashlib.sha256(str(tar.resolve()).encode()).hexdigest()[:8]
+    dest = cache / f"{name}-{where}-{st.st_size}-{st.st_mtime_ns}-{MODE.key}"
     if not dest.exists():
-        for old in cache.glob(f"{name}-*"):
+        for old in cache.glob(f"{name}-{where}-*"):
             remove_layer(old, MODE)
         anyio.run(import_tarball, tar, dest)
     return dest

@@ -20,7 +20,6 @@ import http.server
 import io
 import json
 import os
-import shutil
 import socket
 import subprocess
 import tarfile
@@ -33,19 +32,12 @@ from typing import Any
 
 import pytest
 
-TOOLS = {"docker-registry": "docker-registry", "skopeo": "skopeo", "umoci": "umoci", "openssl": "openssl",
-         "zstd": "zstd"}
-
-
-def need(*tools: str) -> None:
-    """Fails (never skips) when a tool the image tests need is missing."""
-    missing = [t for t in tools if shutil.which(t) is None and shutil.which(t, path="/usr/sbin:/usr/bin") is None]
-    if missing:
-        pytest.fail(f"missing {', '.join(missing)}: apt-get install {' '.join(TOOLS[t] for t in missing)}")
+from .components import require as need  # noqa: F401 (the image tools are components)
+from .components import which
 
 
 def tool(name: str) -> str:
-    return shutil.which(name) or shutil.which(name, path="/usr/sbin:/usr/bin") or name
+    return which(name) or name
 
 
 def free_port() -> int:
@@ -290,12 +282,9 @@ def umoci_image(layout: Path, tag: str, rootfs_tar: Path, *config: str) -> None:
 # ---- fixtures (test modules import them by name) --------------------------
 
 def fixture_tar(name: str) -> Path:
-    from .conftest import FIXTURES
+    from .conftest import fixture_tar
 
-    tar = FIXTURES / f"{name}.tar"
-    if not tar.is_file():
-        pytest.fail(f"fixture {tar} is missing: run `make rootfs`")
-    return tar
+    return fixture_tar(name)
 
 
 @pytest.fixture(scope="session")

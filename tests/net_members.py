@@ -23,6 +23,8 @@ from nsbox.net import usernet
 from nsbox.net.bridge import OwnerUserns
 from nsbox.net.client import Namespaces
 
+from . import components
+
 SERVER = textwrap.dedent("""
     import socket, sys
     s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -42,6 +44,8 @@ CLIENT = textwrap.dedent("""
 
 
 def tun_usable() -> bool:
+    """Whether this user can really open /dev/net/tun (the refusal tests
+    need the real answer; tests that need nat mark needs("tun", "usernet"))."""
     try:
         usernet.check_tun()
         return True
@@ -53,6 +57,7 @@ class Member:
     """A stand-in sandbox: its own user (inside the owner's), network and mount namespaces."""
 
     def __init__(self, owner: OwnerUserns | None, tmp: Path, name: str) -> None:
+        components.require("iproute2")
         self.hosts = tmp / f"hosts-{name}"
         self.hosts.write_text("127.0.0.1 localhost\n")
         self.hosts.chmod(0o644)

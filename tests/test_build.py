@@ -31,16 +31,14 @@ from nsbox.build import BuildError, build, build_image
 from nsbox.storage import ImageNotFound, Store
 from nsbox.storage.archive import import_image
 
-from .conftest import FIXTURES, MODE
+from .conftest import MODE, fixture_tar
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def _base(name: str) -> str:
     """The fixture tarball `name` as an image of the store (imported once)."""
-    tar = FIXTURES / f"{name}.tar"
-    if not tar.is_file():
-        pytest.fail(f"fixture {tar} is missing: run `make rootfs`")
+    tar = fixture_tar(name)
     digest = hashlib.sha256(tar.read_bytes()).hexdigest()[:16]  # tests/run.sh copies it: mtimes change
     ref = f"localhost/nsbox-build-{name}:{digest}"
     try:

@@ -38,7 +38,8 @@ from nsbox.errors import NsboxError
 from nsbox.inspect_provider import NsboxSandboxEnvironment
 
 from .imagekit import Registry, busybox_oci, fixture_tar, push, registry, self_check_failures, umoci_image  # noqa: F401
-from .net_members import http_server, tun_usable  # noqa: F401 (fixture)
+from . import components
+from .net_members import http_server  # noqa: F401 (fixture)
 from .test_inspect_eval import MODEL, sample_problems, scripted
 
 pytestmark = pytest.mark.timeout(240)
@@ -366,8 +367,7 @@ async def test_default_network_has_outbound_access_and_names(images: dict[str, s
     other by name."""
     from nsbox.inspect_compose import prepare, start_sample
 
-    if not tun_usable():
-        pytest.skip("/dev/net/tun is not usable by this user (CI makes it so); nat's refusal is tested elsewhere")
+    components.require("tun", "usernet")  # nat's refusal is tested elsewhere
     (tmp_path / "compose.yaml").write_text(textwrap.dedent(f"""\
         services:
           default:

@@ -15,6 +15,8 @@ import nsbox.rootfs
 from nsbox import NsboxError
 from nsbox.images import import_tarball
 
+from .conftest import fixture_tar
+
 
 def add(tar: tarfile.TarFile, name: str, data: bytes = b"", **attrs: object) -> None:
     info = tarfile.TarInfo(name)
@@ -32,7 +34,7 @@ def make_tar(path: Path, build) -> Path:  # type: ignore[no-untyped-def]
 
 async def test_import_then_use(tmp_path: Path, busybox_rootfs: Path) -> None:
     # busybox_rootfs itself came through import_tarball; use it again fresh.
-    src = Path(os.environ.get("NSBOX_TEST_FIXTURES", "rootfs/build")) / "busybox.tar"
+    src = fixture_tar("busybox")
     dest = await import_tarball(src, tmp_path / "bb")
     async with nsbox.Sandbox(dest) as sb:
         assert (await sb.exec(["busybox", "true"])).success

@@ -29,7 +29,8 @@ from nsbox import idmap
 from nsbox.net.bridge import Network, OwnerUserns
 from nsbox.net.client import Namespaces
 
-from .net_members import CLIENT, SERVER, Member, tun_usable
+from . import components
+from .net_members import CLIENT, SERVER, Member
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -98,7 +99,7 @@ async def test_internal_members_cannot_reach_the_host(owner: OwnerUserns, member
 
 
 async def test_close_leaves_nothing(owner: OwnerUserns, members: dict[str, Member]) -> None:
-    outbound = tun_usable()
+    outbound = components.usable("tun", "usernet")
     net = await Network("n", internal=not outbound).start(owner)
     m = await net.connect("web", members["web"].ns, watch_pidfd=members["web"].pidfd)
     assert "eth0" in members["web"].links()
@@ -111,7 +112,7 @@ async def test_close_leaves_nothing(owner: OwnerUserns, members: dict[str, Membe
         assert m.usernet is not None and not Path(f"/proc/{m.usernet.pid}").exists()
 
 
-@pytest.mark.skipif(not tun_usable(), reason="/dev/net/tun is not usable by this user (CI makes it so)")
+@pytest.mark.needs("tun", "usernet")
 @pytest.mark.parametrize("host_access", [True, False])
 async def test_outbound_network_and_host_access(owner: OwnerUserns, members: dict[str, Member],
                                                 host_access: bool) -> None:
@@ -177,8 +178,9 @@ OWNER_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.needs("iproute2")
 def test_sigkill_of_the_owner_leaves_nothing() -> None:
-    kind = "outbound" if tun_usable() else "internal"
+    kind = "outbound" if components.usable("tun", "usernet") else "internal"
     owner = subprocess.Popen([sys.executable, "-c", OWNER_SCRIPT, kind], stdout=subprocess.PIPE, text=True)
     try:
         assert owner.stdout is not None

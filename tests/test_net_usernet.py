@@ -22,9 +22,8 @@ from nsbox.net.hosts import render_hosts
 from .net_members import CLIENT, Member, host_server, tun_usable  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.timeout(60)
-needs_tun = pytest.mark.skipif(not tun_usable(), reason="/dev/net/tun is not usable by this user (CI makes it so)")
-TOOLS = [pytest.param(t, marks=pytest.mark.skipif(not shutil.which(t), reason=f"{t} is not installed"))
-         for t in usernet.TOOLS]
+needs_tun = pytest.mark.needs("tun", "usernet")
+TOOLS = [pytest.param(t, marks=pytest.mark.needs(t)) for t in usernet.TOOLS]
 
 
 @pytest.fixture

@@ -33,7 +33,7 @@ from nsbox.net.client import NetError
 from .net_members import CLIENT, host_server, http_server, tun_usable  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.timeout(90)
-needs_tun = pytest.mark.skipif(not tun_usable(), reason="/dev/net/tun is not usable by this user (CI makes it so)")
+needs_tun = pytest.mark.needs("tun", "usernet")
 
 FETCH = textwrap.dedent("""
     import sys, urllib.request, urllib.error

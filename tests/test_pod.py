@@ -21,7 +21,7 @@ from nsbox import netplan, registry
 from nsbox.net.client import NetError
 
 from .conftest import process_named
-from .net_members import tun_usable
+from . import components
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -128,7 +128,7 @@ async def test_joiner_gets_its_targets_network_settings() -> None:
         async with nsbox.Sandbox(network=f"container:{a.id}") as b:
             r = await b.exec(["sh", "-c", "echo $HTTP_PROXY"])
             assert r.stdout.strip() == "http://127.0.0.1:3128", r
-    if not tun_usable():
+    if not components.usable("tun", "usernet"):
         return  # nat needs /dev/net/tun (CI makes it usable; tests/test_net_usernet.py covers the refusal)
     async with nsbox.Sandbox(network="nat") as a:
         async with nsbox.Sandbox(network=f"container:{a.id}") as b:

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from nsbox import NsboxError, dirs, idmap
 from nsbox.inspect_provider import NsboxConfig, NsboxSandboxEnvironment, load_config
 
-from .conftest import FIXTURES
+from .conftest import fixture_tar
 
 
 def test_yaml_paths_are_relative_to_the_file(tmp_path: Path) -> None:
@@ -47,7 +47,7 @@ def test_invalid_configuration_names_the_field(tmp_path: Path) -> None:
 
 
 async def test_tarball_rootfs_and_named_sandboxes(tmp_path: Path) -> None:
-    tarball = FIXTURES / "busybox.tar"
+    tarball = fixture_tar("busybox")
     cfg = NsboxConfig(rootfs=str(tarball), sandboxes={"default": {}, "second": {"rootfs": "host", "user": "root"}})
     await NsboxSandboxEnvironment.task_init("startup", cfg)
     envs = await NsboxSandboxEnvironment.sample_init("provider", cfg, {"__sample_id__": "7"})

@@ -31,6 +31,8 @@ import pytest
 
 from nsbox import native
 
+from . import components
+
 pytestmark = pytest.mark.timeout(120)
 
 TESTS = Path(__file__).resolve().parent
@@ -321,10 +323,8 @@ ALLOWED_NAMES = ["read", "write", "openat", "close", "execve", "mmap", "ptrace",
 
 
 def _resolver() -> str:
-    tool = shutil.which("scmp_sys_resolver")
-    if tool is None:
-        pytest.skip("needs scmp_sys_resolver (Debian: seccomp)")
-    return tool
+    components.require("seccomp")
+    return components.which("scmp_sys_resolver") or "scmp_sys_resolver"
 
 
 def syscall_number(arch: str, name: str) -> int | None:
@@ -378,6 +378,8 @@ def toolchain(arch: str) -> tuple[list[str], list[str]]:
     if arch == os.uname().machine:
         return native_cc(), []
     cc, qemu = f"{arch}-linux-gnu-gcc", f"qemu-{arch}"
+    if arch == "aarch64":
+        components.require("aarch64")
     if not shutil.which(cc) or not shutil.which(qemu):
         pytest.skip(f"needs {cc} and {qemu} (Debian: gcc-{arch}-linux-gnu, qemu-user)")
     return [cc], [qemu]

@@ -30,6 +30,7 @@ from nsbox import native, registry
 from nsbox.inspect_provider import NsboxSandboxEnvironment
 from nsbox.rootfs import Bind
 
+from . import components
 from .test_manage import Terminal
 
 pytestmark = pytest.mark.timeout(120)
@@ -251,9 +252,7 @@ async def test_a_helper_stuck_in_the_kernel_does_not_stall_pid1(tmp_path: Path) 
     # process that never answers (a hung NFS server does the same). The init
     # must stop waiting, say why, keep serving, and still die with its
     # lifeline.
-    if not os.access("/dev/fuse", os.R_OK | os.W_OK):
-        pytest.skip("/dev/fuse is missing or not read-writable by this user: cannot build a hung file system "
-                    "(most distributions make it mode 0666; .ci/run does)")
+    components.require("fuse")  # most distributions make it mode 0666; .ci/run does
     hold = tmp_path / "fuse_hold"
     subprocess.run([shutil.which("cc") or "gcc", "-O2", "-static", "-o", str(hold), str(FUSE_HOLD)], check=True,
                    timeout=60)

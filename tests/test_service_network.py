@@ -21,7 +21,8 @@ import pytest
 import nsbox
 from nsbox.net.client import NetError
 
-from .net_members import http_server, tun_usable  # noqa: F401 (fixture)
+from . import components
+from .net_members import http_server  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -70,8 +71,7 @@ async def test_members_talk_by_name_and_others_cannot_reach_them() -> None:
 
 
 async def test_outbound_network_reaches_the_host_loopback_as_nat_does(http_server: int) -> None:
-    if not tun_usable():
-        pytest.skip("/dev/net/tun is not usable by this user (CI makes it so); the refusal is tested in test_net_usernet.py")
+    components.require("tun", "usernet")  # the refusal is tested in test_net_usernet.py
     async with nsbox.Network("out", host_access=True) as net:
         async with nsbox.Sandbox(network=net, hostname="a") as a:
             url = f"http://host.nsbox.internal:{http_server}/"
@@ -118,8 +118,8 @@ def running_name(pid: int) -> str | None:
 
 @pytest.mark.parametrize("kind", ["internal", "nat"])
 def test_nothing_is_left_after_the_owner_is_killed(kind: str) -> None:
-    if kind == "nat" and not tun_usable():
-        pytest.skip("/dev/net/tun is not usable by this user (CI makes it so)")
+    if kind == "nat":
+        components.require("tun", "usernet")
     proc = subprocess.Popen([sys.executable, "-c", OWNER, kind], stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()  # type: ignore[union-attr]
