@@ -14,12 +14,12 @@ from typing import Iterable, Sequence
 
 HOST_NAME = "host.nsbox.internal"
 # A name in /etc/hosts: letters, digits, '-', '_' and '.' (RFC 952/1123 plus '_').
-_NAME = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_.-]{0,252})$")
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,252}")
 
 
 def check_name(name: str) -> str:
     """Returns `name` if it can stand in /etc/hosts, else raises ValueError."""
-    if not _NAME.match(name) or ".." in name:
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
         raise ValueError(f"{name!r} cannot be a host name (letters, digits, '-', '_' and '.' only)")
     return name
 
