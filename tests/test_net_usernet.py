@@ -102,6 +102,22 @@ async def test_host_loopback_is_closed_unless_asked(tool: usernet.Tool, member: 
 
 
 @needs_tun
+@pytest.mark.parametrize("tool", TOOLS)
+async def test_the_program_runs_confined(tool: usernet.Tool, member: Member) -> None:
+    """pasta and slirp4netns parse every packet the sandbox sends, outside
+    it: each runs under a seccomp filter (pasta by itself, slirp4netns
+    with --enable-seccomp, and --enable-sandbox for a mount namespace of
+    its own)."""
+    net = await usernet.start(member.ns, tool=tool)
+    try:
+        status = dict(line.split(":\t", 1) for line in Path(f"/proc/{net.pid}/status").read_text().splitlines()
+                      if ":\t" in line)
+        assert status["Seccomp"].strip() == "2" and status["NoNewPrivs"].strip() == "1", status
+    finally:
+        await net.stop()
+
+
+@needs_tun
 async def test_stops_when_the_sandbox_init_exits(member: Member) -> None:
     net = await usernet.start(member.ns, watch_pidfd=member.pidfd)
     member.proc.kill()
