@@ -12,7 +12,7 @@ nsbox/net/).
   sandbox's namespace (tied to the init's pidfd); proxy listens on the
   sandbox's 127.0.0.1:3128 and serves the allowlisting proxy; each
   published port listens on the host. The sandbox's /etc/hosts (nat:
-  host.nsbox.internal) and /etc/resolv.conf (nat: the DNS forwarder) are
+  host.nsbox.internal, only where the host's loopback is asked for) and /etc/resolv.conf (nat: the DNS forwarder) are
   written by the caller through the init, for every kind of root.
 
 Lifetime. The proxy and port listeners are served by this process, by a

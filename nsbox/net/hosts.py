@@ -1,8 +1,8 @@
 """The text of a sandbox's /etc/hosts and /etc/resolv.conf for each network mode.
 
 Names inside sandboxes resolve through /etc/hosts: the sandbox's own name,
-`host.nsbox.internal` (the host's loopback, in nat mode and on networks
-that allow it) and the other members of its service networks, by name and
+`host.nsbox.internal` (the host's loopback, in nat mode where the sandbox
+asks for it and on networks that allow it) and the other members of its service networks, by name and
 by alias. The caller writes the text into the sandbox and writes it again
 when members join or leave.
 """

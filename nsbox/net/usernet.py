@@ -130,10 +130,13 @@ def command(tool: Tool, path: str, *, host_loopback: bool, ifname: str = "tap0",
         if os.geteuid() == 0:
             argv += ["--runas", "0:0"]  # else it becomes nobody, who may not enter the namespace
         return argv, "line"
-    # As pasta isolates itself: slirp4netns parses what the sandbox sends,
-    # so it runs in a mount namespace of its own under a seccomp filter.
+    # As pasta confines itself: slirp4netns parses what the sandbox sends,
+    # so it runs under a seccomp filter. (--enable-sandbox, a mount
+    # namespace of its own, needs privileges it lacks unless run as root.)
     argv = [path, "--configure", f"--mtu={MTU}", "--netns-type=path", "--ready-fd={ready_fd}",
-            "--enable-sandbox", "--enable-seccomp"]
+            "--enable-seccomp"]
+    if os.geteuid() == 0:
+        argv.append("--enable-sandbox")
     if not host_loopback:
         argv.append("--disable-host-loopback")
     if with_user:
