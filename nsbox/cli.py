@@ -73,15 +73,18 @@ def sandbox_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                      help="Bind a host file or directory into the sandbox."),
         click.option("--network", default="none", show_default=True,
                      metavar="none|host|nat|proxy|container:ID|net:NAME",
-                     help="'none': loopback only; 'host': the host's network; 'nat': outbound access, the host's "
-                          "loopback as host.nsbox.internal; 'proxy': only the hosts --allow names, through a proxy; "
+                     help="'none': loopback only; 'host': the host's network; 'nat': outbound access (the host's "
+                          "loopback only with --host-loopback); 'proxy': only the hosts --allow names, through a proxy; "
                           "'container:ID': the network of the running sandbox ID; 'net:NAME': a member of the "
                           "network `nsbox network create NAME` made, reached by the others as --hostname."),
         click.option("--hostname", default=None, help="The sandbox's host name (default: its id)."),
         click.option("--network-alias", "network_aliases", multiple=True, metavar="NAME",
                      help="With --network net:NAME: another name the others reach this sandbox by."),
         click.option("--add-host", "add_hosts", multiple=True, metavar="NAME:IP",
-                     help="An extra /etc/hosts entry."),
+                     help="An extra /etc/hosts entry (IP 'host-gateway': the host's loopback, opened for it)."),
+        click.option("--host-loopback", is_flag=True,
+                     help="With --network nat: the host's loopback (its 127.0.0.1) reachable as "
+                          "host.nsbox.internal. Off by default."),
         click.option("-p", "--publish", "publish", multiple=True, metavar="[IP:]HOSTPORT:PORT",
                      help="Publish a TCP port of the sandbox on the host (on 127.0.0.1 unless IP is given)."),
         click.option("--allow", "allow", multiple=True, metavar="HOST",
@@ -113,7 +116,7 @@ def make_sandbox(rootfs: str, image: str | None, pull: str, platform: str | None
                  id_mapping: str, nested_userns: bool, memory: str | None = None, pids_limit: int | None = None,
                  cpus: float | None = None, disk: str | None = None, strict_limits: bool = False, publish: Sequence[str] = (),
                  allow: Sequence[str] = (), add_hosts: Sequence[str] = (), hostname: str | None = None,
-                 network_aliases: Sequence[str] = ()) -> Sandbox:
+                 network_aliases: Sequence[str] = (), host_loopback: bool = False) -> Sandbox:
     try:
         hosts = {}
         for item in add_hosts:
@@ -125,6 +128,7 @@ def make_sandbox(rootfs: str, image: str | None, pull: str, platform: str | None
                                         user=user, workdir=workdir, env=_parse_env(env),
                                         mounts=tuple(_parse_binds(volumes)), network=network,  # type: ignore[arg-type]
                                         ports=tuple(publish), allow=tuple(allow), hosts=hosts, hostname=hostname,
+                                        host_loopback=host_loopback,
                                         network_aliases=tuple(network_aliases),
                                         id_mapping=id_mapping, nested_userns=nested_userns, origin="cli",
                                         memory=memory, pids_limit=pids_limit, cpus=cpus, disk=disk,

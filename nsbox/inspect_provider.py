@@ -79,10 +79,13 @@ class SandboxSettings(BaseModel):
     env: dict[str, str] = {}
     network: str = "none"
     """'none': a private network with loopback only; 'host': the host's network;
-    'nat': outbound access (pasta or slirp4netns), the host's loopback as
-    host.nsbox.internal; 'proxy': only the hosts `allow` names, through a proxy;
+    'nat': outbound access (pasta or slirp4netns; the host's loopback as
+    host.nsbox.internal only with host_loopback); 'proxy': only the hosts `allow` names, through a proxy;
     'net:NAME': the sample's service network NAME (see `networks`), which
     the sample's sandboxes naming it share, each with its own address."""
+    host_loopback: bool = False
+    """nat: the host's loopback reachable as host.nsbox.internal (off: the
+    host's 127.0.0.1 services stay closed to the sandbox)."""
     allow: tuple[str, ...] = ()
     """The proxy mode's allowlist: "example.com", "*.example.org", "host:443", "*"."""
     network_aliases: tuple[str, ...] = ()
@@ -389,7 +392,7 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
         return Sandbox(spec=SandboxSpec(
             rootfs=rootfs, image=settings.image, pull="missing" if pulled else settings.pull,
             platform=settings.platform, user=settings.user, workdir=settings.workdir, env=settings.env,
-            network=settings.network, allow=settings.allow, ports=settings.ports,
+            network=settings.network, host_loopback=settings.host_loopback, allow=settings.allow, ports=settings.ports,
             network_aliases=settings.network_aliases, output_limit_mode=cfg.output_limit_mode, id_mapping=cfg.id_mapping,
             timeout=settings.timeout, mounts=tuple(Bind.parse(m) for m in settings.mounts), label=label,
             nested_userns=settings.nested_userns, memory=settings.memory, hostname=hostname,  # type: ignore[arg-type]

@@ -12,7 +12,7 @@ nsbox/net/).
   sandbox's namespace (tied to the init's pidfd); proxy listens on the
   sandbox's 127.0.0.1:3128 and serves the allowlisting proxy; each
   published port listens on the host. The sandbox's /etc/hosts (nat:
-  host.nsbox.internal) and /etc/resolv.conf (nat: the DNS forwarder) are
+  host.nsbox.internal, only where the host's loopback is asked for) and /etc/resolv.conf (nat: the DNS forwarder) are
   written by the caller through the init, for every kind of root.
 
 Lifetime. The proxy and port listeners are served by this process, by a
@@ -49,7 +49,7 @@ from .net.proxy import DEFAULT_PORT, ProxyServer, proxy_env
 from . import registry
 from .idmap import IdMap
 from .layers import write_file
-from .spec import CONTAINER, NET, SandboxSpec
+from .spec import CONTAINER, HOST_GATEWAY, NET, SandboxSpec
 
 PROXY_PORT = DEFAULT_PORT
 # Names the proxy resolves itself, to addresses it trusts (even loopback):
@@ -97,6 +97,20 @@ def service_network(spec: SandboxSpec) -> Any:
     if net is None:
         raise NetError(f"network {spec.network[len(NET):]} is not open in this process")
     return net
+
+
+def host_loopback(spec: SandboxSpec) -> bool:
+    """Whether the sandbox asked for the host's loopback (host_loopback, or
+    a `hosts` entry "host-gateway"). Only nat opens it, and only then:
+    pasta and slirp4netns otherwise leave 10.0.2.2 unmapped."""
+    return spec.host_loopback or HOST_GATEWAY in spec.hosts.values()
+
+
+def extra_hosts(spec: SandboxSpec, gateway: str = usernet.GATEWAY) -> dict[str, str]:
+    """spec.hosts with "host-gateway" replaced by where the host's loopback
+    is (nat's gateway; 127.0.0.1 with the host's network)."""
+    where = "127.0.0.1" if mode(spec) == "host" else gateway
+    return {name: where if address == HOST_GATEWAY else address for name, address in spec.hosts.items()}
 
 
 def needs_etc(spec: SandboxSpec) -> bool:
@@ -203,12 +217,13 @@ def environment(spec: SandboxSpec) -> dict[str, str]:
 
 def etc_files(spec: SandboxSpec, hostname: str) -> dict[str, str]:
     """The /etc files the mode (and extra hosts) need written into the sandbox once it runs."""
-    peers = [(address, [name]) for name, address in spec.hosts.items()]
+    peers = [(address, [name]) for name, address in extra_hosts(spec).items()]
     net = service_network(spec)
     if net is not None:  # a member, reserved already
         hosts = net.hosts_for(hostname)
     elif mode(spec) == "nat":
-        hosts = hosts_mod.render_hosts(hostname, peers, host_address=usernet.GATEWAY)
+        hosts = hosts_mod.render_hosts(hostname, peers,
+                                       host_address=usernet.GATEWAY if host_loopback(spec) else None)
     else:
         return {"/etc/hosts": hosts_mod.render_hosts(hostname, peers)} if peers else {}
     if mode(spec) != "nat":
@@ -310,7 +325,8 @@ class Runner:
         try:
             attached = Attached()
             if spec.network == "nat":
-                net = await usernet.start(ns, watch_pidfd=pidfd, via=self.helper)
+                net = await usernet.start(ns, host_loopback=host_loopback(spec), watch_pidfd=pidfd,
+                                          via=self.helper)
                 attached.tool, attached.usernet_pid = net.tool, net.pid
             if spec.network == "proxy":
                 proxy_sock = await listen_in(ns, "127.0.0.1", PROXY_PORT, via=self.helper)

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 
 import anyio
 
-from . import dirs, fdwait, idmap, native
+from . import dirs, fdwait, idmap, native, netplan
 from .net import bridge
 from .net.client import Namespaces, NetError
 from .spec import NET, NETWORK_NAME
@@ -177,7 +177,7 @@ class Network:
             raise NetError(f"network {self.name} already has a member called {name}")
         self.members[name] = sandbox  # first: a reservation cut short is still forgotten on leave
         try:
-            await self._net.reserve(name, aliases, sandbox=sandbox.id, extra=dict(sandbox.spec.hosts))
+            await self._net.reserve(name, aliases, sandbox=sandbox.id, extra=netplan.extra_hosts(sandbox.spec))
         except NetError:
             del self.members[name]  # refused: nothing of ours to forget
             raise

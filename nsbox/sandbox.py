@@ -85,6 +85,7 @@ class Sandbox:
         allow: Sequence[str] = (),
         ports: Sequence[str] = (),
         hosts: Mapping[str, str] | None = None,
+        host_loopback: bool = False,
         hostname: str | None = None,
         network_aliases: Sequence[str] = (),
         output_limit_mode: OutputLimitMode = "truncate",
@@ -104,7 +105,7 @@ class Sandbox:
             spec = SandboxSpec(
                 rootfs=os.fspath(rootfs) if rootfs is not None else "host", image=image, user=user, workdir=workdir,
                 env=dict(env or {}), network=network, allow=tuple(allow), ports=tuple(ports), hosts=dict(hosts or {}), hostname=hostname,
-                network_aliases=tuple(network_aliases), mounts=tuple(mounts),
+                host_loopback=host_loopback, network_aliases=tuple(network_aliases), mounts=tuple(mounts),
                 id_mapping=id_mapping, output_limit_mode=output_limit_mode, timeout=timeout, label=label,
                 nested_userns=nested_userns, memory=memory, pids_limit=pids_limit, cpus=cpus,  # type: ignore[arg-type]
                 disk=disk, strict_limits=strict_limits)  # type: ignore[arg-type]

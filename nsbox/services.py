@@ -36,7 +36,7 @@ import anyio
 
 from .client import Channel
 from .errors import NsboxError
-from . import protocol, streaming
+from . import netplan, protocol, streaming
 from .sandbox import Sandbox
 from .spec import SandboxSpec
 
@@ -248,7 +248,10 @@ class Services:
             # Every service's ports are ports of the one shared namespace:
             # the owner publishes them all.
             ports = tuple(p for s in self.order for p in s.spec.ports)
-            spec = spec.replace(network=self.network, hosts=hosts, ports=ports)
+            # So is the host's loopback: open if any service asks for it.
+            loopback = self.network == "nat" and any(netplan.host_loopback(s.spec) for s in self.order)
+            spec = spec.replace(network=self.network, hosts=hosts, ports=ports,
+                                host_loopback=spec.host_loopback or loopback)
         else:
             spec = spec.replace(network=f"container:{owner.id}", hosts=hosts, ports=())
         sb = Sandbox(spec=spec)

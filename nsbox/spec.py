@@ -22,6 +22,7 @@ PULL_POLICIES = ("missing", "always", "never")
 NETWORKS = ("none", "host", "nat", "proxy")
 CONTAINER = "container:"  # network "container:ID": join sandbox ID's network namespace
 NET = "net:"  # network "net:NAME": this process's service network NAME (nsbox.Network)
+HOST_GATEWAY = "host-gateway"  # a `hosts` address: the host's loopback (Docker's --add-host NAME:host-gateway)
 NETWORK_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _SANDBOX_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 OUTPUT_LIMIT_MODES = ("truncate", "raise")
@@ -71,8 +72,13 @@ def _check_network(spec: "SandboxSpec") -> None:
 
     hosts = {}
     for name, address in dict(spec.hosts).items():
-        hosts[check_name(name)] = str(ipaddress.ip_address(address))
+        # HOST_GATEWAY (Docker's "host-gateway"): the host's loopback, which
+        # the entry also asks nat to open (nothing else opens it).
+        hosts[check_name(name)] = HOST_GATEWAY if address == HOST_GATEWAY else str(ipaddress.ip_address(address))
     object.__setattr__(spec, "hosts", hosts)
+    if spec.host_loopback and spec.network not in ("nat", "host") and not spec.network.startswith(CONTAINER):
+        raise ValueError(f"host_loopback applies to the nat network mode, not to {spec.network!r}"
+                         + (" (a service network opens it with host_access)" if spec.network.startswith(NET) else ""))
     for alias in spec.network_aliases:
         check_name(alias)
     if spec.network_aliases and not spec.network.startswith(NET):
@@ -111,14 +117,20 @@ class SandboxSpec:
     env: environment variables of every command (over the image's).
     network: "none" (a network namespace with loopback only), "host",
         "nat" (outbound through pasta or slirp4netns; the host's loopback
-        as host.nsbox.internal) or "proxy" (loopback only, plus an HTTP and
+        only with host_loopback) or "proxy" (loopback only, plus an HTTP and
         SOCKS5 proxy that lets through only the hosts `allow` names), or
         an nsbox.Network (or "net:NAME") to join that service network, or
         "container:ID" to share the network namespace of the running
         sandbox ID (Docker's --network container:ID; both must have the
         same owner and id mapping): the two reach each other on 127.0.0.1,
         as the containers of a pod do.
-    hosts: extra /etc/hosts entries, name -> address (Docker's --add-host).
+    hosts: extra /etc/hosts entries, name -> address (Docker's --add-host);
+        the address "host-gateway" is the host's loopback, and asks for it
+        as host_loopback does.
+    host_loopback: in nat mode, make the host's loopback (its 127.0.0.1)
+        reachable as host.nsbox.internal (10.0.2.2). Off by default: any
+        unauthenticated service the host's users bind to 127.0.0.1 would be
+        open to the sandbox.
     allow: the proxy mode's allowlist ("example.com", "*.example.org",
         "host:443", an IP address, "*").
     ports: published ports, "[ADDRESS:]HOSTPORT:PORT" (ADDRESS defaults to
@@ -157,6 +169,7 @@ class SandboxSpec:
     allow: tuple[str, ...] = ()
     ports: tuple[str, ...] = ()
     hosts: Mapping[str, str] = field(default_factory=dict)
+    host_loopback: bool = False
     hostname: str | None = None
     network_aliases: tuple[str, ...] = ()
     mounts: tuple[Bind, ...] = ()

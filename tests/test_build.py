@@ -31,7 +31,8 @@ from nsbox.build import BuildError, build, build_image
 from nsbox.storage import ImageNotFound, Store
 from nsbox.storage.archive import import_image
 
-from .conftest import MODE, fixture_tar
+from .conftest import FIXTURES, MODE, fixture_tar
+from .net_members import host_server, tun_usable  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -309,8 +310,42 @@ async def test_default_network_is_announced(tmp_path: Path, name: str, busybox: 
     ctx = context(tmp_path, f"FROM {busybox}\nRUN ip -o link | grep -c . > /links\n")
     lines: list[str] = []
     result = await build_image(ctx, tag=name, no_cache=True, progress=lines.append)
-    assert result.network in ("nat", "host")
+    assert result.network in ("nat", "none")
     assert f"RUN steps use network {result.network}" in "".join(lines)
+
+
+@pytest.mark.skipif(not tun_usable(), reason="/dev/net/tun is not usable by this user (CI makes it so)")
+async def test_run_steps_do_not_reach_the_hosts_loopback(tmp_path: Path, name: str, busybox: str,
+                                                        host_server: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Dockerfile (or a package's install script) cannot read the host's
+    127.0.0.1 services through nat's gateway, as Docker's RUN cannot.
+    slirp4netns refuses the gateway locally (pasta would pass 10.0.2.2 on
+    to the real network, which tests never send to)."""
+    monkeypatch.setenv("NSBOX_USERNET_TOOL", "slirp4netns")
+    ctx = context(tmp_path, f"FROM {busybox}\nRUN (nc -w 2 10.0.2.2 {host_server} || true) > /got; "
+                            "cat /etc/hosts > /hosts\n")
+    result = await build_image(ctx, tag=name, no_cache=True, progress=lambda _: None)
+    assert result.network == "nat"
+    assert await sh(result.name, "cat /got") == ""
+    assert "host.nsbox.internal" not in await sh(result.name, "cat /hosts")
+
+
+async def test_run_steps_never_fall_back_to_the_hosts_network(tmp_path: Path, name: str, busybox: str,
+                                                              host_server: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where nat cannot work, RUN steps get no network (not the host's, with
+    its loopback services), and say how to ask for the host's; a
+    Dockerfile's own RUN --network=host needs that opt-in too."""
+    monkeypatch.setenv("NSBOX_USERNET_TOOL", "no-such-usernet-tool")
+    ctx = context(tmp_path, f"FROM {busybox}\nRUN (nc -w 2 127.0.0.1 {host_server} || true) > /got\n")
+    lines: list[str] = []
+    result = await build_image(ctx, tag=name, no_cache=True, progress=lines.append)
+    assert result.network == "none" and await sh(result.name, "cat /got") == ""
+    assert "`nsbox build --network host`" in "".join(lines)
+    ctx = context(tmp_path / "explicit", f"FROM {busybox}\nRUN --network=host nc -w 2 127.0.0.1 {host_server} > /got\n")
+    with pytest.raises(BuildError, match=r"RUN --network=host .* only with `nsbox build --network host`"):
+        await build(ctx, tag=name, no_cache=True, progress=lambda _: None)
+    result = await build_image(ctx, tag=name, no_cache=True, network="host", progress=lambda _: None)
+    assert await sh(result.name, "cat /got") == "host"  # the explicit opt-in
 
 
 def test_cli(tmp_path: Path, name: str, busybox: str) -> None:

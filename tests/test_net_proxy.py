@@ -8,6 +8,10 @@ for are mapped to it by the proxy's `hosts` table. Nothing leaves the machine.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import AsyncIterator
 
 import anyio
@@ -77,6 +81,13 @@ if mode == "http":
         print(r.status, r.read().decode())
     except urllib.error.HTTPError as e:
         print(e.code, e.read().decode())
+elif mode == "get":  # by hand: urllib would not use the proxy for NO_PROXY's 127.0.0.1
+    s = socket.create_connection(("127.0.0.1", 3128), timeout=10)
+    s.sendall(f"GET http://{host}:{port}/hello HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+    data = b""
+    while chunk := s.recv(65536):
+        data += chunk
+    print(int(data.split()[1]), data.split(b"\r\n\r\n", 1)[1].decode())
 elif mode == "connect":
     s = socket.create_connection(("127.0.0.1", 3128), timeout=10)
     s.sendall(f"CONNECT {host}:{port} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode())
@@ -92,12 +103,15 @@ elif mode == "connect":
     while chunk := s.recv(65536):
         data += chunk
     print(status, data.split(b"\r\n\r\n", 1)[1].decode())
-elif mode == "socks":
+elif mode in ("socks", "socks-ipv4"):
     s = socket.create_connection(("127.0.0.1", 3128), timeout=10)
     s.sendall(b"\x05\x01\x00")
     assert s.recv(2) == b"\x05\x00"
     name = host.encode()
-    s.sendall(b"\x05\x01\x00\x03" + bytes([len(name)]) + name + struct.pack("!H", port))
+    if mode == "socks":
+        s.sendall(b"\x05\x01\x00\x03" + bytes([len(name)]) + name + struct.pack("!H", port))
+    else:
+        s.sendall(b"\x05\x01\x00\x01" + socket.inet_aton(host) + struct.pack("!H", port))
     reply = s.recv(10)
     if reply[1] != 0:
         print("socks", reply[1])
@@ -169,6 +183,163 @@ async def test_names_resolving_to_loopback_are_refused() -> None:
     async def resolver(host: str, port: int) -> list[tuple[str, bool]]:
         return [("127.0.0.1", False), ("169.254.169.254", False)]
 
-    server = ProxyServer(["*.evil.test"], resolver=resolver)
-    with pytest.raises(Refused, match="loopback or link-local"):
+    server = ProxyServer(["*.evil.test"], resolver=resolver, connect=_no_connect)
+    with pytest.raises(Refused, match="refused by policy: 127.0.0.1: a loopback address.*169.254.169.254: a cloud"):
         await server._open("x.evil.test", 80)
+
+
+async def _no_connect(address: str, port: int) -> SocketStream:
+    raise AssertionError(f"the proxy tried to connect to {address}:{port}")
+
+
+async def _only_loopback(address: str, port: int) -> SocketStream:
+    """The proxies of these tests connect to the host's 127.0.0.1 at most."""
+    if address != "127.0.0.1":
+        raise AssertionError(f"the proxy tried to connect to {address}:{port}")
+    return await anyio.connect_tcp(address, port)
+
+
+HOST_AND_METADATA = ["127.0.0.1", "127.0.0.53", "::1", "::ffff:127.0.0.1", "::127.0.0.1", "64:ff9b::7f00:1",
+                     "0.0.0.0", "::", "169.254.169.254", "fe80::1", "fd00:ec2::254", "100.100.100.200",
+                     "192.0.0.192", "127.1"]
+
+
+@pytest.mark.parametrize("host", HOST_AND_METADATA)
+async def test_the_host_and_metadata_services_are_refused_before_any_connection(host: str) -> None:
+    """With `*`, literals are checked as resolved names are (127.1 is
+    resolved by getaddrinfo's numeric parsing, without DNS): the decision
+    refuses them, and no connection is attempted."""
+    server = ProxyServer(["*"], connect=_no_connect)
+    with pytest.raises(Refused, match="refused by policy") as e:
+        await server.check(host, 80)
+    assert e.value.status == 403 and e.value.socks == 2
+    with pytest.raises(Refused, match="refused by policy"):
+        await server._open(host, 80)
+    if host == "127.1":
+        return  # a name, not an address: it never names one
+    # Named exactly, an address is let through (port too, when given).
+    assert await ProxyServer([f"[{host}]:80" if ":" in host else f"{host}:80"]).check(host, 80) == [host]
+    with pytest.raises(Refused):
+        await ProxyServer([f"[{host}]:81" if ":" in host else f"{host}:81", "*"]).check(host, 80)
+
+
+@pytest.fixture
+async def open_proxied(upstream_port: int) -> AsyncIterator[nsbox.Sandbox]:
+    """A sandbox whose proxy allows everything (`*`), and 127.0.0.1 on the
+    upstream's port by its address."""
+    server = ProxyServer(["*", f"127.0.0.1:{upstream_port}"], connect=_only_loopback)
+    refusing = ProxyServer(["*"], connect=_only_loopback)
+    async with nsbox.Sandbox(env=proxy_env()) as sb:
+        ns = Namespaces.of_pid(sb.pid)
+        try:
+            socks = [await listen_in(ns, "127.0.0.1", port) for port in (3128, 3129)]
+        finally:
+            ns.close()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(refusing.serve_socket, socks[0])
+            tg.start_soon(server.serve_socket, socks[1])
+            yield sb
+            tg.cancel_scope.cancel()
+
+
+async def test_allow_all_does_not_reach_the_hosts_loopback(open_proxied: nsbox.Sandbox, upstream_port: int) -> None:
+    for mode, host in [("connect", "127.0.0.1"), ("connect", "[::ffff:127.0.0.1]"), ("get", "[::ffff:127.0.0.1]"),
+                       ("get", "127.0.0.1"), ("connect", "0.0.0.0"), ("connect", "169.254.169.254"),
+                       ("connect", "[fd00:ec2::254]"), ("connect", "100.100.100.200")]:
+        out = await _client(open_proxied, mode, host, upstream_port)
+        assert out.startswith("403 ") and "refused by policy" in out, (mode, host, out)
+    assert await _client(open_proxied, "socks-ipv4", "127.0.0.1", upstream_port) == "socks 2"
+    assert await _client(open_proxied, "socks-ipv4", "169.254.169.254", 80) == "socks 2"
+    # The proxy on 3129 names 127.0.0.1:PORT itself: that one address gets through.
+    r = await open_proxied.exec(["sh", "-c", f"sed 's/3128/3129/' > /tmp/c.py; python3 /tmp/c.py connect 127.0.0.1 "
+                                             f"{upstream_port}"], input=CLIENT, timeout=30)
+    assert r.stdout.startswith("200 ") and "GET /tunnel" in r.stdout, r
+
+
+OWN_ADDRESS = r"""
+import socket, subprocess, sys, anyio
+from nsbox.net.proxy import ProxyServer, internal_reason
+
+def ask(port, target):
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(f"CONNECT {target} HTTP/1.1\r\n\r\n".encode())
+    data = s.recv(4096)
+    while b" 403 " in data.split(b"\r\n")[0] and (chunk := s.recv(4096)):
+        data += chunk
+    return data.decode().replace("\r\n", " ")
+
+async def main():
+    server = socket.create_server(("0.0.0.0", 0))  # a host service on every address
+    port = server.getsockname()[1]
+    assert socket.gethostbyname("own.test") == "198.51.100.7"
+    print("reason", internal_reason("198.51.100.7"))
+    async with anyio.create_task_group() as tg:
+        for proxy_port, allow in ((3128, ["*"]), (3129, ["198.51.100.7"])):
+            tg.start_soon(ProxyServer(allow).serve_socket, socket.create_server(("127.0.0.1", proxy_port)))
+        for proxy_port, target in ((3128, "own.test"), (3128, "198.51.100.7"), (3129, "198.51.100.7")):
+            print(proxy_port, target, await anyio.to_thread.run_sync(ask, proxy_port, f"{target}:{port}"))
+        tg.cancel_scope.cancel()
+
+anyio.run(main)
+"""
+
+
+def test_names_and_literals_of_the_hosts_own_addresses_are_refused(tmp_path: Path) -> None:
+    """In a network namespace of the test's own, with an address
+    (198.51.100.7, on its lo) standing for the host's eth0 address: a name resolving to it (through
+    /etc/hosts, bound over in the test's mount namespace) and the literal
+    are refused, as a service bound to 0.0.0.0 answers there; named
+    exactly in the allowlist, it is reached."""
+    (tmp_path / "hosts").write_text("127.0.0.1 localhost\n198.51.100.7 own.test\n")
+    (tmp_path / "own.py").write_text(OWN_ADDRESS)
+    script = (f"ip link set lo up && ip addr add 198.51.100.7/32 dev lo && mount --bind {tmp_path}/hosts /etc/hosts && exec {sys.executable} {tmp_path}/own.py")
+    r = subprocess.run(["unshare", "-r", "-n", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert r.returncode == 0, r.stderr
+    lines = [line for line in r.stdout.splitlines() if line.strip()]
+    assert lines[0] == "reason an address of this host (its services on 0.0.0.0 answer there)", r.stdout
+    assert lines[1].startswith("3128 own.test HTTP/1.1 403") and "refused by policy" in lines[1], r.stdout
+    assert lines[2].startswith("3128 198.51.100.7 HTTP/1.1 403"), r.stdout
+    assert lines[3].startswith("3129 198.51.100.7 HTTP/1.1 200"), r.stdout
+
+
+async def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+HOLD = r"""
+import socket, sys, time
+held = [socket.create_connection(("127.0.0.1", 3128)) for _ in range(int(sys.argv[1]))]
+time.sleep(2)
+held[0].settimeout(10)
+start = time.monotonic()
+try:
+    got = held[0].recv(1)
+    print("eof" if got == b"" else "data", round(time.monotonic() - start))
+except socket.timeout:
+    print("still open")
+"""
+
+
+async def test_one_sandbox_cannot_pin_the_hosts_descriptors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A proxy-mode sandbox opening many idle connections: the nsbox process
+    accepts at most NSBOX_PROXY_MAX_CONNECTIONS of them (the rest wait in
+    the sandbox's backlog), and drops those that send no request within
+    NSBOX_PROXY_HANDSHAKE_TIMEOUT."""
+    monkeypatch.setenv("NSBOX_PROXY_MAX_CONNECTIONS", "8")
+    monkeypatch.setenv("NSBOX_PROXY_HANDSHAKE_TIMEOUT", "1")
+    async with nsbox.Sandbox(network="proxy", allow=["*"]) as sb:
+        before = await _fds()
+        peak = before
+        async with anyio.create_task_group() as tg:
+            async def watch() -> None:
+                nonlocal peak
+                while True:
+                    peak = max(peak, await _fds())
+                    await anyio.sleep(0.05)
+            tg.start_soon(watch)
+            r = await sb.exec(["python3", "-c", HOLD, "100"], timeout=40)
+            tg.cancel_scope.cancel()
+        assert r.success, r.stderr
+        assert peak - before <= 8 + 4, (before, peak)
+        assert r.stdout.startswith("eof"), r.stdout

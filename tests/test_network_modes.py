@@ -119,8 +119,8 @@ async def test_none_cannot_reach_the_hosts_loopback(host_server: int) -> None:
 # ---- nat ----------------------------------------------------------------------
 
 @needs_tun
-async def test_nat_reaches_the_hosts_loopback_by_name(host_server: int) -> None:
-    async with nsbox.Sandbox(network="nat") as sb:
+async def test_nat_reaches_the_hosts_loopback_by_name_when_asked(host_server: int) -> None:
+    async with nsbox.Sandbox(network="nat", host_loopback=True) as sb:
         r = await sb.exec(["python3", "-c", CLIENT, "host.nsbox.internal", str(host_server), "5"])
         assert r.stdout.strip() == "got host", r
         # The sandbox's own loopback is still its own.
@@ -133,9 +133,24 @@ async def test_nat_reaches_the_hosts_loopback_by_name(host_server: int) -> None:
 
 
 @needs_tun
+async def test_nat_keeps_the_hosts_loopback_closed_by_default(host_server: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without host_loopback nothing of the host's 127.0.0.1 answers at the
+    gateway (tried with slirp4netns, which refuses it locally: pasta would
+    pass 10.0.2.2 on to the real network; its --no-map-gw is checked in
+    test_net_usernet.py)."""
+    monkeypatch.setenv("NSBOX_USERNET_TOOL", "slirp4netns")
+    async with nsbox.Sandbox(network="nat") as sb:
+        assert "host.nsbox.internal" not in str(await sb.read_file("/etc/hosts"))
+        r = await sb.exec(["python3", "-c", CLIENT, usernet.GATEWAY, str(host_server), "2"])
+        assert r.stdout.startswith("failed"), r
+    with pytest.raises(ValueError, match="host_loopback applies to the nat network mode"):
+        nsbox.SandboxSpec(network="none", host_loopback=True)
+
+
+@needs_tun
 async def test_nat_with_a_directory_root(debian_rootfs: Path, host_server: int) -> None:
     """/etc/hosts and /etc/resolv.conf are written through the init (bash's /dev/tcp resolves the name)."""
-    async with nsbox.Sandbox(debian_rootfs, network="nat") as sb:
+    async with nsbox.Sandbox(debian_rootfs, network="nat", hosts={"host.nsbox.internal": "host-gateway"}) as sb:
         r = await sb.exec(["bash", "-c", f"exec 3<>/dev/tcp/host.nsbox.internal/{host_server}; cat <&3"])
         assert r.stdout == "host", r
         assert f"nameserver {usernet.DNS}" in str(await sb.read_file("/etc/resolv.conf"))

@@ -121,19 +121,34 @@ def test_spec_refuses_bad_values() -> None:
     assert nsbox.SandboxSpec(hosts={"web": "127.0.0.1"}).hosts == {"web": "127.0.0.1"}
 
 
+def test_hosts_names_cannot_carry_a_line_break() -> None:
+    """Names from a compose file (services, aliases, extra_hosts) go into
+    /etc/hosts: a trailing newline must not pass as part of a name."""
+    from nsbox.net.hosts import check_name
+
+    for bad in ("web\n", "web\n10.0.0.1 evil", "web\r"):
+        with pytest.raises(ValueError, match="host name"):
+            nsbox.SandboxSpec(hosts={bad: "127.0.0.1"})
+        with pytest.raises(ValueError):
+            check_name(bad)
+
+
 async def test_joiner_gets_its_targets_network_settings() -> None:
     """A joiner of a proxy sandbox uses the same proxy; of a nat sandbox, the
-    same DNS forwarder and host.nsbox.internal."""
+    same DNS forwarder (and host.nsbox.internal, where it asks for the
+    host's loopback, which only the target's nat can open)."""
     async with nsbox.Sandbox(network="proxy", allow=["example.com"]) as a:
         async with nsbox.Sandbox(network=f"container:{a.id}") as b:
             r = await b.exec(["sh", "-c", "echo $HTTP_PROXY"])
             assert r.stdout.strip() == "http://127.0.0.1:3128", r
     if not components.usable("tun", "usernet"):
         return  # nat needs /dev/net/tun (CI makes it usable; tests/test_net_usernet.py covers the refusal)
-    async with nsbox.Sandbox(network="nat") as a:
-        async with nsbox.Sandbox(network=f"container:{a.id}") as b:
+    async with nsbox.Sandbox(network="nat", host_loopback=True) as a:
+        async with nsbox.Sandbox(network=f"container:{a.id}", host_loopback=True) as b:
             assert "10.0.2.3" in (await b.exec(["cat", "/etc/resolv.conf"])).stdout
             assert "host.nsbox.internal" in (await b.exec(["cat", "/etc/hosts"])).stdout
+        async with nsbox.Sandbox(network=f"container:{a.id}") as b:
+            assert "host.nsbox.internal" not in (await b.exec(["cat", "/etc/hosts"])).stdout
 
 
 async def test_only_namespaces_of_a_sandbox_init_can_be_joined() -> None:

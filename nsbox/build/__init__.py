@@ -32,8 +32,9 @@ async def build_image(context: str | Path, *, dockerfile: str | Path | None = No
                       progress: Sink = None, store: Store | None = None) -> BuildResult:
     """Builds the Dockerfile (default: CONTEXT/Dockerfile) and names the
     image `tag` (several: all of them). `network` is what RUN steps get:
-    "nat" when it is usable here, else "host", unless given ("none",
-    "host", "nat"). `progress`: a text stream or a callable taking text
+    "nat" (without the host's loopback) when it is usable here, else
+    "none", unless given ("none", "host", "nat"; only "host" lets a
+    Dockerfile's `RUN --network=host` through). `progress`: a text stream or a callable taking text
     (None: stderr). Returns what was built and how (cache hits, RUNs)."""
     names = [tag] if isinstance(tag, str) else list(tag)
     if not names:

@@ -279,6 +279,11 @@ class Builder:
         network = ins.flags.get("network")
         if network not in (None, "default", "none", "host"):
             raise ins.error(f"RUN --network={network}: expected default, none or host")
+        if network == "host" and self.network != "host":
+            # Docker too asks for an entitlement (--allow network.host): the
+            # host's network is the host's loopback services.
+            raise ins.error("RUN --network=host gives the step the host's network (its loopback services too): "
+                            "allowed only with `nsbox build --network host`")
         key = chain(state.key, "RUN", argv, script, env, user, workdir)
 
         async def make() -> tuple[str | None, int]:
@@ -305,7 +310,9 @@ class Builder:
                     tool, _ = usernet.find_tool()
                     self.result.network, why = "nat", f"outbound access through {tool}"
                 except Exception as e:
-                    self.result.network, why = "host", f"nat is not usable here: {getattr(e, 'message', e)}"
+                    # Never the host's network unasked: a step would reach its loopback.
+                    self.result.network, why = "none", (f"nat is not usable here: {getattr(e, 'message', e)}; "
+                                                        "`nsbox build --network host` gives them the host's network")
             self.out.line(f"RUN steps use network {self.result.network} ({why})")
         return self.result.network
 

@@ -20,7 +20,7 @@ import click
               help="When to pull base images.")
 @click.option("--no-cache", is_flag=True, help="Run every step, even when the cache has its result.")
 @click.option("--network", type=click.Choice(["nat", "host", "none"]), default=None,
-              help="Network of RUN steps (default: nat where it works, else host).")
+              help="Network of RUN steps (default: nat where it works, else none; host only when given).")
 @click.option("-q", "--quiet", is_flag=True, help="Print only the image id.")
 @click.argument("context", type=click.Path(exists=True, file_okay=False))
 def build(tags: tuple[str, ...], dockerfile: str | None, build_args: tuple[str, ...], context: str,

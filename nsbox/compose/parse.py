@@ -335,17 +335,16 @@ class Reader:
         return out
 
     def extra_hosts(self, value: Any) -> dict[str, str]:
-        """["name:ip", "name=ip"] or {name: ip}; host-gateway is the host's
-        loopback as nat mode reaches it (host.nsbox.internal's address)."""
-        from ..net.usernet import GATEWAY
-
+        """["name:ip", "name=ip"] or {name: ip}; "host-gateway" stays as it
+        is: the sandbox's spec opens the host's loopback for it (and only
+        for it: nat does not otherwise)."""
         items = value.items() if isinstance(value, dict) else (
             (text.partition("=")[0], text.partition("=")[2]) if "=" in text else
             (text.partition(":")[0], text.partition(":")[2]) for text in self.string_list("extra_hosts", value))
         out = {}
         for name, address in items:
             address = str(address).strip("[]")
-            out[str(name)] = GATEWAY if address == "host-gateway" else address
+            out[str(name)] = address
         return out
 
     def capabilities(self, key: str, value: Any) -> list[str]:

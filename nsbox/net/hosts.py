@@ -1,8 +1,8 @@
 """The text of a sandbox's /etc/hosts and /etc/resolv.conf for each network mode.
 
 Names inside sandboxes resolve through /etc/hosts: the sandbox's own name,
-`host.nsbox.internal` (the host's loopback, in nat mode and on networks
-that allow it) and the other members of its service networks, by name and
+`host.nsbox.internal` (the host's loopback, in nat mode where the sandbox
+asks for it and on networks that allow it) and the other members of its service networks, by name and
 by alias. The caller writes the text into the sandbox and writes it again
 when members join or leave.
 """
@@ -14,12 +14,12 @@ from typing import Iterable, Sequence
 
 HOST_NAME = "host.nsbox.internal"
 # A name in /etc/hosts: letters, digits, '-', '_' and '.' (RFC 952/1123 plus '_').
-_NAME = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_.-]{0,252})$")
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,252}")
 
 
 def check_name(name: str) -> str:
     """Returns `name` if it can stand in /etc/hosts, else raises ValueError."""
-    if not _NAME.match(name) or ".." in name:
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
         raise ValueError(f"{name!r} cannot be a host name (letters, digits, '-', '_' and '.' only)")
     return name
 

@@ -24,24 +24,42 @@ asked for, case-insensitively, a trailing dot ignored):
 - `example.com:443`, `*.example.org:8080`   the same, on that port only.
 - `192.0.2.7`, `[2001:db8::1]:443`          an IP address the client asked
                       for literally (no name matches it).
-- `*`                 everything.
+- `*`                 everything (but what follows).
 Everything else is refused: HTTP 403 with a body naming the host and the
 setting to change, SOCKS5 reply 2 ("not allowed by ruleset").
 
-Names are resolved by this process (the sandbox has no DNS). A name that
-resolves only to loopback, link-local (cloud metadata services among them)
-or unspecified addresses is refused even when allowed, so an allowed domain
-whose DNS someone controls cannot reach the host's own services; an
-explicit `hosts` mapping given to the proxy (`{"name": "127.0.0.1"}`) is
-trusted as it is.
+Names are resolved by this process (the sandbox has no DNS). Whatever the
+client asked for, a name or an address literal, the proxy connects only to
+addresses it checked, and refuses the host's own: loopback, unspecified
+(0.0.0.0 is the host too), link-local, the known cloud metadata addresses
+(METADATA), and every address of this host's interfaces (a service bound
+to 0.0.0.0 answers on each), IPv4 written as IPv6 (::ffff:127.0.0.1)
+included. Such an address is let through only when an allow entry names
+that address itself (`allow: ["127.0.0.1:8080"]`), never through a name or
+`*`. It connects to the address it checked, so a name whose DNS changes
+between the check and the connection (rebinding) cannot swap it. An
+explicit `hosts` mapping given to the proxy (`{"name": "127.0.0.1"}`, the
+site's NSBOX_PROXY_HOSTS) is trusted as it is.
+
+Bounds. The proxy runs in the nsbox process, whose descriptors every
+sandbox shares: each sandbox has at most `max_connections` connections at
+once (NSBOX_PROXY_MAX_CONNECTIONS, default 256; further ones wait in the
+listen backlog, unaccepted, holding no descriptor of ours), all sandboxes
+together at most a quarter of the process's RLIMIT_NOFILE (each connection
+is two descriptors; NSBOX_PROXY_MAX_TOTAL overrides), and a client that has
+not finished its request within `handshake_timeout` seconds
+(NSBOX_PROXY_HANDSHAKE_TIMEOUT, default 30) is dropped.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import os
+import resource
 import socket
 import struct
+import threading
+import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Iterable, Mapping, Sequence
 
@@ -52,6 +70,12 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 DEFAULT_PORT = 3128
 MAX_HEAD = 65536
 CONNECT_TIMEOUT = 10.0
+MAX_CONNECTIONS = 256       # per sandbox (per ProxyServer.serve)
+HANDSHAKE_TIMEOUT = 30.0    # from accept to a connected (or refused) request
+# Cloud metadata services outside link-local (169.254/16, fe80::/10, refused
+# as such): AWS's IPv6 one, Alibaba's, Oracle's legacy one.
+METADATA = frozenset(ipaddress.ip_address(a) for a in (
+    "169.254.169.254", "169.254.170.2", "fd00:ec2::254", "fd00:ec2::23", "100.100.100.200", "192.0.0.192"))
 # Hop-by-hop headers a proxy must not pass on (RFC 9110 7.6.1).
 HOP_HEADERS = {b"connection", b"keep-alive", b"proxy-connection", b"proxy-authorization",
                b"proxy-authenticate", b"te", b"trailer", b"upgrade"}
@@ -136,6 +160,12 @@ class Allowlist:
                 return True
         return False
 
+    def names_address(self, address: str, port: int) -> bool:
+        """Whether an entry names this address itself (not a name, not `*`):
+        the only way an address of the host or a metadata service is let through."""
+        ip = _plain(address)
+        return any(_is_ip(r.host) and _plain(r.host) == ip and r.port in (None, port) for r in self._rules)
+
     def __repr__(self) -> str:
         return f"Allowlist({list(self.entries)!r})"
 
@@ -175,18 +205,116 @@ def system_resolver(hosts: Mapping[str, str] | None = None) -> Resolver:
         if host in table:
             return [(table[host], True)]
         if _is_ip(host):
-            return [(host, True)]  # asked for literally, and allowed literally
+            return [(host, False)]  # checked as any resolved address is
         infos = await anyio.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         return [(str(info[4][0]), False) for info in infos]
 
     return resolve
 
 
-def _internal(address: str) -> bool:
+def _plain(address: str) -> "ipaddress.IPv4Address | ipaddress.IPv6Address":
+    """The address, an IPv4 one written as IPv6 (::ffff:a.b.c.d, ::a.b.c.d,
+    64:ff9b::a.b.c.d) as the IPv4 address it reaches."""
     ip = ipaddress.ip_address(address.split("%")[0])
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:
-        ip = ip.ipv4_mapped
-    return ip.is_loopback or ip.is_link_local or ip.is_unspecified
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped:
+            return ip.ipv4_mapped
+        value = int(ip)
+        if value >> 32 in (0, 0x64FF9B << 64) and value > 1:  # IPv4-compatible, NAT64 well-known prefix
+            return ipaddress.IPv4Address(value & 0xFFFFFFFF)
+    return ip
+
+
+_own: tuple[float, frozenset[object]] = (0.0, frozenset())
+_own_lock = threading.Lock()
+
+
+def host_addresses() -> frozenset[object]:
+    """The addresses of this host's interfaces (this process's network
+    namespace), read from /proc at most once a second."""
+    global _own
+    with _own_lock:
+        if time.monotonic() - _own[0] < 1.0:
+            return _own[1]
+        found: set[object] = set()
+        try:
+            with open("/proc/net/fib_trie") as f:  # IPv4: "|-- ADDR" then "/32 host LOCAL"
+                last = ""
+                for line in f:
+                    text = line.strip()
+                    if text.startswith("|--"):
+                        last = text[3:].strip()
+                    elif text.endswith("host LOCAL") and last:
+                        found.add(ipaddress.ip_address(last))
+        except (OSError, ValueError):
+            pass
+        try:
+            with open("/proc/net/if_inet6") as f:  # IPv6: 32 hex digits first
+                for line in f:
+                    found.add(ipaddress.IPv6Address(int(line.split()[0], 16)))
+        except (OSError, ValueError, IndexError):
+            pass
+        _own = (time.monotonic(), frozenset(found))
+        return _own[1]
+
+
+def internal_reason(address: str) -> str | None:
+    """Why the proxy never connects to `address` unasked (None: it may)."""
+    ip = _plain(address)
+    if ip.is_loopback:
+        return "a loopback address (the host's own services)"
+    if ip.is_unspecified:
+        return "the unspecified address (the host itself)"
+    if ip in METADATA:
+        return "a cloud metadata service"
+    if ip.is_link_local:
+        return "a link-local address (cloud metadata services among them)"
+    if ip in host_addresses() or ipaddress.ip_address(address.split("%")[0]) in host_addresses():
+        return "an address of this host (its services on 0.0.0.0 answer there)"
+    return None
+
+
+class _Budget:
+    """The descriptors all proxies of this process may hold: connections,
+    counted across threads and event loops."""
+
+    def __init__(self) -> None:
+        self.used = 0
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def limit() -> int:
+        text = os.environ.get("NSBOX_PROXY_MAX_TOTAL")
+        if text:
+            return max(1, int(text))
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        soft = 1 << 20 if soft == resource.RLIM_INFINITY else soft
+        return max(16, soft // 4)  # two descriptors each: half of them
+
+    def take(self) -> bool:
+        with self._lock:
+            if self.used >= self.limit():
+                return False
+            self.used += 1
+            return True
+
+    def give(self) -> None:
+        with self._lock:
+            self.used -= 1
+
+
+BUDGET = _Budget()
+
+
+def _setting(name: str, default: float) -> float:
+    text = os.environ.get(name)
+    try:
+        value = float(text) if text else default
+    except ValueError:
+        raise ValueError(f"{name} must be a number, not {text!r}") from None
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, not {text!r}")
+    return value
 
 
 # ---- the server -------------------------------------------------------------
@@ -196,10 +324,15 @@ class ProxyServer:
 
     def __init__(self, allow: Allowlist | Iterable[str], *, resolver: Resolver | None = None,
                  hosts: Mapping[str, str] | None = None, connect_timeout: float = CONNECT_TIMEOUT,
+                 max_connections: int | None = None, handshake_timeout: float | None = None,
+                 connect: Callable[[str, int], Awaitable[SocketStream]] | None = None,
                  log: Callable[[str], None] | None = None) -> None:
         self.allow = allow if isinstance(allow, Allowlist) else Allowlist(allow)
         self.resolver = resolver or system_resolver(hosts)
         self.connect_timeout = connect_timeout
+        self.max_connections = int(max_connections or _setting("NSBOX_PROXY_MAX_CONNECTIONS", MAX_CONNECTIONS))
+        self.handshake_timeout = handshake_timeout or _setting("NSBOX_PROXY_HANDSHAKE_TIMEOUT", HANDSHAKE_TIMEOUT)
+        self.connect = connect or (lambda address, port: anyio.connect_tcp(address, port))
         self.log = log
 
     async def serve_socket(self, sock: socket.socket) -> None:
@@ -214,32 +347,64 @@ class ProxyServer:
         await self.serve(listener)
 
     async def serve(self, listener: SocketListener) -> None:
-        async with listener:
-            await listener.serve(self.handle)
+        """Accepts only while this proxy and the process have room (see the
+        module's doc): a client beyond that waits in the backlog."""
+        room = anyio.Semaphore(self.max_connections)
+        async with listener, anyio.create_task_group() as tg:
+            while True:
+                await room.acquire()
+                while not BUDGET.take():
+                    await anyio.sleep(0.05)
+                try:
+                    client = await listener.accept()
+                except BaseException as e:
+                    room.release()
+                    BUDGET.give()
+                    if not isinstance(e, OSError):
+                        raise
+                    await anyio.sleep(0.1)  # e.g. EMFILE: try again later
+                    continue
+                tg.start_soon(self._serve_one, client, room)
+
+    async def _serve_one(self, client: ByteStream, room: anyio.Semaphore) -> None:
+        try:
+            await self.handle(client)
+        finally:
+            room.release()
+            BUDGET.give()
 
     async def handle(self, client: ByteStream) -> None:
-        """Serves one client connection."""
+        """Serves one client connection: its request (within the handshake
+        timeout), then the relay."""
         async with client:
             reader = BufferedByteReceiveStream(client)
-            try:
-                first = await reader.receive_exactly(1)
-            except (anyio.IncompleteRead, anyio.EndOfStream, OSError, anyio.BrokenResourceError):
+            upstream = None
+            with anyio.move_on_after(self.handshake_timeout):
+                try:
+                    first = await reader.receive_exactly(1)
+                    if first == b"\x05":
+                        upstream = await self._socks5(client, reader)
+                    else:
+                        upstream = await self._http(client, reader, first)
+                except (anyio.IncompleteRead, anyio.EndOfStream, anyio.BrokenResourceError,
+                        anyio.ClosedResourceError, anyio.DelimiterNotFound, OSError):
+                    return
+                except Exception as e:  # one bad connection must not stop the proxy
+                    self._say(f"error: {type(e).__name__}: {e}")
+                    return
+            if upstream is None:
                 return
-            try:
-                if first == b"\x05":
-                    await self._socks5(client, reader)
-                else:
-                    await self._http(client, reader, first)
-            except (anyio.IncompleteRead, anyio.EndOfStream, anyio.BrokenResourceError,
-                    anyio.ClosedResourceError, anyio.DelimiterNotFound, ConnectionError):
-                return
-            except Exception as e:  # one bad connection must not stop the proxy
-                self._say(f"error: {type(e).__name__}: {e}")
+            async with upstream:
+                try:
+                    await _relay(client, reader, upstream)
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                    pass
 
     # -- decisions --
 
-    async def _open(self, host: str, port: int) -> SocketStream:
-        """The allowlist check, then a connection; raises Refused."""
+    async def check(self, host: str, port: int) -> list[str]:
+        """The decision, before any connection: the addresses the proxy may
+        connect to for host:port; raises Refused."""
         where = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
         if not self.allow.allows(host, port):
             self._say(f"denied {where}")
@@ -250,15 +415,28 @@ class ProxyServer:
             addresses = await self.resolver(_normalize(host), port)
         except OSError as e:
             raise Refused(502, "Bad Gateway", f"nsbox proxy: cannot resolve {host}: {e}\n", 4) from None
-        usable = [a for a, trusted in addresses if trusted or not _internal(a)]
+        usable, refused = [], []
+        for address, trusted in addresses:
+            why = None if trusted or self.allow.names_address(address, port) else internal_reason(address)
+            if why is None:
+                usable.append(address)
+            else:
+                refused.append(f"{address}: {why}")
         if not usable:
-            raise Refused(403, "Forbidden", f"nsbox proxy: {host} resolves to a loopback or link-local address "
-                                            f"({', '.join(a for a, _ in addresses)}), which the proxy never connects to\n", 2)
+            self._say(f"refused {where}: {'; '.join(refused)}")
+            raise Refused(403, "Forbidden",
+                          f"nsbox proxy: {where} is refused by policy: {'; '.join(refused)}. The proxy connects to "
+                          f"such an address only when {SETTING} names the address itself.\n", 2)
+        return usable
+
+    async def _open(self, host: str, port: int) -> SocketStream:
+        """check(), then a connection to an address it checked; raises Refused."""
+        where = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
         error: Exception | None = None
-        for address in usable:
+        for address in await self.check(host, port):
             try:
                 with anyio.fail_after(self.connect_timeout):
-                    stream = await anyio.connect_tcp(address, port)
+                    stream = await self.connect(address, port)
                 self._say(f"allowed {where} via {address}")
                 return stream
             except (OSError, TimeoutError) as e:
@@ -271,14 +449,16 @@ class ProxyServer:
 
     # -- HTTP --
 
-    async def _http(self, client: ByteStream, reader: BufferedByteReceiveStream, first: bytes) -> None:
+    async def _http(self, client: ByteStream, reader: BufferedByteReceiveStream,
+                    first: bytes) -> SocketStream | None:
+        """Reads the request and connects; the upstream to relay, or None (answered)."""
         head = first + await reader.receive_until(b"\r\n\r\n", MAX_HEAD)
         lines = head.split(b"\r\n")
         try:
             method, target, version = lines[0].decode("latin-1").split(" ")
         except ValueError:
             await _respond(client, 400, "Bad Request", "nsbox proxy: malformed request line\n")
-            return
+            return None
         if method == "CONNECT":
             try:
                 host, port = _split_host_port(target)
@@ -286,20 +466,17 @@ class ProxyServer:
                     raise ValueError("no port")
             except ValueError:
                 await _respond(client, 400, "Bad Request", f"nsbox proxy: bad CONNECT target {target!r}\n")
-                return
+                return None
             try:
                 upstream = await self._open(host, port)
             except Refused as r:
                 await _respond(client, r.status, r.reason, r.text)
-                return
-            async with upstream:
-                await client.send(b"HTTP/1.1 200 Connection established\r\n\r\n")
-                await _relay(client, reader, upstream)
-            return
+                return None
+            return await _started(upstream, client.send(b"HTTP/1.1 200 Connection established\r\n\r\n"))
         if not target.lower().startswith("http://"):
             await _respond(client, 400, "Bad Request",
                            "nsbox proxy: expected an absolute http:// URI or CONNECT (use https through CONNECT)\n")
-            return
+            return None
         rest = target[len("http://"):]
         authority, slash, path = rest.partition("/")
         authority = authority.rpartition("@")[2]
@@ -307,27 +484,25 @@ class ProxyServer:
             host, port = _split_host_port(authority)
         except ValueError:
             await _respond(client, 400, "Bad Request", f"nsbox proxy: bad URI {target!r}\n")
-            return
+            return None
         try:
             upstream = await self._open(host, port or 80)
         except Refused as r:
             await _respond(client, r.status, r.reason, r.text)
-            return
+            return None
         headers = [line for line in lines[1:] if line and line.split(b":", 1)[0].strip().lower() not in HOP_HEADERS]
         request = b"\r\n".join([f"{method} /{path if slash else ''} {version}".encode("latin-1"), *headers,
                                 b"Connection: close", b"", b""])
-        async with upstream:
-            await upstream.send(request)
-            await _relay(client, reader, upstream)
+        return await _started(upstream, upstream.send(request))
 
     # -- SOCKS5 (RFC 1928) --
 
-    async def _socks5(self, client: ByteStream, reader: BufferedByteReceiveStream) -> None:
+    async def _socks5(self, client: ByteStream, reader: BufferedByteReceiveStream) -> SocketStream | None:
         count = (await reader.receive_exactly(1))[0]
         methods = await reader.receive_exactly(count)
         if 0 not in methods:
             await client.send(b"\x05\xff")
-            return
+            return None
         await client.send(b"\x05\x00")
         version, command, _, kind = await reader.receive_exactly(4)
         if kind == 1:
@@ -339,19 +514,28 @@ class ProxyServer:
             host = (await reader.receive_exactly(size)).decode("ascii", errors="replace")
         else:
             await client.send(_socks_reply(8))
-            return
+            return None
         (port,) = struct.unpack("!H", await reader.receive_exactly(2))
         if version != 5 or command != 1:
             await client.send(_socks_reply(7))  # only CONNECT
-            return
+            return None
         try:
             upstream = await self._open(host, port)
         except Refused as r:
             await client.send(_socks_reply(r.socks))
-            return
-        async with upstream:
-            await client.send(_socks_reply(0))
-            await _relay(client, reader, upstream)
+            return None
+        return await _started(upstream, client.send(_socks_reply(0)))
+
+
+async def _started(upstream: SocketStream, send: Awaitable[None]) -> SocketStream:
+    """The upstream, once `send` is done; closed if that fails or is cancelled."""
+    try:
+        await send
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await upstream.aclose()
+        raise
+    return upstream
 
 
 def _socks_reply(code: int) -> bytes:

@@ -6,8 +6,8 @@ outbound TCP, UDP and DNS without any privilege. The layout is the same
 with both, so nothing else depends on which one runs:
 
     sandbox address  10.0.2.100/24 on tap0, default route via 10.0.2.2
-    10.0.2.2         the host's loopback (host.nsbox.internal), unless
-                     host_loopback=False
+    10.0.2.2         the host's loopback (host.nsbox.internal) only with
+                     host_loopback=True (opt-in: else nothing answers there)
     10.0.2.3         DNS, forwarded to the host's resolver
 
 The sandbox's own 127.0.0.1 stays its own: pasta's automatic forwarding of
@@ -130,7 +130,13 @@ def command(tool: Tool, path: str, *, host_loopback: bool, ifname: str = "tap0",
         if os.geteuid() == 0:
             argv += ["--runas", "0:0"]  # else it becomes nobody, who may not enter the namespace
         return argv, "line"
-    argv = [path, "--configure", f"--mtu={MTU}", "--netns-type=path", "--ready-fd={ready_fd}"]
+    # As pasta confines itself: slirp4netns parses what the sandbox sends,
+    # so it runs under a seccomp filter. (--enable-sandbox, a mount
+    # namespace of its own, needs privileges it lacks unless run as root.)
+    argv = [path, "--configure", f"--mtu={MTU}", "--netns-type=path", "--ready-fd={ready_fd}",
+            "--enable-seccomp"]
+    if os.geteuid() == 0:
+        argv.append("--enable-sandbox")
     if not host_loopback:
         argv.append("--disable-host-loopback")
     if with_user:
@@ -138,7 +144,7 @@ def command(tool: Tool, path: str, *, host_loopback: bool, ifname: str = "tap0",
     return argv + [netns, ifname], "byte"
 
 
-async def start(ns: Namespaces, *, host_loopback: bool = True, tool: Tool | None = None,
+async def start(ns: Namespaces, *, host_loopback: bool = False, tool: Tool | None = None,
                 watch_pidfd: int | None = None, tun_device: str = TUN_DEVICE, ifname: str = "tap0",
                 via: NetHelper | None = None) -> UserNet:
     """Attaches user-mode networking to the namespace (its loopback need not
