@@ -98,6 +98,8 @@ def sandbox_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--pids-limit", type=click.IntRange(min=1), default=None, help="Most processes at once."),
         click.option("--cpus", type=click.FloatRange(min=0.01), default=None, help="CPU time, in CPUs (e.g. 1.5)."),
         click.option("--disk", default=None, metavar="SIZE", help="Size cap of the writable layer and /tmp, e.g. 2g."),
+        click.option("--gpus", default=None, metavar="all|N|device=ID,...",
+                     help="NVIDIA GPUs to pass through (CDI spec, else /dev/nvidia* and the driver's libraries)."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -109,7 +111,7 @@ def make_sandbox(rootfs: str, image: str | None, pull: str, platform: str | None
                  id_mapping: str, nested_userns: bool, memory: str | None = None, pids_limit: int | None = None,
                  cpus: float | None = None, disk: str | None = None, publish: Sequence[str] = (),
                  allow: Sequence[str] = (), add_hosts: Sequence[str] = (), hostname: str | None = None,
-                 network_aliases: Sequence[str] = ()) -> Sandbox:
+                 network_aliases: Sequence[str] = (), gpus: str | None = None) -> Sandbox:
     try:
         hosts = {}
         for item in add_hosts:
@@ -123,7 +125,8 @@ def make_sandbox(rootfs: str, image: str | None, pull: str, platform: str | None
                                         ports=tuple(publish), allow=tuple(allow), hosts=hosts, hostname=hostname,
                                         network_aliases=tuple(network_aliases),
                                         id_mapping=id_mapping, nested_userns=nested_userns, origin="cli",
-                                        memory=memory, pids_limit=pids_limit, cpus=cpus, disk=disk))  # type: ignore[arg-type]
+                                        memory=memory, pids_limit=pids_limit, cpus=cpus, disk=disk,  # type: ignore[arg-type]
+                                        gpus=gpus))
     except ValueError as e:
         raise click.UsageError(str(e)) from None
 
