@@ -13,8 +13,9 @@ Rootless, as Apptainer and podman do it, with no hook and no mknod:
   link's target at the link; any other hook is skipped with a note.
 - Otherwise discovery: the control nodes (/dev/nvidiactl, nvidia-uvm,
   nvidia-uvm-tools, nvidia-modeset), the selected /dev/nvidiaN, the driver's
-  libraries from the loader cache (`ldconfig -p`) and its programs from
-  PATH, bound read-only at the paths the host has them.
+  libraries from the loader cache (`ldconfig -p`), bound read-only at the
+  paths the host has them, their folders on LD_LIBRARY_PATH, and its
+  programs (nvidia-smi...) from PATH, bound read-only in /usr/bin.
 
 Device nodes are binds of the host's nodes onto the sandbox's /dev (a tmpfs
 without nodev), as /dev/null is: a user namespace cannot mknod, but may open
@@ -102,11 +103,25 @@ def resolve(request: str, *, host_root: bool) -> Setup:
     """The binds and environment of `request` (normalize()'s form) on this
     host. host_root: the sandbox's root is the host-composed one."""
     found = _cdi_spec()
-    setup = _from_cdi(request, *found) if found else _discover(request)
+    setup = _from_cdi(request, *found) if found else _discover(request, host_root)
     if host_root:
-        setup.binds = [b for b in setup.binds if not _visible_on_host_root(b)]
-        setup.library_dirs = []  # the host's own loader cache is the sandbox's
+        _for_host_root(setup)
     return setup
+
+
+def _for_host_root(setup: Setup) -> None:
+    """The host-composed root shows the host's /usr, read-only: what is
+    there already is not bound again, and nothing can be added there."""
+    kept = []
+    for b in setup.binds:
+        if _visible_on_host_root(b):
+            continue
+        if _in_host_usr(b.target):
+            setup.notes.append(f"{b.target} is not added: the host root's /usr is the host's, read-only")
+            continue
+        kept.append(b)
+    setup.binds = kept
+    setup.library_dirs = []  # the host's own loader cache is the sandbox's
 
 
 def _fail(text: str) -> SandboxSetupError:
@@ -286,7 +301,7 @@ def _uuids() -> dict[str, str]:
     return out
 
 
-def _discover(request: str) -> Setup:
+def _discover(request: str, host_root: bool) -> Setup:
     nodes = _gpu_nodes()
     if not nodes:
         raise _fail("no NVIDIA GPU found on this host (no CDI spec in "
@@ -308,8 +323,10 @@ def _discover(request: str) -> Setup:
     for path in libraries:
         setup.bind(path, path, readonly=True)
     setup.library_dirs = list(dict.fromkeys(os.path.dirname(p) for p in libraries))
+    # Programs go where every PATH looks (/usr/local/nvidia/bin is the
+    # driver's own on some hosts), as Apptainer's do; the host root has them.
     for path in driver_programs():
-        setup.bind(path, path, readonly=True)
+        setup.bind(path, path if host_root else f"/usr/bin/{os.path.basename(path)}", readonly=True)
     setup.env["NVIDIA_VISIBLE_DEVICES"] = "all" if request == "all" else ",".join(chosen)
     return setup
 
@@ -361,12 +378,15 @@ def driver_programs(search: Iterable[str] | None = None) -> list[str]:
     return out
 
 
+def _in_host_usr(path: str) -> bool:
+    """A path the host-composed root takes from the host, read-only."""
+    real = os.path.realpath(path)
+    tops = ["usr", *(n for n in USR_LINK_NAMES if not os.path.islink(f"/{n}"))]
+    return any(real == f"/{t}" or real.startswith(f"/{t}/") for t in tops)
+
+
 def _visible_on_host_root(bind: Bind) -> bool:
     """A file the host-composed root already shows at bind.target."""
     if bind.target.startswith("/dev/") or not os.path.exists(bind.target):
         return False
-    real = os.path.realpath(bind.target)
-    if real != os.path.realpath(bind.source):
-        return False
-    tops = ["usr", *(n for n in USR_LINK_NAMES if not os.path.islink(f"/{n}"))]
-    return any(real == f"/{t}" or real.startswith(f"/{t}/") for t in tops)
+    return os.path.realpath(bind.target) == os.path.realpath(bind.source) and _in_host_usr(bind.target)

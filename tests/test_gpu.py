@@ -153,6 +153,12 @@ def test_host_root_files_are_not_bound_again(tmp_path: Path) -> None:
     assert not gpu._visible_on_host_root(Bind(str(tmp_path / "lib.so"), "/usr/bin/env"))
     assert not gpu._visible_on_host_root(Bind(str(tmp_path / "lib.so"), str(tmp_path / "lib.so")))
     assert not gpu._visible_on_host_root(Bind("/dev/null", "/dev/null"))
+    # What /usr lacks cannot be added there: left out, and said.
+    setup = gpu.Setup(binds=[Bind(str(tmp_path / "lib.so"), "/usr/lib/nsbox-test-none/lib.so"),
+                             Bind("/usr/bin/env", "/usr/bin/env"), Bind("/dev/null", "/dev/nvidiactl")])
+    gpu._for_host_root(setup)
+    assert [b.target for b in setup.binds] == ["/dev/nvidiactl"]
+    assert setup.notes == ["/usr/lib/nsbox-test-none/lib.so is not added: the host root's /usr is the host's, read-only"]
 
 
 @pytest.mark.parametrize("request_, message", [
@@ -214,10 +220,20 @@ async def test_discovery(discovered: Path, debian_rootfs: Path) -> None:
                                        f"cat /proc/self/mountinfo | grep ' {lib}/libnvidia-ml.so.1 '"])
         # The bind is the library itself (its link resolved), read-only.
         assert r.returncode == 0 and " ro," in r.stdout, r.stdout
-        assert (await sb.exec([str(discovered / "driver" / "nvidia-smi")])).stdout == "fake smi\n"
+        # The driver's programs land on every PATH, wherever the host keeps them.
+        assert (await sb.exec(["nvidia-smi"])).stdout == "fake smi\n"
+        assert (await sb.exec(["test", "-e", str(discovered / "driver" / "nvidia-smi")])).returncode == 1
     async with nsbox.Sandbox(debian_rootfs, gpus="all") as sb:
         out = await show(sb)
         assert "nvidia0: char\nnvidia1: char\n" in out and "zero: 00000000" in out and "env:  all " in out
+    # The host root: the test's files (outside /usr) at their own paths.
+    async with nsbox.Sandbox(gpus=1) as sb:
+        out = await show(sb)
+        assert "nvidia0: char\nnvidia1: none\n" in out and "env:  0 \n" in out
+        assert (await sb.exec([str(discovered / "driver" / "nvidia-smi")])).stdout == "fake smi\n"
+        # The soname the loader cache names, bound (its link resolved); nothing else of the folder.
+        elf = await sb.exec(["sh", "-c", f"head -c 4 {lib}/libnvidia-ml.so.1 | od -An -c; ls {lib}"])
+        assert elf.stdout.split() == ["177", "E", "L", "F", "libnvidia-ml.so.1"], elf
 
 
 async def test_no_gpu_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
