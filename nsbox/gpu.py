@@ -117,7 +117,8 @@ def _for_host_root(setup: Setup) -> None:
         if _visible_on_host_root(b):
             continue
         if _in_host_usr(b.target):
-            setup.notes.append(f"{b.target} is not added: the host root's /usr is the host's, read-only")
+            if not os.path.lexists(b.target):  # else the host's own file is there
+                setup.notes.append(f"{b.target} is not added: the host root's /usr is the host's, read-only")
             continue
         kept.append(b)
     setup.binds = kept

@@ -82,7 +82,7 @@ UNSUPPORTED = {
 # Device access nsbox refuses, and why (GPUs are honoured: gpus:,
 # runtime: nvidia, deploy.resources.reservations.devices).
 DEVICE_KEYS = {
-    "devices": "host devices other than GPUs are not passed through (GPUs: gpus: all)",
+    "devices": "host devices other than GPUs are not passed through; GPUs: use gpus",
     "device_cgroup_rules": "a rootless sandbox has no device cgroup",
 }
 RUNTIMES = (None, "runc", "nvidia")
