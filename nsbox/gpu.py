@@ -122,7 +122,8 @@ def _for_host_root(setup: Setup) -> None:
             continue
         kept.append(b)
     setup.binds = kept
-    setup.library_dirs = []  # the host's own loader cache is the sandbox's
+    # The host's own loader cache is the sandbox's: it covers /usr.
+    setup.library_dirs = [d for d in setup.library_dirs if not _in_host_usr(d)]
 
 
 def _fail(text: str) -> SandboxSetupError:

@@ -137,11 +137,11 @@ async def test_cdi_count_and_device_ids(cdi: Path, debian_rootfs: Path) -> None:
 
 
 async def test_cdi_on_the_host_root(cdi: Path) -> None:
-    """The default root: nodes and the test's files (outside /usr) bound;
-    the host's own loader cache serves, so no LD_LIBRARY_PATH is set."""
+    """The default root: nodes and the test's files (outside /usr) bound,
+    their folder on LD_LIBRARY_PATH (the host's loader cache covers /usr)."""
     async with nsbox.Sandbox(gpus="device=0") as sb:
         out = await show(sb)
-        assert "nvidia0: char\nnvidia1: none\n" in out and "env: 580.1 0 \n" in out
+        assert "nvidia0: char\nnvidia1: none\n" in out and f"env: 580.1 0 {LIB}\n" in out
         assert (await sb.exec(["cat", f"{LIB}/libfakecuda.so.1"])).stdout == "fake cuda\n"
 
 
@@ -157,8 +157,10 @@ def test_host_root_files_are_not_bound_again(tmp_path: Path) -> None:
     setup = gpu.Setup(binds=[Bind(str(tmp_path / "lib.so"), "/usr/lib/nsbox-test-none/lib.so"),
                              Bind("/usr/bin/env", "/usr/bin/env"), Bind("/dev/null", "/dev/nvidiactl"),
                              Bind(str(tmp_path / "lib.so"), "/usr/bin/env")])  # the host's own env stays
+    setup.library_dirs = ["/usr/lib/x86_64-linux-gnu", str(tmp_path)]
     gpu._for_host_root(setup)
     assert [b.target for b in setup.binds] == ["/dev/nvidiactl"]
+    assert setup.library_dirs == [str(tmp_path)]
     assert setup.notes == ["/usr/lib/nsbox-test-none/lib.so is not added: the host root's /usr is the host's, read-only"]
 
 
@@ -230,7 +232,7 @@ async def test_discovery(discovered: Path, debian_rootfs: Path) -> None:
     # The host root: the test's files (outside /usr) at their own paths.
     async with nsbox.Sandbox(gpus=1) as sb:
         out = await show(sb)
-        assert "nvidia0: char\nnvidia1: none\n" in out and "env:  0 \n" in out
+        assert "nvidia0: char\nnvidia1: none\n" in out and f"env:  0 {lib}\n" in out
         assert (await sb.exec([str(discovered / "driver" / "nvidia-smi")])).stdout == "fake smi\n"
         # The soname the loader cache names, bound (its link resolved); nothing else of the folder.
         elf = await sb.exec(["sh", "-c", f"head -c 4 {lib}/libnvidia-ml.so.1 | od -An -c; ls {lib}"])
