@@ -85,8 +85,12 @@ class Setup:
     source: str = ""  # "CDI spec PATH" or "discovery"
 
     def bind(self, source: str, target: str, readonly: bool) -> None:
-        if not any(b.target == target for b in self.binds):
+        if any(b.target == target for b in self.binds):
+            return
+        try:
             self.binds.append(Bind(source, target, readonly=readonly))
+        except ValueError as e:  # a spec's path that is not absolute and normalized
+            raise _fail(f"{self.source}: {e}") from None
 
     def apply_env(self, env: dict[str, str]) -> dict[str, str]:
         """`env` (the sandbox's, the image's in it) with this added: the

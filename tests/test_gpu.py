@@ -178,6 +178,34 @@ async def test_cdi_refuses_what_it_does_not_have(cdi: Path, request_: object, me
     assert {i.id for i in registry.entries()} <= before[0] and set(os.listdir(dirs.runtime_dir())) <= before[1]
 
 
+@pytest.mark.parametrize("edit, message", [
+    ({"mounts": [{"hostPath": "/dev/null", "containerPath": "/opt/../etc/passwd", "options": ["bind"]}]},
+     "bind target must be a normalized path"),
+    ({"mounts": [{"hostPath": "/dev/null", "containerPath": "etc/passwd", "options": ["bind"]}]},
+     "bind target must be an absolute path"),
+    ({"deviceNodes": [{"path": "/dev/nvidia9", "hostPath": "/dev/nsbox-test-none"}]},
+     "device node /dev/nsbox-test-none does not exist on this host"),
+])
+async def test_cdi_bad_spec_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, edit: dict[str, object],
+                                        message: str) -> None:
+    spec = {"cdiVersion": "0.6.0", "kind": "nvidia.com/gpu",
+            "devices": [{"name": "0", "containerEdits": {"deviceNodes": [{"path": "/dev/nvidia0", "hostPath": "/dev/zero"}]}}],
+            "containerEdits": edit}
+    (tmp_path / "nvidia.json").write_text(json.dumps(spec))
+    monkeypatch.setenv("NSBOX_CDI_SPEC_DIRS", str(tmp_path))
+    with pytest.raises(SandboxSetupError) as e:
+        async with nsbox.Sandbox(gpus="all"):
+            pass
+    assert str(e.value).startswith("gpus: ") and message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_cdi_unreadable_spec_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "nvidia.yaml").write_text("kind: nvidia.com/gpu\ndevices: [\n  {name: 0\n")
+    monkeypatch.setenv("NSBOX_CDI_SPEC_DIRS", str(tmp_path))
+    with pytest.raises(SandboxSetupError, match=rf"^gpus: CDI spec {tmp_path}/nvidia.yaml: [^\n]+$"):
+        gpu.resolve("all", host_root=False)
+
+
 @pytest.fixture
 def discovered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """No CDI spec: stand-in /dev/nvidia* nodes, a driver library in a
