@@ -359,15 +359,19 @@ def driver_libraries(cache_text: str | None = None) -> list[str]:
     return list(out.values())
 
 
+def ldconfig() -> str | None:
+    """ldconfig, which a user's PATH often lacks (/sbin)."""
+    return next((p for p in ("/sbin/ldconfig", "/usr/sbin/ldconfig") if os.path.exists(p)), shutil.which("ldconfig"))
+
+
 def _ldconfig_p() -> str:
-    ldconfig = next((p for p in ("/sbin/ldconfig", "/usr/sbin/ldconfig") if os.path.exists(p)),
-                    shutil.which("ldconfig"))
-    if ldconfig is None:
+    ldconfig_path = ldconfig()
+    if ldconfig_path is None:
         return ""
     # A test names its own cache file (ldconfig -C); the host's otherwise.
     cache = os.environ.get("NSBOX_GPU_LD_CACHE")
     try:
-        return subprocess.run([ldconfig, "-p", *(["-C", cache] if cache else [])], capture_output=True,
+        return subprocess.run([ldconfig_path, "-p", *(["-C", cache] if cache else [])], capture_output=True,
                               text=True, timeout=10).stdout
     except (OSError, subprocess.SubprocessError):
         return ""

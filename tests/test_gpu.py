@@ -220,7 +220,7 @@ def discovered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     subprocess.run(["cc", "-shared", "-fPIC", "-Wl,-soname,libnvidia-ml.so.1", "-o", lib / "libnvidia-ml.so.580.1",
                     tmp_path / "ml.c"], check=True)
     (tmp_path / "ld.so.conf").write_text(f"{lib}\n")
-    subprocess.run(["ldconfig", "-i", "-C", tmp_path / "ld.so.cache", "-f", tmp_path / "ld.so.conf"],
+    subprocess.run([gpu.ldconfig() or "ldconfig", "-i", "-C", tmp_path / "ld.so.cache", "-f", tmp_path / "ld.so.conf"],
                    check=True, capture_output=True)
     driver = make_driver(tmp_path)
     tmp_path.chmod(0o755)
