@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import nsbox
-from nsbox import dirs, gpu, registry
+from nsbox import dirs, gpu, layers, registry
 from nsbox.compose import load_project
 from nsbox.compose.errors import ComposeError
 from nsbox.compose.mapping import service_spec
@@ -169,13 +169,13 @@ def test_host_root_files_are_not_bound_again(tmp_path: Path) -> None:
     ("device=7", "gpus: no GPU '7' (CDI spec "),
 ])
 async def test_cdi_refuses_what_it_does_not_have(cdi: Path, request_: object, message: str) -> None:
-    before = {i.id for i in registry.entries()}, set(os.listdir(dirs.runtime_dir()))
+    sb = nsbox.Sandbox(gpus=request_)
     with pytest.raises(SandboxSetupError) as e:
-        async with nsbox.Sandbox(gpus=request_):
-            pass
+        await sb.start()
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
-    # Refused before anything was made.
-    assert {i.id for i in registry.entries()} <= before[0] and set(os.listdir(dirs.runtime_dir())) <= before[1]
+    # Refused before anything was made: no runtime dir, registry entry or layer.
+    assert sb.id and registry.read(sb.id) is None
+    assert not (dirs.runtime_dir() / sb.id).exists() and not (layers.layers_dir() / sb.id).exists()
 
 
 @pytest.mark.parametrize("edit, message", [
