@@ -70,7 +70,6 @@ APPROXIMATE = {
 
 # Cannot honour: what each would need.
 UNSUPPORTED = {
-    "devices": "host devices", "device_cgroup_rules": "host devices",
     "sysctls": "kernel parameters",
     "external_links": "containers outside the project", "volumes_from": "another container's volumes",
     "extends": "extends (inline the base service)", "group_add": "supplementary groups",
@@ -210,7 +209,8 @@ def _review_deploy(deploy: dict[str, Any], scale: Any, r: Review) -> None:
         r.issues.append("deploy.resources.reservations.generic_resources")
     for device in reservations.get("devices") or []:
         if not is_gpu_device(device):
-            what = ", ".join(f"{k} {v}" for k, v in (device or {}).items() if k in ("driver", "capabilities"))
+            fields = device.items() if isinstance(device, dict) else ()
+            what = ", ".join(f"{k} {v}" for k, v in fields if k in ("driver", "capabilities"))
             r.issues.append(f"deploy.resources.reservations.devices: {what or device} "
                             "(only NVIDIA GPUs are passed through)")
     for key in set(resources.get("limits") or {}) - {"cpus", "memory", "pids"}:
