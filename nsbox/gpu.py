@@ -93,10 +93,11 @@ class Setup:
             raise _fail(f"{self.source}: {e}") from None
 
     def apply_env(self, env: dict[str, str]) -> dict[str, str]:
-        """`env` (the sandbox's, the image's in it) with this added: the
-        sandbox's own settings win, but library folders go before its
-        LD_LIBRARY_PATH."""
-        out = {**self.env, **env}
+        """`env` (the sandbox's, the image's in it) with this added over it,
+        as a CDI spec's edits go over a container's (a CUDA image's
+        NVIDIA_VISIBLE_DEVICES=all must not hide the selection), and the
+        library folders before its LD_LIBRARY_PATH."""
+        out = {**env, **self.env}
         if self.library_dirs:
             old = [p for p in env.get("LD_LIBRARY_PATH", "").split(":") if p]
             out["LD_LIBRARY_PATH"] = ":".join(dict.fromkeys([*self.library_dirs, *old]))

@@ -130,7 +130,8 @@ async def test_cdi_count_and_device_ids(cdi: Path, debian_rootfs: Path) -> None:
         assert "nvidia0: char\nnvidia1: none\n" in await show(sb)
         assert "env: 580.1 0 " in await show(sb)
     for request in ("device=1", "device=nvidia.com/gpu=1"):
-        async with nsbox.Sandbox(debian_rootfs, gpus=request) as sb:
+        # As a CUDA image's environment says: the selection wins.
+        async with nsbox.Sandbox(debian_rootfs, gpus=request, env={"NVIDIA_VISIBLE_DEVICES": "all"}) as sb:
             out = await show(sb)
             assert "nvidiactl: char\nnvidia0: none\nnvidia1: char\n" in out, request
             assert "env: 580.1 1 " in out
