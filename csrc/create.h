@@ -52,7 +52,7 @@ struct nsbox_step {
     const char *d;
 };
 
-#define NSBOX_SLOTS 32
+#define NSBOX_SLOTS 256
 
 struct nsbox_spec {
     unsigned long clone_flags;      /* CLONE_NEW* for the child, and nothing else */

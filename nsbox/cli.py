@@ -105,6 +105,8 @@ def sandbox_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--strict-limits", is_flag=True,
                      help="Refuse --memory, --pids-limit or --cpus where no cgroup enforces it (see `nsbox doctor`) "
                           "instead of approximating it."),
+        click.option("--gpus", default=None, metavar="all|N|device=ID,...",
+                     help="NVIDIA GPUs to pass through (CDI spec, else /dev/nvidia* and the driver's libraries)."),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -116,7 +118,8 @@ def make_sandbox(rootfs: str, image: str | None, pull: str, platform: str | None
                  id_mapping: str, nested_userns: bool, memory: str | None = None, pids_limit: int | None = None,
                  cpus: float | None = None, disk: str | None = None, strict_limits: bool = False, publish: Sequence[str] = (),
                  allow: Sequence[str] = (), add_hosts: Sequence[str] = (), hostname: str | None = None,
-                 network_aliases: Sequence[str] = (), host_loopback: bool = False) -> Sandbox:
+                 network_aliases: Sequence[str] = (), host_loopback: bool = False,
+                 gpus: str | None = None) -> Sandbox:
     try:
         hosts = {}
         for item in add_hosts:
@@ -132,7 +135,7 @@ def make_sandbox(rootfs: str, image: str | None, pull: str, platform: str | None
                                         network_aliases=tuple(network_aliases),
                                         id_mapping=id_mapping, nested_userns=nested_userns, origin="cli",
                                         memory=memory, pids_limit=pids_limit, cpus=cpus, disk=disk,
-                                        strict_limits=strict_limits))  # type: ignore[arg-type]
+                                        strict_limits=strict_limits, gpus=gpus))  # type: ignore[arg-type]
     except ValueError as e:
         raise click.UsageError(str(e)) from None
 

@@ -41,7 +41,7 @@ from inspect_ai.util import (
     ExecStdout,
 )
 
-from . import dirs, manage
+from . import dirs, gpu, manage
 from .errors import NsboxError, OutputLimitExceeded, SandboxUnavailable, UserUnsupported
 from .idmap import detect as detect_idmap
 from .inspect_compose import (COMPOSE_FILES, DOCKERFILES, ComposeTask, Sample, is_docker_config, prepare,
@@ -108,6 +108,13 @@ class SandboxSettings(BaseModel):
     """Size cap of the writable layer (with /tmp, /dev/shm and /run): bytes, or "2g"."""
     strict_limits: bool = False
     """Refuse memory, pids_limit or cpus where no cgroup enforces it (see `nsbox doctor`)."""
+    gpus: int | str | None = None
+    """NVIDIA GPUs to pass through: "all", a number, or "device=0,1"."""
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpus(cls, v: int | str | None) -> str | None:
+        return gpu.normalize(v)
 
     @field_validator("memory", "disk")
     @classmethod
@@ -397,7 +404,7 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
             timeout=settings.timeout, mounts=tuple(Bind.parse(m) for m in settings.mounts), label=label,
             nested_userns=settings.nested_userns, memory=settings.memory, hostname=hostname,  # type: ignore[arg-type]
             pids_limit=settings.pids_limit, cpus=settings.cpus, disk=settings.disk,  # type: ignore[arg-type]
-            strict_limits=settings.strict_limits,
+            strict_limits=settings.strict_limits, gpus=settings.gpus,
             origin="inspect",
         ))
 

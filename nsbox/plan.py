@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Awaitable, Callable
 
 from . import steps
+from .errors import SandboxSetupError
 from .idmap import IdMap
 from .steps import Step
 
@@ -39,6 +40,7 @@ from .steps import Step
 ParentHook = Callable[[int], Awaitable[None]]
 
 # Namespaces every sandbox gets; contributors add the others.
+MAX_SLOTS = 256  # NSBOX_SLOTS of csrc/create.h: mount trees held between two phases
 BASE_NAMESPACES = frozenset({"CLONE_NEWUSER", "CLONE_NEWNS", "CLONE_NEWPID", "CLONE_NEWIPC", "CLONE_NEWCGROUP"})
 
 
@@ -126,6 +128,8 @@ class Plan:
         """A slot number for a mount tree detached under `name` (a tree
         cloned in one phase and attached in a later one)."""
         if name not in self._slots:
+            if len(self._slots) >= MAX_SLOTS:
+                raise SandboxSetupError(f"too many binds: a sandbox takes at most {MAX_SLOTS - 16}")
             self._slots[name] = len(self._slots)
         return self._slots[name]
 

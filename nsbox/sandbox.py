@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
 import anyio
 
 from . import network as network_mod
-from . import dirs, fdwait, files, idmap, layers, mounts, netplan, procmask, process, protocol, registry, removal, resources, rlimits
+from . import dirs, fdwait, files, gpu, idmap, layers, mounts, netplan, procmask, process, protocol, registry, removal, resources, rlimits
 from . import users
 from . import plan as plan_mod
 from . import rootfs as rootfs_mod
@@ -99,6 +99,7 @@ class Sandbox:
         cpus: float | None = None,
         disk: int | str | None = None,
         strict_limits: bool = False,
+        gpus: str | int | None = None,
         spec: SandboxSpec | None = None,
     ) -> None:
         if spec is None:
@@ -108,7 +109,7 @@ class Sandbox:
                 host_loopback=host_loopback, network_aliases=tuple(network_aliases), mounts=tuple(mounts),
                 id_mapping=id_mapping, output_limit_mode=output_limit_mode, timeout=timeout, label=label,
                 nested_userns=nested_userns, memory=memory, pids_limit=pids_limit, cpus=cpus,  # type: ignore[arg-type]
-                disk=disk, strict_limits=strict_limits)  # type: ignore[arg-type]
+                disk=disk, strict_limits=strict_limits, gpus=gpus)  # type: ignore[arg-type]
         self.spec = spec
         self.rootfs: rootfs_mod.Rootfs = rootfs_mod.resolve(spec.rootfs)
         self.image: Image | None = None  # the resolved image, once started
@@ -282,6 +283,8 @@ class Sandbox:
         self.idmap = idmap.detect(self.spec.id_mapping)  # type: ignore[arg-type]
         self.id = secrets.token_hex(6)
         self.hostname = self.spec.hostname or self.id
+        if self.spec.gpus is not None:
+            self._use_gpus(self.spec.gpus)
         if self.spec.network.startswith(NET):  # this process's network, or a named one it reaches now
             (await network_mod.lookup(self.spec.network)).check_mapping(self.idmap)
         netplan.check(self.spec)  # nat without a usable tun device: one line, before anything exists
@@ -333,6 +336,14 @@ class Sandbox:
                 await self._write_as_root(path, text)
         if service_net is not None:
             await service_net._settle(self)
+
+    def _use_gpus(self, request: str) -> None:
+        """The GPUs' device nodes, driver files and environment, as binds
+        and variables of this sandbox's spec (nsbox/gpu.py)."""
+        setup = gpu.resolve(request, host_root=isinstance(self.rootfs, rootfs_mod.HostRootfs))
+        for note in setup.notes:
+            _note_once(f"gpus: {note}")
+        self.spec = self.spec.replace(mounts=(*self.spec.mounts, *setup.binds), env=setup.apply_env(dict(self.spec.env)))
 
     async def _write_as_root(self, path: str, text: str) -> None:
         """A file nsbox keeps in the sandbox (/etc/hosts, resolv.conf)."""

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Literal, Mapping, Sequence
 
+from . import gpu
 from .idmap import REQUESTS
 from .rootfs import Bind
 
@@ -155,6 +156,8 @@ class SandboxSpec:
         approximated (see nsbox/resources.py and `nsbox doctor`).
     strict_limits: refuse memory, pids_limit or cpus where no cgroup
         enforces it, instead of approximating it.
+    gpus: NVIDIA GPUs to pass through: "all", a number of them, or
+        "device=0,1" (indices, UUIDs or CDI names); see nsbox/gpu.py.
     label, origin: what `nsbox ps` shows (origin: "api", "cli", "inspect").
     """
 
@@ -182,6 +185,7 @@ class SandboxSpec:
     cpus: float | None = None
     disk: int | None = None
     strict_limits: bool = False
+    gpus: str | None = None
     label: str = ""
     origin: str = "api"
 
@@ -226,6 +230,7 @@ class SandboxSpec:
             if isinstance(self.cpus, bool) or not isinstance(self.cpus, (int, float)) or not self.cpus >= 0.01:
                 raise ValueError(f"cpus must be a number of CPUs of at least 0.01, not {self.cpus!r}")
             object.__setattr__(self, "cpus", float(self.cpus))
+        object.__setattr__(self, "gpus", gpu.normalize(self.gpus))
         object.__setattr__(self, "rootfs", str(self.rootfs or "host"))
         object.__setattr__(self, "env", dict(self.env))
         object.__setattr__(self, "mounts", tuple(m if isinstance(m, Bind) else Bind.parse(m) for m in self.mounts))

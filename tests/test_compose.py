@@ -496,7 +496,8 @@ def test_cannot_honour_lists_every_key_with_its_service(tmp_path):
             cap_add: [SYS_MODULE, SYS_TIME, NET_RAW]
             sysctls: {net.core.somaxconn: 1024}
         """)
-    assert message.startswith(str(tmp_path / "compose.yaml") + ": service web: nsbox cannot honour: devices, pid: host; ")
+    assert message.startswith(str(tmp_path / "compose.yaml") + ": service web: nsbox cannot honour: devices (host "
+                              "devices other than GPUs are not passed through; GPUs: use gpus), pid: host; ")
     db = message.split("; service db: nsbox cannot honour: ")[1]
     assert db.startswith("sysctls, privileged: true, cap_add: SYS_MODULE, SYS_TIME (needs privilege")
     assert "NET_RAW" not in message
@@ -505,15 +506,14 @@ def test_cannot_honour_lists_every_key_with_its_service(tmp_path):
 
 @pytest.mark.parametrize("service_yaml, named", [
     ("extends: {service: base}", "extends"),
-    ("gpus: all", "gpus"),
-    ("runtime: nvidia", "runtime: nvidia"),
+    ("runtime: kata", "runtime: kata"),
     ("ipc: host", "ipc: host"),
     ("network_mode: container:abc", "network_mode: container:abc"),
     ("security_opt: ['seccomp=./profile.json']", "security_opt: seccomp=./profile.json"),
     ("scale: 3", "scale: 3"),
     ("deploy: {replicas: 2}", "deploy.replicas: 2"),
-    ("deploy: {resources: {reservations: {devices: [{capabilities: [gpu]}]}}}",
-     "deploy.resources.reservations.devices"),
+    ("deploy: {resources: {reservations: {devices: [{capabilities: [tpu]}]}}}",
+     "deploy.resources.reservations.devices: capabilities ['tpu'] (only NVIDIA GPUs are passed through)"),
     ("ports: ['53:53/udp']", "ports: 53:53/udp"),
     ("networks: {n: {ipv4_address: 10.0.0.5}}", "networks.n.ipv4_address"),
     ("cap_add: [ALL]", "cap_add: ALL"),
@@ -875,7 +875,8 @@ def test_fixture_pid_host_is_a_clear_error():
     with pytest.raises(ComposeError) as e:
         load_project(FIXTURES / "pid_host", environ={})
     assert str(e.value).endswith(
-        'service default: nsbox cannot honour: devices, pid: host (see README "Compose support")')
+        'service default: nsbox cannot honour: devices (host devices other than GPUs are not passed through'
+        '; GPUs: use gpus), pid: host (see README "Compose support")')
 
 
 def test_fixture_web_and_db_with_dot_env_and_env_file():

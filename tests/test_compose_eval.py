@@ -211,7 +211,8 @@ def test_unsupported_keys_fail_the_task_in_one_message(images: dict[str, str], t
     with pytest.raises(NsboxError) as e:
         eval(task, model=get_model(MODEL, custom_outputs=script), log_dir=str(tmp_path), display="none")
     message = str(e.value)
-    assert "nsbox cannot honour: devices, pid: host" in message and "service default" in message, message
+    assert "nsbox cannot honour: devices (host devices other than GPUs are not passed through; GPUs: use gpus), " \
+           "pid: host" in message and "service default" in message, message
     assert script.calls == []  # type: ignore[attr-defined]
     assert {i.id for i in sandbox_registry.entries()} == before
 

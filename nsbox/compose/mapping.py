@@ -72,6 +72,7 @@ def service_spec(service: Service, project: Project, *, image: str, network: str
         "cpus": service.cpus,
         "pids_limit": service.pids_limit,
         "disk": service.disk,
+        "gpus": service.gpus,
         "nested_userns": "SYS_ADMIN" in service.cap_add,
         "label": f"{project.name}/{service.name}",
     }

@@ -15,6 +15,7 @@ import shlex
 from pathlib import Path
 from typing import Any, Mapping
 
+from .. import gpu
 from ..spec import parse_size
 from .errors import ComposeError
 from .model import CONDITIONS, Build, Healthcheck, Mount, Service
@@ -390,6 +391,7 @@ def read_service(name: str, raw: dict[str, Any], directory: Path, environ: Mappi
         s.networks = {"default": []}  # compose's implicit network
     s.links = r.links(get("links"))
     _limits(r, s, raw)
+    s.gpus = _gpus(r, raw, s.environment)
     s.cap_add = r.capabilities("cap_add", get("cap_add"))
     s.cap_drop = r.capabilities("cap_drop", get("cap_drop"))
     s.x_default = r.boolean("x-default", get("x-default", False))
@@ -420,6 +422,49 @@ def _limits(r: Reader, s: Service, raw: dict[str, Any]) -> None:
     size = ((raw.get("storage_opt") or {}).get("size"))
     if size is not None:
         s.disk = r.size("storage_opt.size", size)
+
+
+def _gpus(r: Reader, raw: dict[str, Any], environment: dict[str, str]) -> str | None:
+    """The one GPU request (nsbox/gpu.py's form) of gpus:, runtime: nvidia
+    and deploy.resources.reservations.devices; support.py refused the rest."""
+    from .support import is_gpu_device
+
+    requests: list[tuple[str, str]] = []
+    gpus = raw.get("gpus")
+    if gpus is not None:
+        entries = gpus if isinstance(gpus, list) else [{"count": gpus}]
+        requests += [("gpus", _gpu_entry(r, "gpus", entry)) for entry in entries]
+    key = "deploy.resources.reservations.devices"
+    devices = (((raw.get("deploy") or {}).get("resources") or {}).get("reservations") or {}).get("devices") or []
+    requests += [(key, _gpu_entry(r, key, entry)) for entry in devices if is_gpu_device(entry)]
+    if raw.get("runtime") == "nvidia" and not requests:
+        # The NVIDIA runtime exposes what NVIDIA_VISIBLE_DEVICES names (CUDA images say all).
+        visible = environment.get("NVIDIA_VISIBLE_DEVICES", "all").strip()
+        if visible not in ("", "none", "void"):
+            requests.append(("runtime", visible if visible == "all" else f"device={visible}"))
+    if len({value for _, value in requests}) > 1:
+        raise r.fail(requests[0][0], "GPUs are asked for more than once, differently: give one request")
+    try:
+        return gpu.normalize(requests[0][1]) if requests else None
+    except ValueError as e:
+        raise r.fail(requests[0][0], str(e)) from None
+
+
+def _gpu_entry(r: Reader, key: str, entry: Any) -> str:
+    if not isinstance(entry, dict):
+        raise r.fail(key, f"expected a device request (count, device_ids), not {entry!r}")
+    count, ids = entry.get("count"), entry.get("device_ids")
+    if count is not None and ids is not None:
+        raise r.fail(key, "count and device_ids cannot both be given")
+    if ids is not None:
+        if not isinstance(ids, list) or not ids:
+            raise r.fail(key, f"device_ids must be a list of GPU ids, not {ids!r}")
+        return "device=" + ",".join(str(i) for i in ids)
+    if count is None or str(count) in ("all", "-1"):
+        return "all"
+    if isinstance(count, bool) or not str(count).isdigit() or int(count) < 1:
+        raise r.fail(key, f"count must be a positive number or all, not {count!r}")
+    return str(int(count))
 
 
 def read_secret_mounts(r_name: str, raw: dict[str, Any], definitions: dict[str, dict[str, Any]],

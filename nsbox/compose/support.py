@@ -31,7 +31,7 @@ MODELLED = frozenset({
     "read_only", "ports", "network_mode", "networks", "links", "mem_limit", "cpus", "pids_limit",
     "deploy", "cap_add", "cap_drop", "privileged", "platform", "pull_policy", "secrets", "configs",
     "profiles", "scale", "storage_opt", "security_opt", "pid", "ipc", "uts", "cgroup", "userns_mode",
-    "runtime", "extra_hosts",
+    "runtime", "extra_hosts", "gpus",
 })
 
 # Accepted silently (listed in Service.ignored): they do not change what
@@ -70,7 +70,6 @@ APPROXIMATE = {
 
 # Cannot honour: what each would need.
 UNSUPPORTED = {
-    "devices": "host devices", "device_cgroup_rules": "host devices", "gpus": "GPUs",
     "sysctls": "kernel parameters",
     "external_links": "containers outside the project", "volumes_from": "another container's volumes",
     "extends": "extends (inline the base service)", "group_add": "supplementary groups",
@@ -78,6 +77,14 @@ UNSUPPORTED = {
     "use_api_socket": "the Docker API", "cgroup_parent": "the host's cgroup tree",
     "provider": "service providers", "models": "model runners",
 }
+
+# Device access nsbox refuses, and why (GPUs are honoured: gpus:,
+# runtime: nvidia, deploy.resources.reservations.devices).
+DEVICE_KEYS = {
+    "devices": "host devices other than GPUs are not passed through; GPUs: use gpus",
+    "device_cgroup_rules": "a rootless sandbox has no device cgroup",
+}
+RUNTIMES = (None, "runc", "nvidia")
 
 # Capabilities root of the sandbox's user namespace already holds over the
 # sandbox's own namespaces (or Docker grants by default): cap_add is a no-op.
@@ -120,6 +127,8 @@ def review_service(name: str, raw: dict[str, Any]) -> Review:
             r.ignored.append(key)
         elif key in APPROXIMATE:
             r.warnings.append(f"service {name}: {key}: {APPROXIMATE[key]}")
+        elif key in DEVICE_KEYS:
+            r.issues.append(f"{key} ({DEVICE_KEYS[key]})")
         elif key in UNSUPPORTED:
             r.issues.append(key)
         elif key not in MODELLED:
@@ -130,7 +139,7 @@ def review_service(name: str, raw: dict[str, Any]) -> Review:
             r.issues.append(f"{key}: {value}")
     if _true(raw.get("privileged")):
         r.issues.append("privileged: true")
-    if raw.get("runtime") not in (None, "runc"):
+    if raw.get("runtime") not in RUNTIMES:
         r.issues.append(f"runtime: {raw['runtime']}")
     _review_network_mode(raw.get("network_mode"), r)
     _review_capabilities(name, raw, r)
@@ -196,11 +205,24 @@ def _review_deploy(deploy: dict[str, Any], scale: Any, r: Review) -> None:
         r.issues.append(f"deploy.{key}")
     resources = deploy.get("resources") or {}
     reservations = resources.get("reservations") or {}
-    for key in ("devices", "generic_resources"):
-        if reservations.get(key):
-            r.issues.append(f"deploy.resources.reservations.{key}")
+    if reservations.get("generic_resources"):
+        r.issues.append("deploy.resources.reservations.generic_resources")
+    for device in reservations.get("devices") or []:
+        if not is_gpu_device(device):
+            fields = device.items() if isinstance(device, dict) else ()
+            what = ", ".join(f"{k} {v}" for k, v in fields if k in ("driver", "capabilities"))
+            r.issues.append(f"deploy.resources.reservations.devices: {what or device} "
+                            "(only NVIDIA GPUs are passed through)")
     for key in set(resources.get("limits") or {}) - {"cpus", "memory", "pids"}:
         r.issues.append(f"deploy.resources.limits.{key}")
+
+
+def is_gpu_device(device: Any) -> bool:
+    """A device request of compose (gpus:, deploy...devices) for NVIDIA GPUs."""
+    if not isinstance(device, dict):
+        return False
+    capabilities = device.get("capabilities") or []
+    return "gpu" in capabilities and device.get("driver") in (None, "nvidia")
 
 
 def review_top_level(raw: dict[str, Any]) -> tuple[list[str], list[str]]:
