@@ -303,3 +303,19 @@ async def test_add_url_with_network_none_connects_nowhere(tmp_path: Path, name: 
             server.accept()  # no connection came
     finally:
         server.close()
+
+
+async def test_odd_files_and_links_give_an_error_or_a_build_not_a_hang(tmp_path: Path, name: str, busybox: str) -> None:
+    # ADD looks into a local file to see if it is an archive: not into a
+    # FIFO (it would wait forever). --chown reads the image's /etc/passwd:
+    # a layer may make it a hardlink to itself.
+    ctx = context(tmp_path, f"FROM {busybox}\nADD fifo /fifo\nADD loop.tar /\nCOPY --chown=nobody fifo /x\n")
+    os.mkfifo(ctx / "fifo")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        info = tarfile.TarInfo("etc/passwd")
+        info.type, info.linkname = tarfile.LNKTYPE, "etc/passwd"
+        tf.addfile(info)
+    (ctx / "loop.tar").write_bytes(buf.getvalue())
+    with anyio.fail_after(60), pytest.raises(BuildError, match="--chown=nobody: no such user"):
+        await build_image(ctx, tag=name, network="none", no_cache=True, progress=lambda _: None)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import fnmatch
 import posixpath
+import stat
 import tarfile
 import urllib.parse
 from collections.abc import Callable
@@ -139,6 +140,8 @@ def write_from(p: Plan, src_view: View, view: View, out: LayerWriter) -> None:
 
 
 def is_archive(ctx: Context, src: Source) -> bool:
+    if not stat.S_ISREG(ctx.lstat(src.real).st_mode):
+        return False  # a FIFO, say: copied as COPY would
     with ctx.open(src.real) as f:
         try:
             with tarfile.open(fileobj=f, mode="r:*") as tf:
