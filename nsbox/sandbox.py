@@ -122,7 +122,7 @@ class Sandbox:
         self._layer: Path | None = None
         self._rundir: Path | None = None
         self._identity: users.Identity = users.ROOT
-        self._state: Literal["new", "starting", "running", "closed"] = "new"
+        self._state: Literal["new", "starting", "running", "stopped", "closed"] = "new"
         self._detached = False
         self._attached = False  # connected to a sandbox another process owns
         self._user_cache: dict[str, tuple[bytes, bytes, users.Identity | None]] = {}
@@ -490,6 +490,24 @@ class Sandbox:
         with anyio.CancelScope(shield=True):
             await self._leave_network()
             await self._teardown()
+
+    async def stop(self) -> None:
+        """Ends every process of the sandbox now, keeping its writable
+        layer (upper_dir) to read until close(). All are gone on return:
+        they live in the sandbox's PID namespace, which the kernel empties
+        before its init's exit can be waited for."""
+        if self._state != "running" or self._attached:
+            raise RuntimeError("only a running sandbox this process owns can be stopped")
+        with anyio.CancelScope(shield=True):
+            self._state = "stopped"
+            client, self._client = self._client, None
+            ctl, self._launched.ctl = self._launched.ctl, None
+            if client is not None:
+                client.close()  # the lifeline: the init kills everything and exits
+            elif ctl is not None:
+                ctl.close()
+            if self.pid:
+                await self._reap()
 
     async def _leave_network(self) -> None:
         service_net = network_mod.local(self.spec.network) if not self._attached else None

@@ -47,12 +47,16 @@ async def build_image(context: str | Path, *, dockerfile: str | Path | None = No
         raise BuildError(f"network must be nat, host or none, not {network!r}")
     root = Path(context)
     path = Path(dockerfile) if dockerfile is not None else root / "Dockerfile"
+    ctx = Context(root, path if dockerfile is not None else None)
+    if dockerfile is None and path.is_symlink() and not ctx.inside(path):
+        # the context's own Dockerfile: an error quoting a line must not quote a host file
+        raise BuildError("the Dockerfile is a symlink leading outside the build context",
+                         hint="name the file you mean with -f")
     try:
         text = path.read_text()
     except OSError as e:
         raise BuildError(f"cannot read the Dockerfile {path}: {e.strerror}") from None
     df = parse(text, str(path))
-    ctx = Context(root, path if dockerfile is not None else None)
     stage = df.stages[-1] if target is None else df.stage(target)
     if stage is None:
         raise BuildError(f"no stage named {target!r} in {path.name}",

@@ -332,6 +332,8 @@ class Builder:
             inputs.append(src_state.key)
         else:
             inputs.append(await anyio.to_thread.run_sync(self.ctx.digest, p.context))
+        if p.urls and self.network == "none":  # the build has no network: ADD gets none either
+            raise ins.error(f"ADD {p.urls[0]}: the build has network none", "COPY the file from the build context")
         downloads = [await self._download(ins, url) for url in p.urls]
         inputs.append([d[1] for d in downloads])
         key = chain(state.key, *inputs)
@@ -351,14 +353,14 @@ class Builder:
             if src_view is not None:
                 copy.write_from(p, src_view, view, out)
             else:
-                archives = [s for s in p.context if p.ins.cmd == "ADD" and not s.is_dir and copy.is_archive(s.path)]
+                archives = [s for s in p.context if p.ins.cmd == "ADD" and not s.is_dir and copy.is_archive(self.ctx, s)]
                 copy.write_context(replace(p, context=[s for s in p.context if s not in archives]), self.ctx, view, out)
                 for src in archives:
-                    copy.write_archive(p, src.path, view, out)
+                    copy.write_archive(p, self.ctx, src, view, out)
                 for path, _digest, name, mtime in downloads:
                     into = p.dest.endswith("/") or view.is_dir(view.resolve(p.dest))
                     target = copy._target(view, p.dest, name, into)
-                    out.add_host_file(target, path, owner=p.owner, mode=p.mode or 0o600)
+                    out.add_download(target, path, owner=p.owner, mode=p.mode or 0o600)
             digest = out.close()
         except BaseException:
             out.abort()

@@ -16,6 +16,7 @@ out. Prints one JSON line: the tar's digest (its diff_id), size and count.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -34,11 +35,45 @@ class Hashing:
         return self.f.write(data)
 
 
-def xattr(path: str, name: str) -> bytes | None:
+# Nothing below the upper directory is followed: a name that is no
+# longer what it was when looked at (a symlink, a FIFO swapped in) fails
+# the archive instead of reading through it. The step's processes are
+# stopped before this runs; this is the second guard.
+OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+OPEN_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+class Changed(Exception):
+    pass
+
+
+def xattr(fd: int, name: str) -> bytes | None:
     try:
-        return os.getxattr(path, name, follow_symlinks=False)
+        return os.getxattr(fd, name)
     except OSError:
         return None
+
+
+def opened(name: str, dir_fd: int, flags: int, st: os.stat_result) -> int:
+    """`name` opened without following it, if it is still the file `st` says."""
+    try:
+        fd = os.open(name, flags, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT):  # a symlink or nothing now
+            raise Changed(name) from None
+        raise
+    now = os.fstat(fd)
+    if (now.st_dev, now.st_ino, stat.S_IFMT(now.st_mode)) != (st.st_dev, st.st_ino, stat.S_IFMT(st.st_mode)):
+        os.close(fd)
+        raise Changed(name)
+    return fd
+
+
+def header(rel: str, st: os.stat_result, kind: bytes, size: int = 0, link: str = "") -> tarfile.TarInfo:
+    info = tarfile.TarInfo(rel)
+    info.type, info.size, info.linkname = kind, size, link
+    info.mode, info.uid, info.gid, info.mtime = stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid, int(st.st_mtime)
+    return info
 
 
 def marker(name: str, like: tarfile.TarInfo) -> tarfile.TarInfo:
@@ -47,42 +82,67 @@ def marker(name: str, like: tarfile.TarInfo) -> tarfile.TarInfo:
     return info
 
 
+def archive(tar: tarfile.TarFile, root: int, exclude: set[str]) -> int:
+    """Adds everything below the directory `root`, parents first; the count."""
+    count = 0
+    links: dict[tuple[int, int], str] = {}  # hardlinked files: the first name archived
+    stack = [(root, "", iter(sorted(os.listdir(root))))]
+    while stack:
+        dfd, rel_dir, names = stack[-1]
+        name = next(names, None)
+        if name is None:
+            stack.pop()
+            if dfd != root:
+                os.close(dfd)
+            continue
+        rel = f"{rel_dir}/{name}" if rel_dir else name
+        if rel in exclude:
+            continue
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        mode = st.st_mode
+        if stat.S_ISDIR(mode):
+            fd = opened(name, dfd, OPEN_DIR, st)
+            stack.append((fd, rel, iter(sorted(os.listdir(fd)))))
+            info = header(rel, st, tarfile.DIRTYPE)
+            tar.addfile(info)
+            if xattr(fd, "user.overlay.opaque") == b"y":
+                tar.addfile(marker(f"{rel}/.wh..wh..opq", info))
+                count += 1
+        elif stat.S_ISREG(mode):
+            with os.fdopen(opened(name, dfd, OPEN_FILE, st), "rb") as f:
+                st = os.fstat(f.fileno())
+                if st.st_size == 0 and xattr(f.fileno(), "user.overlay.whiteout") is not None:
+                    info = marker(f"{rel_dir}/.wh.{name}".lstrip("/"), header(rel, st, tarfile.REGTYPE))
+                    tar.addfile(info)
+                elif st.st_nlink > 1 and (st.st_dev, st.st_ino) in links:
+                    tar.addfile(header(rel, st, tarfile.LNKTYPE, link=links[st.st_dev, st.st_ino]))
+                else:
+                    if st.st_nlink > 1:
+                        links[st.st_dev, st.st_ino] = rel
+                    tar.addfile(header(rel, st, tarfile.REGTYPE, st.st_size), f)
+        elif stat.S_ISCHR(mode) and st.st_rdev == 0:  # overlay's whiteout
+            tar.addfile(marker(f"{rel_dir}/.wh.{name}".lstrip("/"), header(rel, st, tarfile.CHRTYPE)))
+        elif stat.S_ISLNK(mode):
+            tar.addfile(header(rel, st, tarfile.SYMTYPE, link=os.readlink(name, dir_fd=dfd)))
+        elif stat.S_ISFIFO(mode):
+            tar.addfile(header(rel, st, tarfile.FIFOTYPE))
+        else:
+            continue  # sockets and device nodes
+        count += 1
+    return count
+
+
 def main() -> int:
     args = json.loads(sys.argv[1])
-    upper, exclude = args["upper"], set(args.get("exclude", ()))
-    count = 0
+    root = os.open(args["upper"], OPEN_DIR)
     with open(args["out"], "wb") as raw:
         out = Hashing(raw)
         with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tar:
-            for dirpath, dirnames, filenames in os.walk(upper):
-                dirnames.sort()
-                rel_dir = os.path.relpath(dirpath, upper)
-                rel_dir = "" if rel_dir == "." else rel_dir
-                if rel_dir and xattr(dirpath, "user.overlay.opaque") == b"y":
-                    tar.addfile(marker(f"{rel_dir}/.wh..wh..opq", tar.gettarinfo(dirpath, rel_dir)))
-                    count += 1
-                for name in sorted(dirnames + filenames):
-                    path = os.path.join(dirpath, name)
-                    rel = os.path.join(rel_dir, name)
-                    if rel in exclude:
-                        continue
-                    st = os.lstat(path)
-                    info = tar.gettarinfo(path, rel)
-                    whiteout = (stat.S_ISCHR(st.st_mode) and st.st_rdev == 0) or (
-                        stat.S_ISREG(st.st_mode) and st.st_size == 0
-                        and xattr(path, "user.overlay.whiteout") is not None)
-                    if whiteout:
-                        tar.addfile(marker(os.path.join(rel_dir, ".wh." + name), info))
-                    elif info is None or info.ischr() or info.isblk():
-                        continue  # sockets and device nodes
-                    else:
-                        info.uname = info.gname = ""
-                        if info.isreg():
-                            with open(path, "rb") as f:
-                                tar.addfile(info, f)
-                        else:
-                            tar.addfile(info)
-                    count += 1
+            try:
+                count = archive(tar, root, set(args.get("exclude", ())))
+            except Changed as e:
+                print(f"{e} changed while it was archived", file=sys.stderr)
+                return 1
     print(json.dumps({"diff_id": f"sha256:{out.hash.hexdigest()}", "size": out.size, "files": count}))
     return 0
 

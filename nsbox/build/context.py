@@ -5,22 +5,35 @@ sources in it (globs), and a content hash of what a COPY takes.
 a line, `#` comments, `*` `?` `[...]` within a path component, `**` across
 components, `!` re-includes, the last matching pattern wins, and a pattern
 that matches a directory excludes everything below it.
+
+The context may change while it is read (another process writing it).
+What a build takes from it is therefore read beneath its root by
+directory descriptors, through no symlink (a symlink is copied as one),
+and a regular file is opened only if it still is the file looked at and
+without waiting on it: nothing outside the context gets in, a FIFO
+swapped in cannot hang the build.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fnmatch
 import hashlib
 import os
 import posixpath
 import re
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from .errors import BuildError
 
 GLOB = re.compile(r"[*?\[]")
+OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+OPEN_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 def _regex(pattern: str) -> re.Pattern[str]:
@@ -90,10 +103,12 @@ class Ignore:
 
 @dataclass(frozen=True)
 class Source:
-    """A COPY/ADD source: `rel` in the context; files below it for a directory."""
+    """A COPY/ADD source: `rel` in the context, as named; `real`, what it
+    is with symlinks resolved (inside the context); files below it for a
+    directory."""
 
     rel: str  # "" for the context's root
-    path: Path
+    real: str
     is_dir: bool
 
 
@@ -105,8 +120,14 @@ class Context:
         ignore = self.root / ".dockerignore"
         if dockerfile is not None and (special := Path(f"{dockerfile}.dockerignore")).is_file():
             ignore = special  # Dockerfile-specific ignore file, as BuildKit reads it
+        elif ignore.is_symlink() and not self.inside(ignore):
+            raise BuildError(".dockerignore is a symlink leading outside the build context")
         self.ignore = Ignore(ignore.read_text() if ignore.is_file() else "")
         self._listing: list[str] | None = None
+
+    def inside(self, path: Path) -> bool:
+        """Whether `path`, symlinks resolved, is in the context."""
+        return path.resolve().is_relative_to(self.root)
 
     def listing(self) -> list[str]:
         """Every path of the context that .dockerignore keeps, sorted."""
@@ -148,16 +169,16 @@ class Context:
                     raise BuildError(f"{pattern} is not in the build context{why}")
                 hits = [clean]
             for rel in hits:
-                path = self.root / rel if rel else self.root
-                real = path.resolve()
+                real = (self.root / rel).resolve()
                 if not real.is_relative_to(self.root):
                     raise BuildError(f"{pattern}: a symlink leading outside the build context")
-                out.append(Source(rel, path, real.is_dir()))
+                real_rel = real.relative_to(self.root).as_posix()
+                out.append(Source(rel, "" if real_rel == "." else real_rel, real.is_dir()))
         return out
 
     def files_below(self, source: Source) -> list[str]:
         """Context paths below a directory source, relative to it, sorted."""
-        prefix = f"{source.rel}/" if source.rel else ""
+        prefix = f"{source.real}/" if source.real else ""
         return [p[len(prefix):] for p in self.listing() if p.startswith(prefix)]
 
     def digest(self, sources: list[Source]) -> str:
@@ -165,21 +186,78 @@ class Context:
         targets and contents (the cache key of a COPY)."""
         h = hashlib.sha256()
         for src in sources:
-            h.update(f"\0src {src.rel}\0".encode())
-            entries = [("", src.path)] + ([(rel, src.path / rel) for rel in self.files_below(src)] if src.is_dir else [])
-            for rel, path in entries:
-                st = os.stat(path) if rel == "" else os.lstat(path)
-                h.update(f"{rel}\0{stat.S_IFMT(st.st_mode)}\0{stat.S_IMODE(st.st_mode)}\0".encode())
+            h.update(b"\0src " + os.fsencode(src.rel) + b"\0")
+            for rel in [""] + (self.files_below(src) if src.is_dir else []):
+                path = posixpath.join(src.real, rel) if rel else src.real
+                st = self.lstat(path)
+                h.update(os.fsencode(rel) + f"\0{stat.S_IFMT(st.st_mode)}\0{stat.S_IMODE(st.st_mode)}\0".encode())
                 if stat.S_ISLNK(st.st_mode):
-                    h.update(os.readlink(path).encode())
+                    h.update(os.fsencode(self.readlink(path)))
                 elif stat.S_ISREG(st.st_mode):
-                    h.update(file_digest(path).encode())
+                    with self.open(path, st) as f:
+                        h.update(file_digest(f).encode())
+                h.update(b"\0")
         return h.hexdigest()
 
+    # ---- reading beneath the root ------------------------------------
 
-def file_digest(path: Path) -> str:
+    @contextlib.contextmanager
+    def _parent(self, rel: str) -> Iterator[tuple[int, str]]:
+        """(a descriptor of rel's directory, rel's name), reached from the
+        root through no symlink."""
+        *dirs, name = rel.split("/") if rel else ["."]
+        try:
+            fd = os.open(self.root, OPEN_DIR)
+        except OSError as e:
+            raise BuildError(f"cannot read the build context: {e.strerror}") from None
+        try:
+            for part in dirs:
+                try:
+                    fd, old = os.open(part, OPEN_DIR, dir_fd=fd), fd
+                except OSError as e:
+                    raise self._changed(rel, e) from None
+                os.close(old)
+            yield fd, name
+        finally:
+            os.close(fd)
+
+    def _changed(self, rel: str, e: OSError) -> BuildError:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT, errno.EINVAL):  # EINVAL: readlink, no link now
+            return BuildError(f"{rel} in the build context changed while it was read (a symlink or gone now)")
+        return BuildError(f"cannot read {rel} in the build context: {e.strerror}")
+
+    def lstat(self, rel: str) -> os.stat_result:
+        with self._parent(rel) as (fd, name):
+            try:
+                return os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except OSError as e:
+                raise self._changed(rel, e) from None
+
+    def readlink(self, rel: str) -> str:
+        with self._parent(rel) as (fd, name):
+            try:
+                return os.readlink(name, dir_fd=fd)
+            except OSError as e:
+                raise self._changed(rel, e) from None
+
+    def open(self, rel: str, st: os.stat_result | None = None) -> BinaryIO:
+        """The regular file `rel`, opened through no symlink and without
+        waiting (on a FIFO); if `st` is given, it must be that very file."""
+        with self._parent(rel) as (fd, name):
+            try:
+                f = os.fdopen(os.open(name, OPEN_FILE, dir_fd=fd), "rb")
+            except OSError as e:
+                raise self._changed(rel, e) from None
+        now = os.fstat(f.fileno())
+        if not stat.S_ISREG(now.st_mode) or (st is not None and (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino)):
+            f.close()
+            raise BuildError(f"{rel} in the build context changed while it was read (another file now)")
+        return f
+
+
+def file_digest(f: BinaryIO | Path) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
+    with open(f, "rb") if isinstance(f, Path) else contextlib.nullcontext(f) as src:
+        while chunk := src.read(1 << 20):
             h.update(chunk)
     return h.hexdigest()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import fnmatch
 import posixpath
+import stat
 import tarfile
 import urllib.parse
 from collections.abc import Callable
@@ -95,10 +96,11 @@ def write_context(p: Plan, ctx: Context, view: View, out: LayerWriter) -> None:
         if src.is_dir:
             base = view.resolve(p.dest)
             for rel in ctx.files_below(src):
-                out.add_host_file(posixpath.join(base, rel), src.path / rel, owner=p.owner, mode=p.mode)
+                out.add_context_file(posixpath.join(base, rel), ctx, posixpath.join(src.real, rel), owner=p.owner,
+                                     mode=p.mode)
         else:
-            out.add_host_file(_target(view, p.dest, posixpath.basename(src.rel), into_dir), src.path.resolve(),
-                              owner=p.owner, mode=p.mode)
+            out.add_context_file(_target(view, p.dest, posixpath.basename(src.rel), into_dir), ctx, src.real,
+                                 owner=p.owner, mode=p.mode)
     for h in p.ins.heredocs:
         out.add_bytes(_target(view, p.dest, h.name, into_dir or len(p.ins.heredocs) > 1), h.content.encode(),
                       owner=p.owner, mode=p.mode or 0o644)
@@ -137,18 +139,21 @@ def write_from(p: Plan, src_view: View, view: View, out: LayerWriter) -> None:
     copy_data(wanted, targets, lambda dest, info, data: out.add(dest, info, data, owner=p.owner, mode=p.mode))
 
 
-def is_archive(path: Path) -> bool:
-    try:
-        with tarfile.open(path, "r:*") as tf:
-            return tf.next() is not None
-    except (tarfile.TarError, OSError, EOFError):
-        return False
+def is_archive(ctx: Context, src: Source) -> bool:
+    if not stat.S_ISREG(ctx.lstat(src.real).st_mode):
+        return False  # a FIFO, say: copied as COPY would
+    with ctx.open(src.real) as f:
+        try:
+            with tarfile.open(fileobj=f, mode="r:*") as tf:
+                return tf.next() is not None
+        except (tarfile.TarError, OSError, EOFError):
+            return False
 
 
-def write_archive(p: Plan, path: Path, view: View, out: LayerWriter) -> None:
+def write_archive(p: Plan, ctx: Context, src: Source, view: View, out: LayerWriter) -> None:
     """ADD of a local tar: its members under the destination directory."""
     base = view.resolve(p.dest)
-    with tarfile.open(path, "r:*") as tf:
+    with ctx.open(src.real) as f, tarfile.open(fileobj=f, mode="r:*") as tf:
         for m in tf:
             name = norm(m.name)
             if not name or posixpath.basename(name).startswith(".wh.") or m.ischr() or m.isblk():

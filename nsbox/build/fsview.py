@@ -146,8 +146,11 @@ class View:
         entry = self.entries.get(p)
         if entry is None:
             return None
-        if entry.info.islnk():
-            return self.read(entry.info.linkname, limit)
+        if entry.info.islnk():  # names a regular file of the same layer (never a link: no loop)
+            p = norm(entry.info.linkname)
+            entry = self.entries.get(p)
+            if entry is None:
+                return None
         if not entry.info.isreg():
             return None
         with open_layer(entry.blob) as tf:

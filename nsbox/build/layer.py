@@ -13,11 +13,13 @@ import copy
 import hashlib
 import os
 import posixpath
+import stat
 import tarfile
 import time
 from pathlib import Path
 from typing import IO
 
+from .context import Context
 from .fsview import View, norm
 
 
@@ -86,21 +88,31 @@ class LayerWriter:
         self._written.add(name)
         self.count += 1
 
-    def add_host_file(self, name: str, path: Path, *, owner: tuple[int, int] | None = None,
-                      mode: int | None = None) -> None:
-        """A file, directory or symlink of the host (the build context)."""
-        info = self._tar.gettarinfo(os.fspath(path), arcname=name)
-        if info.type not in (tarfile.REGTYPE, tarfile.DIRTYPE, tarfile.SYMTYPE, tarfile.LNKTYPE):
-            return  # sockets, devices: not copied
-        if info.islnk():  # a hardlink among the context's files: copied whole
-            info = self._tar.gettarinfo(os.fspath(path), arcname=name)
-            info.type, info.linkname, info.size = tarfile.REGTYPE, "", os.stat(path).st_size
+    def add_context_file(self, name: str, ctx: Context, rel: str, *, owner: tuple[int, int] | None = None,
+                         mode: int | None = None) -> None:
+        """A file, directory or symlink of the build context (read beneath
+        its root: context.py); a hardlink is copied whole."""
+        st = ctx.lstat(rel)
+        info = tarfile.TarInfo(name)
+        info.mode, info.mtime = stat.S_IMODE(st.st_mode), int(st.st_mtime)
         owner = owner or (0, 0)
-        if info.isreg():
-            with open(path, "rb") as f:
+        if stat.S_ISREG(st.st_mode):
+            with ctx.open(rel, st) as f:
+                info.size = os.fstat(f.fileno()).st_size
                 self.add(name, info, f, owner=owner, mode=mode)
-        else:
+        elif stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode):
+            info.type = tarfile.DIRTYPE if stat.S_ISDIR(st.st_mode) else tarfile.SYMTYPE
+            info.linkname = ctx.readlink(rel) if info.issym() else ""
             self.add(name, info, owner=owner, mode=mode)
+        # sockets, devices, FIFOs: not copied
+
+    def add_download(self, name: str, path: Path, *, owner: tuple[int, int] | None = None, mode: int) -> None:
+        """A file ADD downloaded (into the store's temp directory)."""
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime = st.st_size, int(st.st_mtime)
+            self.add(name, info, f, owner=owner or (0, 0), mode=mode)
 
     def add_bytes(self, name: str, data: bytes, *, owner: tuple[int, int] | None = None, mode: int = 0o644,
                   mtime: int | None = None) -> None:

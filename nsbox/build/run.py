@@ -81,8 +81,13 @@ async def run_step(ins: Instruction, session: Session, layers: tuple[Path, ...],
             if code != 0:
                 hint = APT_HINT if mapping.mode == "single" and b"_apt" in tail else None
                 raise ins.error(f"the command exited with status {code}: {shlex.join(argv)[:200]}", hint)
-            assert box.upper_dir is not None  # its writable layer: the step's changes
-            return await capture(session, box.upper_dir)
+            upper = box.upper_dir  # its writable layer: the step's changes
+            assert upper is not None
+            # What the command left running (a daemon, a process racing the
+            # archiver with symlinks or FIFOs) ends with the step, as in
+            # Docker, before the layer is read.
+            await box.stop()
+            return await capture(session, upper)
     except UserUnsupported as e:
         raise ins.error(e.message, SINGLE_HINT if mapping.mode == "single" else e.hint) from None
     except BuildError:
