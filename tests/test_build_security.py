@@ -305,6 +305,54 @@ async def test_add_url_with_network_none_connects_nowhere(tmp_path: Path, name: 
         server.close()
 
 
+@contextlib.contextmanager
+def loopback_file_server(body: bytes, redirect_from: int | None = None) -> Iterator[tuple[int, list[str]]]:
+    """An HTTP server on 127.0.0.1 that serves `body` at /file and records
+    each request path."""
+    import http.server
+    import threading
+
+    seen: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.append(self.path)
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1], seen
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+async def test_add_url_never_fetches_the_hosts_loopback_unasked(tmp_path: Path, name: str, busybox: str) -> None:
+    """ADD runs its download in nsbox, on the host: a Dockerfile must not
+    get the host's 127.0.0.1 services (or cloud metadata) into its image,
+    as a RUN step cannot. `--network host` is the explicit opt-in."""
+    with loopback_file_server(b"host-only secret\n") as (port, seen):
+        for url in (f"http://127.0.0.1:{port}/file", f"http://localhost:{port}/file",
+                    f"http://[::ffff:127.0.0.1]:{port}/file"):
+            ctx = context(tmp_path, f"FROM {busybox}\nADD {url} /file\n")
+            with pytest.raises(BuildError, match="loopback address.*nsbox build --network host"):
+                await build_image(ctx, tag=name, progress=lambda _: None)
+        assert seen == []  # refused before any request
+        ctx = context(tmp_path, f"FROM {busybox}\nADD http://127.0.0.1:{port}/file /file\n")
+        result = await build_image(ctx, tag=name, network="host", progress=lambda _: None)
+        assert seen == ["/file"]
+    async with nsbox.Sandbox(image=result.name) as sb:
+        assert (await sb.read_file("/file")) == "host-only secret\n"
+
+
 async def test_odd_files_and_links_give_an_error_or_a_build_not_a_hang(tmp_path: Path, name: str, busybox: str) -> None:
     # ADD looks into a local file to see if it is an archive: not into a
     # FIFO (it would wait forever). --chown reads the image's /etc/passwd:

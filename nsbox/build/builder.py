@@ -22,6 +22,7 @@ from typing import Any, TextIO
 
 import anyio
 
+from ..net.proxy import internal_reason
 from ..storage import oci
 from ..storage.config import ImageConfig
 from ..storage.progress import Progress
@@ -64,6 +65,9 @@ class Output:
 
     def stream(self) -> TextIO | None:
         return None if callable(self.sink) else self.sink
+
+
+_MAX_REDIRECTS = 10  # as curl and httpx
 
 
 @dataclass(frozen=True)
@@ -382,13 +386,28 @@ class Builder:
         self._temps.append(path)
         self.out.line(f"downloading {url}")
         try:
-            async with httpx.AsyncClient(follow_redirects=True, timeout=60) as client:
-                async with client.stream("GET", url) as r:
-                    r.raise_for_status()
-                    with open(path, "wb") as f:
-                        async for chunk in r.aiter_bytes():
-                            f.write(chunk)
-                    modified = r.headers.get("last-modified")
+            # Redirects are followed here, each hop checked like the first.
+            async with httpx.AsyncClient(follow_redirects=False, timeout=60) as client:
+                for _ in range(_MAX_REDIRECTS + 1):
+                    await self._check_address(ins, url, client.build_request("GET", url).url)
+                    async with client.stream("GET", url) as r:
+                        if r.is_redirect and "location" in r.headers:
+                            url = str(r.url.join(r.headers["location"]))
+                            continue
+                        # What answered, not what the name said a moment ago
+                        # (a name may resolve elsewhere the second time).
+                        stream = r.extensions.get("network_stream")
+                        peer = stream.get_extra_info("server_addr") if stream is not None else None
+                        if peer:
+                            self._refuse_internal(ins, url, peer[0])
+                        r.raise_for_status()
+                        with open(path, "wb") as f:
+                            async for chunk in r.aiter_bytes():
+                                f.write(chunk)
+                        modified = r.headers.get("last-modified")
+                        break
+                else:
+                    raise ins.error(f"downloading {url}: more than {_MAX_REDIRECTS} redirects")
         except httpx.HTTPError as e:
             raise ins.error(f"downloading {url} failed: {e}") from None
         mtime = int(email.utils.parsedate_to_datetime(modified).timestamp()) if modified else None
@@ -396,6 +415,27 @@ class Builder:
             os.utime(path, (mtime, mtime))
         name = posixpath.basename(url.split("?", 1)[0].rstrip("/")) or "index.html"
         return path, await anyio.to_thread.run_sync(file_digest, path), name, mtime
+
+    async def _check_address(self, ins: Instruction, url: str, parsed: Any) -> None:
+        """ADD URL reaches neither the host's own services nor cloud metadata
+        (Docker's builder runs in a network of its own): every address the
+        name resolves to is checked, as the proxy checks (nsbox/net/proxy.py)."""
+        if self.network == "host":
+            return
+        try:
+            found = await anyio.getaddrinfo(parsed.host, parsed.port or (443 if parsed.scheme == "https" else 80))
+        except OSError as e:
+            raise ins.error(f"downloading {url} failed: {parsed.host}: {e.strerror or e}") from None
+        for *_, sockaddr in found:
+            self._refuse_internal(ins, url, str(sockaddr[0]))
+
+    def _refuse_internal(self, ins: Instruction, url: str, address: str) -> None:
+        if self.network == "host":
+            return
+        why = internal_reason(address)
+        if why is not None:
+            raise ins.error(f"ADD {url}: {address} is {why}, which a build reaches only with "
+                            "`nsbox build --network host`", "COPY the file from the build context")
 
     # ---- layers ------------------------------------------------------
 
