@@ -248,11 +248,16 @@ def laughs(levels: int, fan: int) -> str:
     return "\n".join(lines) + "\nservices: {s: {image: a}}\n"
 
 
+def merges(levels: int, fan: int) -> str:
+    """Merge keys instead of lists: each mapping merges the one before, `fan` times."""
+    lines = ["x-0: &m0 {k0: v, k1: v}"]
+    lines += [f"x-{i}: &m{i} {{<<: [{', '.join([f'*m{i - 1}'] * fan)}], k{i}: v}}" for i in range(1, levels)]
+    return "\n".join(lines) + "\nservices: {s: {image: a}}\n"
+
+
 @pytest.mark.parametrize("text, match", [
     (laughs(10, 10), "aliases are expanded"),  # ten billion values, once expanded
-    ("x-a: &a {k0: v, k1: v}\n" + "".join(f"x-{i}: &m{i} {{<<: [{', '.join([f'*{chr(97)}' if i == 0 else f'*m{i - 1}'] * 9)}], k{i}: v}}\n"
-                                               for i in range(9)) + "services: {s: {image: a}}\n",
-     "aliases are expanded|not valid YAML"),
+    (merges(9, 9), "aliases are expanded|not valid YAML"),
     ("x-loop: &l [*l]\nservices: {s: {image: a}}\n", "refers to a node that contains it|not valid YAML"),
     ("x-deep: " + "[" * 5000 + "]" * 5000 + "\nservices: {s: {image: a}}\n", "nested too deeply|levels deep"),
     ("x-deep: " + "[" * 150 + "]" * 150 + "\nservices: {s: {image: a}}\n", "levels deep"),
