@@ -226,6 +226,23 @@ def test_a_bind_swapped_for_a_symlink_after_loading_is_refused(proj: Path, secre
     assert not (secret.parent / "new").exists()
 
 
+def test_a_symlink_appearing_after_the_check_is_not_followed(proj: Path, secret: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The window between check and open: a directory swapped for a symlink
+    then makes the open or mkdir fail instead of leaving the project."""
+    from nsbox.compose.hostpaths import HostPaths
+
+    paths = HostPaths(proj)
+    (proj / "sub").symlink_to(secret.parent)
+    monkeypatch.setattr(HostPaths, "check", lambda self, path, what: os.path.normpath(path))  # checked before the swap
+    with pytest.raises(ComposeError, match="cannot create"):
+        paths.make_dirs(str(proj / "sub" / "new"), "bind source")
+    assert not (secret.parent / "new").exists()
+    with Opened() as opened, pytest.raises(ComposeError, match="cannot read"):
+        paths.read_text(proj / "sub" / CREDENTIALS, "env_file")
+    assert not [p for p in opened if CREDENTIALS in p]  # refused at "sub", before the file
+
+
 @pytest.mark.parametrize("text, match", [
     ("services: {s: {image: a, volumes: ['v:/v']}}\nvolumes: {'../../../escape': {}}\n", "not a valid name"),
     ("services: {s: {image: a, volumes: [{type: volume, source: /root, target: /v}]}}\nvolumes: {/root: {}}\n",
