@@ -46,6 +46,8 @@ class HostPaths:
     def check(self, path: str | os.PathLike[str], what: str) -> str:
         """`path` with every symlink resolved, if that lies in an allowed
         directory; else a ComposeError naming `what` and the opt-in."""
+        if "\0" in os.fspath(path):
+            raise ComposeError(f"{what} {os.fspath(path)!r} holds a NUL character")
         real = os.path.realpath(path)
         if any(real == root or real.startswith(root.rstrip("/") + "/") for root in self.roots):
             return real

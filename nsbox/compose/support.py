@@ -113,22 +113,23 @@ class Review:
 
 
 # The YAML types compose's schema allows for the keys read here (a value
-# of another type is a ComposeError before anything reads it); "." is a
-# key's own value, "*" each item of a list or each value of a mapping.
-STR, NUM, BOOL, LIST, MAP = str, (int, float), bool, list, dict
+# of another type is a ComposeError before anything reads it): "KEY[]" is
+# each item of a list, "KEY.*" each value of a mapping.
+STR, LIST, MAP, NULL = str, list, dict, type(None)
 SCALAR = (str, int, float, bool)
 SHAPES: dict[str, Any] = {
-    "build": (STR, MAP), "build.args": (MAP, LIST), "build.args.*": SCALAR + (type(None),),
+    "build": (STR, MAP), "build.args": (MAP, LIST), "build.args.*": SCALAR + (NULL,), "build.args[]": SCALAR,
     "command": (STR, LIST), "entrypoint": (STR, LIST), "environment": (MAP, LIST),
-    "environment.*": SCALAR + (type(None),), "env_file": (STR, LIST), "env_file.*": (STR, MAP),
-    "healthcheck": MAP, "healthcheck.test": (STR, LIST), "depends_on": (LIST, MAP), "depends_on.*": (STR, MAP),
-    "volumes": LIST, "volumes.*": (STR, MAP), "volumes.*.bind": MAP, "volumes.*.volume": MAP, "volumes.*.tmpfs": MAP,
-    "tmpfs": (STR, LIST), "ports": LIST, "ports.*": SCALAR + (MAP,), "networks": (LIST, MAP),
-    "networks.*": (STR, MAP, type(None)), "links": (STR, LIST), "extra_hosts": (MAP, LIST), "deploy": MAP,
-    "deploy.resources": MAP, "deploy.resources.limits": MAP, "deploy.resources.reservations": MAP,
-    "cap_add": (STR, LIST), "cap_add.*": STR, "cap_drop": (STR, LIST), "security_opt": LIST, "profiles": LIST,
-    "profiles.*": STR, "storage_opt": MAP, "secrets": LIST, "secrets.*": (STR, MAP), "configs": LIST,
-    "configs.*": (STR, MAP), "x-nsbox": MAP, "labels": (MAP, LIST), "ulimits": MAP, "sysctls": (MAP, LIST),
+    "environment.*": SCALAR + (NULL,), "environment[]": SCALAR, "env_file": (STR, LIST), "env_file[]": (STR, MAP),
+    "healthcheck": MAP, "healthcheck.test": (STR, LIST), "depends_on": (LIST, MAP), "depends_on[]": STR,
+    "depends_on.*": (STR, MAP, NULL), "volumes": LIST, "volumes[]": (STR, MAP), "volumes[].bind": MAP,
+    "volumes[].volume": MAP, "volumes[].tmpfs": MAP, "tmpfs": (STR, LIST), "ports": LIST,
+    "ports[]": SCALAR + (MAP,), "networks": (LIST, MAP), "networks[]": STR, "networks.*": (MAP, NULL),
+    "links": (STR, LIST), "extra_hosts": (MAP, LIST), "deploy": MAP, "deploy.resources": MAP,
+    "deploy.resources.limits": MAP, "deploy.resources.reservations": MAP, "cap_add": (STR, LIST),
+    "cap_add[]": STR, "cap_drop": (STR, LIST), "security_opt": LIST, "profiles": LIST, "profiles[]": STR,
+    "storage_opt": MAP, "secrets": LIST, "secrets[]": (STR, MAP), "configs": LIST, "configs[]": (STR, MAP),
+    "x-nsbox": MAP, "labels": (MAP, LIST), "ulimits": MAP, "sysctls": (MAP, LIST),
 }
 
 
@@ -137,22 +138,24 @@ def check_shapes(name: str, raw: dict[str, Any]) -> None:
     allow for its key (SHAPES)."""
     def walk(key: str, value: Any) -> None:
         allowed = SHAPES.get(key)
-        if allowed is None or value is None and not key.endswith("*"):
+        if allowed is None or value is None and not key.endswith(("*", "[]")):
             return
         if not isinstance(value, allowed) or isinstance(value, bool) and bool not in _flat(allowed):
-            raise ComposeError(f"service {name}: {key.replace('.*', '[]')}: {value!r} is not "
-                               f"{' or '.join(_TYPE_NAMES[t] for t in _flat(allowed))}")
-        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-        for k, v in items:
-            walk(f"{key}.*", v)
-            if isinstance(k, str):
+            raise ComposeError(f"service {name}: {key}: {value!r} is not "
+                               f"{' or '.join(dict.fromkeys(_TYPE_NAMES[t] for t in _flat(allowed)))}")
+        if isinstance(value, list):
+            for item in value:
+                walk(f"{key}[]", item)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{key}.*", v)
                 walk(f"{key}.{k}", v)
     for key, value in raw.items():
         walk(key, value)
 
 
 _TYPE_NAMES = {str: "a string", int: "a number", float: "a number", bool: "a boolean", list: "a list",
-               dict: "a mapping", type(None): "null"}
+               dict: "a mapping", NULL: "null"}
 
 
 def _flat(allowed: Any) -> list[type]:
