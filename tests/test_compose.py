@@ -213,8 +213,9 @@ def test_missing_required_env_file_is_an_error(tmp_path):
 
 # -- every key into the model -------------------------------------------------
 
-def test_service_keys_into_the_model(tmp_path):
+def test_service_keys_into_the_model(tmp_path, monkeypatch):
     (tmp_path / "data").mkdir()
+    monkeypatch.setenv("NSBOX_COMPOSE_PATHS", str(Path.home()))  # for ~/dotfiles
     project = load(tmp_path, """
         services:
           app:

@@ -21,68 +21,81 @@ _SIMPLE = {"a": "\a", "b": "\b", "c": "\\c", "f": "\f", "n": "\n", "r": "\r", "t
            '"': '"', "\\": "\\", "$": "$$"}
 _KEY_CHARS = set("_.-[]")
 _SPACE = "\t\v\f\r \x85\xa0"  # spaces, but not the newline
+_WHITE = re.compile(r"\s*")  # what str.lstrip() strips
+_EXPORT = re.compile(r"export\s")
 
 
 def parse(text: str, lookup: Callable[[str], str | None], source: str) -> dict[str, str]:
     """The variables a dotenv text sets, in order. `source` names it in errors."""
     out: dict[str, str] = {}
-    rest = text.lstrip("\ufeff")
+    src = text.lstrip("\ufeff")
 
     def find(name: str) -> str | None:
         value = lookup(name)
         return out.get(name) if value is None else value
 
+    # Positions into `src`, never slices of the rest: a large file stays linear.
+    pos = 0
     while True:
-        rest = _statement_start(rest)
-        if not rest:
+        pos = _statement_start(src, pos)
+        if pos == len(src):
             return out
-        line = rest.split("\n", 1)[0]
-        if re.match(r"export\s", rest):
-            rest = rest[len("export"):].lstrip(_SPACE)
-        key, rest, inherited = _key(rest, source, line)
+        nl = src.find("\n", pos)
+        line = src[pos:nl if nl >= 0 else len(src)]
+        if _EXPORT.match(src, pos):
+            pos = _skip_space(src, pos + len("export"))
+        key, pos, inherited = _key(src, pos, source, line)
         if inherited:
             value = lookup(key)
             if value is not None:
                 out[key] = value
             continue
-        value, rest = _value(rest, find, source, line)
+        value, pos = _value(src, pos, find, source, line)
         out[key] = value
 
 
-def _statement_start(src: str) -> str:
+def _skip_space(src: str, pos: int) -> int:
+    while pos < len(src) and src[pos] in _SPACE:
+        pos += 1
+    return pos
+
+
+def _statement_start(src: str, pos: int) -> int:
     while True:
-        src = src.lstrip()
-        if not src.startswith("#"):
-            return src
-        nl = src.find("\n")
+        pos = _WHITE.match(src, pos).end()  # type: ignore[union-attr]
+        if not src.startswith("#", pos):
+            return pos
+        nl = src.find("\n", pos)
         if nl < 0:
-            return ""
-        src = src[nl:]
+            return len(src)
+        pos = nl
 
 
-def _key(src: str, source: str, line: str) -> tuple[str, str, bool]:
-    for i, ch in enumerate(src):
+def _key(src: str, pos: int, source: str, line: str) -> tuple[str, int, bool]:
+    for i in range(pos, len(src)):
+        ch = src[i]
         if ch in _SPACE:
             continue
         if ch in "=:\n":
-            key = src[:i].rstrip()
+            key = src[pos:i].rstrip()
             if " " in key or "\t" in key:
                 raise ComposeError(f"{source}: key cannot contain a space: {line!r}")
-            return key, src[i + 1:].lstrip(_SPACE), ch == "\n"
+            return key, _skip_space(src, i + 1), ch == "\n"
         if not (ch.isalnum() or ch in _KEY_CHARS):
             raise ComposeError(f"{source}: unexpected character {ch!r} in variable name {line!r}")
-    return src.rstrip(), "", True  # a last line holding only a name
+    return src[pos:].rstrip(), len(src), True  # a last line holding only a name
 
 
-def _value(src: str, lookup: Callable[[str], str | None], source: str, line: str) -> tuple[str, str]:
-    if not src or src[0] not in "'\"":
-        value, _, rest = src.partition("\n")
-        value = value.split(" #", 1)[0].rstrip()
-        return substitute(value, lookup), rest
-    quote = src[0]
+def _value(src: str, pos: int, lookup: Callable[[str], str | None], source: str, line: str) -> tuple[str, int]:
+    if pos == len(src) or src[pos] not in "'\"":
+        nl = src.find("\n", pos)
+        end = len(src) if nl < 0 else nl
+        value = src[pos:end].split(" #", 1)[0].rstrip()
+        return substitute(value, lookup), min(end + 1, len(src))
+    quote = src[pos]
     chars: list[str] = []
     escaped = False
-    for i in range(1, len(src)):
+    for i in range(pos + 1, len(src)):
         ch = src[i]
         if ch != quote:
             if not escaped and ch == "\\":
@@ -100,7 +113,7 @@ def _value(src: str, lookup: Callable[[str], str | None], source: str, line: str
         value = "".join(chars)
         if quote == '"':
             value = substitute(_ESCAPE.sub(_unescape, value), lookup)
-        return value, src[i + 1:]
+        return value, i + 1
     raise ComposeError(f"{source}: unterminated quoted value {line!r}")
 
 

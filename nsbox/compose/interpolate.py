@@ -23,6 +23,7 @@ _PATTERN = re.compile(
 )
 _OPERATORS = (":?", "?", ":-", "-", ":+", "+")
 _NAME = re.compile(r"[_a-zA-Z][_a-zA-Z0-9]*")
+BUDGET = 50_000_000  # characters matching may scan in one file: well under a second
 
 
 class _Missing(Exception):
@@ -30,30 +31,56 @@ class _Missing(Exception):
         self.name, self.reason = name, reason
 
 
-def substitute(template: str, lookup: Callable[[str], str | None], unset: list[str] | None = None) -> str:
+def substitute(template: str, lookup: Callable[[str], str | None], unset: list[str] | None = None,
+               budget: list[int] | None = None) -> str:
     """`template` with its variables replaced. `lookup` returns a variable's
     value or None when unset; names used while unset are appended to `unset`.
-    Raises ComposeError for a missing required variable or a bad template."""
+    `budget` ([characters]) is what matching may scan, shared by the calls
+    given the same one. Raises ComposeError for a missing required
+    variable, a bad template, or one that costs more than the budget."""
+    budget = [BUDGET] if budget is None else budget
     try:
-        return _substitute(template, lookup, unset)
+        return _substitute(template, lookup, unset, budget)
     except _Missing as e:
         msg = f"required variable {e.name} is missing a value"
         raise ComposeError(msg + (f": {e.reason}" if e.reason else ""),
                            hint=f"set {e.name} in the environment or in the .env file next to the compose file") from None
+    except RecursionError:
+        raise ComposeError(f"interpolation templates nested too deeply in {template[:60]!r}...") from None
 
 
-def _substitute(template: str, lookup: Callable[[str], str | None], unset: list[str] | None) -> str:
+def _substitute(template: str, lookup: Callable[[str], str | None], unset: list[str] | None,
+                budget: list[int]) -> str:
     out: list[str] = []
-    pos = 0
-    for m in _PATTERN.finditer(template):
-        out.append(template[pos:m.start()])
-        pos = m.end()
-        out.append(_replace(m.group(0), template, lookup, unset))
-    out.append(template[pos:])
+    # compose-go substitutes what follows a template's closing brace (up to
+    # the end of its greedy match) on its own, recursively; a stack of
+    # (text, position) does the same without one Python frame per template.
+    stack = [(template, 0)]
+    while stack:
+        text, pos = stack.pop()
+        m = _PATTERN.search(text, pos)
+        if m is None:
+            out.append(text[pos:])
+            continue
+        out.append(text[pos:m.start()])
+        # A braced template's match runs to the last "}" of its line, and
+        # what follows its closing brace is scanned again: many templates on
+        # one long line cost their number times its length.
+        budget[0] -= m.end() - m.start()
+        if budget[0] < 0:
+            raise ComposeError(f"interpolation of {template[:60]!r}... is too costly",
+                               hint="split long lines that hold many ${...} templates")
+        value, rest = _replace(m.group(0), template, lookup, unset, budget)
+        out.append(value)
+        stack.append((text, m.end()))
+        if rest:
+            stack.append((rest, 0))
     return "".join(out)
 
 
-def _replace(text: str, template: str, lookup: Callable[[str], str | None], unset: list[str] | None) -> str:
+def _replace(text: str, template: str, lookup: Callable[[str], str | None],
+             unset: list[str] | None, budget: list[int]) -> tuple[str, str]:
+    """The value of the template `text` begins with, and the text after it."""
     close = _closing_brace(text)
     rest = ""
     if close >= 0:
@@ -63,26 +90,26 @@ def _replace(text: str, template: str, lookup: Callable[[str], str | None], unse
         raise ComposeError(f"invalid interpolation template {template!r}",
                            hint="write $$ for a literal $")
     if m.group("escaped"):
-        return "$"
+        return "$", rest
     if m.group("named"):
-        return _value(m.group("named"), lookup, unset)
+        return _value(m.group("named"), lookup, unset), rest
     body = m.group("braced")
     name = _NAME.match(body).group(0)  # type: ignore[union-attr]
     op_text = body[len(name):]
     if not op_text:
-        return _value(name, lookup, unset) + _substitute(rest, lookup, unset)
+        return _value(name, lookup, unset), rest
     op = ":" + op_text[1] if op_text[0] == ":" else op_text[0]
     arg = op_text[len(op):]
     value = lookup(name)
     if op in (":?", "?"):
         if value is None or (op == ":?" and value == ""):
-            raise _Missing(name, _substitute(arg, lookup, unset))
+            raise _Missing(name, _substitute(arg, lookup, unset, budget))
         result = value
     elif op in (":-", "-"):
-        result = _substitute(arg, lookup, unset) if value is None or (op == ":-" and value == "") else value
+        result = _substitute(arg, lookup, unset, budget) if value is None or (op == ":-" and value == "") else value
     else:  # ":+", "+": the alternative when set (and, for ":+", not empty)
-        result = _substitute(arg, lookup, unset) if value is not None and (op == "+" or value != "") else (value or "")
-    return result + _substitute(rest, lookup, unset)
+        result = _substitute(arg, lookup, unset, budget) if value is not None and (op == "+" or value != "") else (value or "")
+    return result, rest
 
 
 def _value(name: str, lookup: Callable[[str], str | None], unset: list[str] | None) -> str:
@@ -110,16 +137,17 @@ def _closing_brace(s: str) -> int:
     return -1
 
 
-def interpolate(value: Any, environ: Mapping[str, str], unset: list[str] | None = None) -> Any:
+def interpolate(value: Any, environ: Mapping[str, str], unset: list[str] | None = None,
+                budget: list[int] | None = None) -> Any:
     """Every string value of a parsed YAML tree interpolated (keys are not,
-    as in compose)."""
-    lookup = environ.get
+    as in compose), all within one budget."""
+    budget = [BUDGET] if budget is None else budget
     if isinstance(value, str):
-        return substitute(value, lookup, unset)
+        return substitute(value, environ.get, unset, budget)
     if isinstance(value, dict):
-        return {k: interpolate(v, environ, unset) for k, v in value.items()}
+        return {k: interpolate(v, environ, unset, budget) for k, v in value.items()}
     if isinstance(value, list):
-        return [interpolate(v, environ, unset) for v in value]
+        return [interpolate(v, environ, unset, budget) for v in value]
     return value
 
 

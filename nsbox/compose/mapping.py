@@ -10,6 +10,7 @@ from typing import Any, Mapping
 from ..rootfs import Bind
 from ..spec import SandboxSpec
 from .errors import ComposeError
+from .hostpaths import HostPaths
 from .model import Mount, Project, Service
 
 _PULL = {"always": "always", "never": "never", "missing": "missing", "if_not_present": "missing",
@@ -67,7 +68,7 @@ def service_spec(service: Service, project: Project, *, image: str, network: str
         "ports": tuple(service.ports) if network != "host" else (),
         "hostname": service.hostname,
         "hosts": dict(service.extra_hosts),
-        "mounts": tuple(_bind(service, m, volume_root, i) for i, m in enumerate(service.volumes) if m.type != "tmpfs"),
+        "mounts": tuple(_bind(service, project, m, volume_root, i) for i, m in enumerate(service.volumes) if m.type != "tmpfs"),
         "memory": service.memory,
         "cpus": service.cpus,
         "pids_limit": service.pids_limit,
@@ -84,14 +85,18 @@ def service_spec(service: Service, project: Project, *, image: str, network: str
         raise ComposeError(f"service {service.name}: {e}") from None
 
 
-def _bind(service: Service, m: Mount, volume_root: Path | None, index: int) -> Bind:
+def _bind(service: Service, project: Project, m: Mount, volume_root: Path | None, index: int) -> Bind:
     if m.type == "bind":
-        source = Path(m.source or "")
+        # Checked again: the project directory may have changed since it was
+        # read (a sandbox of an earlier sample may write to it).
+        paths = project.host_paths or HostPaths(project.directory)
+        what = f"service {service.name}: bind source"
+        source = Path(paths.check(m.source or "", what))
         if not source.exists():
             if not m.create_host_path:
-                raise ComposeError(f"service {service.name}: bind source {source} does not exist",
+                raise ComposeError(f"{what} {source} does not exist",
                                    hint="create it, or use the short syntax, which creates a directory")
-            source.mkdir(parents=True, exist_ok=True)
+            source = Path(paths.make_dirs(str(source), what))
     else:
         if volume_root is None:
             raise ComposeError(f"service {service.name}: volume at {m.target} needs a volume directory",

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from .hostpaths import HostPaths
 
 Condition = Literal["service_started", "service_healthy", "service_completed_successfully"]
 CONDITIONS = ("service_started", "service_healthy", "service_completed_successfully")
@@ -117,6 +120,7 @@ class Project:
     networks: dict[str, NetworkDef] = field(default_factory=dict)
     volumes: dict[str, VolumeDef] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)  # what nsbox honours only approximately
+    host_paths: "HostPaths | None" = None  # where the file may name host paths (None: its directory)
 
     @property
     def default_service(self) -> Service:

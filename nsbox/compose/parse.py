@@ -18,6 +18,7 @@ from typing import Any, Mapping
 from .. import gpu
 from ..spec import parse_size
 from .errors import ComposeError
+from .hostpaths import HostPaths
 from .model import CONDITIONS, Build, Healthcheck, Mount, Service
 
 _TRUE = {"y", "yes", "true", "on"}
@@ -30,11 +31,13 @@ _DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h|d|w)")
 class Reader:
     """Reads one service; `where` prefixes error messages."""
 
-    def __init__(self, name: str, directory: Path, environ: Mapping[str, str], issues: list[str]) -> None:
+    def __init__(self, name: str, directory: Path, environ: Mapping[str, str], issues: list[str],
+                 paths: HostPaths) -> None:
         self.name = name
         self.directory = directory
         self.environ = environ
         self.issues = issues
+        self.paths = paths
 
     def fail(self, key: str, message: str) -> ComposeError:
         return ComposeError(f"service {self.name}: {key}: {message}")
@@ -124,10 +127,11 @@ class Reader:
             return out
         raise self.fail(key, f"expected a mapping or a list, not {value!r}")
 
-    def host_path(self, text: str) -> str:
-        """A bind source: `~` expanded, relative to the compose file's directory."""
-        path = Path(os.path.expanduser(text))
-        return os.path.normpath(self.directory / path)
+    def host_path(self, text: str, key: str) -> str:
+        """A host path the file names: `~` expanded, relative to the compose
+        file's directory, resolved and allowed (hostpaths.py)."""
+        path = os.path.normpath(self.directory / os.path.expanduser(text))
+        return self.paths.check(path, f"service {self.name}: {key}")
 
     # -- structured keys ----------------------------------------------------
 
@@ -148,10 +152,12 @@ class Reader:
         context_text = self.string("build.context", value.get("context", "."))
         if "://" in context_text or context_text.startswith("git@"):
             self.issues.append(f"build.context from a URL ({context_text})")
-        context = Path(self.host_path(context_text))
+            return Build(self.directory, self.directory / "Dockerfile")  # never used: the issue stops loading
+        context = Path(self.host_path(context_text, "build.context"))
         if "dockerfile_inline" in value:
             self.issues.append("build.dockerfile_inline")
-        dockerfile = context / self.string("build.dockerfile", value.get("dockerfile", "Dockerfile"))
+        dockerfile_text = self.string("build.dockerfile", value.get("dockerfile", "Dockerfile"))
+        dockerfile = Path(self.host_path(str(context / dockerfile_text), "build.dockerfile"))
         args = {k: v if v is not None else self.environ.get(k, "")
                 for k, v in self.mapping("build.args", value.get("args")).items()}
         target = value.get("target")
@@ -216,9 +222,14 @@ class Reader:
                 raise self.fail("volumes", f"a bind needs a source ({target})")
             create = self.boolean("volumes.bind.create_host_path",
                                   (value.get("bind") or {}).get("create_host_path", False))
-            return Mount("bind", target, self.host_path(str(source)), read_only, create_host_path=create)
+            return Mount("bind", target, self.host_path(self.string("volumes.source", source), "volumes"), read_only,
+                         create_host_path=create)
         if kind == "volume":
             subpath = (value.get("volume") or {}).get("subpath")
+            if subpath is not None:
+                subpath = self.string("volumes.volume.subpath", subpath)
+                if subpath.startswith("/") or ".." in subpath.split("/"):
+                    raise self.fail("volumes.volume.subpath", f"must be a relative path inside the volume, not {subpath!r}")
             return Mount("volume", target, None if source is None else str(source), read_only, subpath=subpath)
         if kind == "tmpfs":
             opts = value.get("tmpfs") or {}
@@ -242,7 +253,7 @@ class Reader:
         if not target.startswith("/"):
             raise self.fail("volumes", f"target must be an absolute path in the container, not {spec!r}")
         if source[:1] in "./~":
-            return Mount("bind", target, self.host_path(source), read_only, create_host_path=True)
+            return Mount("bind", target, self.host_path(source, "volumes"), read_only, create_host_path=True)
         return Mount("volume", target, source, read_only)
 
     def tmpfs(self, value: Any) -> list[Mount]:
@@ -353,10 +364,10 @@ class Reader:
 
 
 def read_service(name: str, raw: dict[str, Any], directory: Path, environ: Mapping[str, str],
-                 issues: list[str]) -> Service:
+                 issues: list[str], paths: HostPaths) -> Service:
     """The model of one service. `raw` has its env_file already merged into
     `environment` (see load.py)."""
-    r = Reader(name, directory, environ, issues)
+    r = Reader(name, directory, environ, issues, paths)
     s = Service(name)
     get = raw.get
     if get("image") is not None:
@@ -468,7 +479,7 @@ def _gpu_entry(r: Reader, key: str, entry: Any) -> str:
 
 
 def read_secret_mounts(r_name: str, raw: dict[str, Any], definitions: dict[str, dict[str, Any]],
-                       directory: Path, kind: str) -> list[Mount]:
+                       paths: HostPaths, kind: str) -> list[Mount]:
     """`secrets:` or `configs:` of a service as read-only binds of their
     `file:` sources: secrets at /run/secrets/NAME, configs at /NAME, unless
     a target is given."""
@@ -484,6 +495,7 @@ def read_secret_mounts(r_name: str, raw: dict[str, Any], definitions: dict[str, 
             target = target if target and target.startswith("/") else f"/run/secrets/{target or source}"
         else:
             target = target if target and target.startswith("/") else f"/{target or source}"
-        path = os.path.normpath(directory / os.path.expanduser(str(definition["file"])))
+        path = os.path.normpath(Path(paths.directory) / os.path.expanduser(str(definition["file"])))
+        path = paths.check(path, f"service {r_name}: {kind}: {source}: file")
         mounts.append(Mount("bind", target, path, read_only=True))
     return mounts

@@ -105,9 +105,11 @@ NAMESPACE_MODES = {"pid": ("", "private"), "ipc": ("", "private", "shareable", "
 TOP_LEVEL = frozenset({"name", "version", "services", "networks", "volumes", "secrets", "configs"})
 DEPLOY_HARMLESS = frozenset({"mode", "placement", "restart_policy", "update_config", "rollback_config",
                              "labels", "endpoint_mode"})
-# SandboxSpec settings `x-nsbox` may set; the rest come from compose keys.
+# SandboxSpec settings `x-nsbox` may set; the rest come from compose keys,
+# and the id mapping is the operator's choice, never a compose file's
+# (host-root would make sandbox root host root).
 X_NSBOX = frozenset(f.name for f in dataclasses.fields(SandboxSpec)) - {
-    "rootfs", "image", "pull", "platform", "mounts", "network", "ports", "label", "origin"}
+    "rootfs", "image", "pull", "platform", "mounts", "network", "ports", "label", "origin", "id_mapping"}
 
 
 @dataclasses.dataclass
@@ -115,6 +117,56 @@ class Review:
     ignored: list[str] = dataclasses.field(default_factory=list)
     issues: list[str] = dataclasses.field(default_factory=list)  # cannot honour
     warnings: list[str] = dataclasses.field(default_factory=list)
+
+
+# The YAML types compose's schema allows for the keys read here (a value
+# of another type is a ComposeError before anything reads it): "KEY[]" is
+# each item of a list, "KEY.*" each value of a mapping.
+STR, LIST, MAP, NULL = str, list, dict, type(None)
+SCALAR = (str, int, float, bool)
+SHAPES: dict[str, Any] = {
+    "build": (STR, MAP), "build.args": (MAP, LIST), "build.args.*": SCALAR + (NULL,), "build.args[]": SCALAR,
+    "command": (STR, LIST), "entrypoint": (STR, LIST), "environment": (MAP, LIST),
+    "environment.*": SCALAR + (NULL,), "environment[]": SCALAR, "env_file": (STR, LIST), "env_file[]": (STR, MAP),
+    "healthcheck": MAP, "healthcheck.test": (STR, LIST), "depends_on": (LIST, MAP), "depends_on[]": STR,
+    "depends_on.*": (STR, MAP, NULL), "volumes": LIST, "volumes[]": (STR, MAP), "volumes[].bind": MAP,
+    "volumes[].volume": MAP, "volumes[].tmpfs": MAP, "tmpfs": (STR, LIST), "ports": LIST,
+    "ports[]": SCALAR + (MAP,), "networks": (LIST, MAP), "networks[]": STR, "networks.*": (MAP, NULL),
+    "links": (STR, LIST), "extra_hosts": (MAP, LIST), "deploy": MAP, "deploy.resources": MAP,
+    "deploy.resources.limits": MAP, "deploy.resources.reservations": MAP, "cap_add": (STR, LIST),
+    "cap_add[]": STR, "cap_drop": (STR, LIST), "security_opt": LIST, "profiles": LIST, "profiles[]": STR,
+    "storage_opt": MAP, "secrets": LIST, "secrets[]": (STR, MAP), "configs": LIST, "configs[]": (STR, MAP),
+    "x-nsbox": MAP, "labels": (MAP, LIST), "ulimits": MAP, "sysctls": (MAP, LIST),
+}
+
+
+def check_shapes(name: str, raw: dict[str, Any]) -> None:
+    """Raises a ComposeError for the first value of a type compose does not
+    allow for its key (SHAPES)."""
+    def walk(key: str, value: Any) -> None:
+        allowed = SHAPES.get(key)
+        if allowed is None or value is None and not key.endswith(("*", "[]")):
+            return
+        if not isinstance(value, allowed) or isinstance(value, bool) and bool not in _flat(allowed):
+            raise ComposeError(f"service {name}: {key}: {value!r} is not "
+                               f"{' or '.join(dict.fromkeys(_TYPE_NAMES[t] for t in _flat(allowed)))}")
+        if isinstance(value, list):
+            for item in value:
+                walk(f"{key}[]", item)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{key}.*", v)
+                walk(f"{key}.{k}", v)
+    for key, value in raw.items():
+        walk(key, value)
+
+
+_TYPE_NAMES = {str: "a string", int: "a number", float: "a number", bool: "a boolean", list: "a list",
+               dict: "a mapping", NULL: "null"}
+
+
+def _flat(allowed: Any) -> list[type]:
+    return list(dict.fromkeys(allowed)) if isinstance(allowed, tuple) else [allowed]
 
 
 def review_service(name: str, raw: dict[str, Any]) -> Review:
