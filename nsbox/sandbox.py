@@ -500,14 +500,25 @@ class Sandbox:
             raise RuntimeError("only a running sandbox this process owns can be stopped")
         with anyio.CancelScope(shield=True):
             self._state = "stopped"
-            client, self._client = self._client, None
-            ctl, self._launched.ctl = self._launched.ctl, None
-            if client is not None:
-                client.close()  # the lifeline: the init kills everything and exits
-            elif ctl is not None:
-                ctl.close()
-            if self.pid:
-                await self._reap()
+            await self._end_init(*self._take_client())
+
+    def _take_client(self) -> tuple[InitClient | None, Any]:
+        """The init's client and control channel (what there is of them),
+        no longer this object's."""
+        client, self._client = self._client, None
+        ctl, self._launched.ctl = self._launched.ctl, None
+        return client, ctl
+
+    async def _end_init(self, client: InitClient | None, ctl: Any) -> None:
+        """Closes the lifeline (the client's, or the control channel's
+        before there is a client): the init kills everything and exits.
+        Returns once it is gone."""
+        if client is not None:
+            client.close()
+        elif ctl is not None:
+            ctl.close()
+        if self.pid:
+            await self._reap()
 
     async def _leave_network(self) -> None:
         service_net = network_mod.local(self.spec.network) if not self._attached else None
@@ -516,8 +527,7 @@ class Sandbox:
 
     async def _teardown(self) -> None:
         self._state = "closed"
-        client, self._client = self._client, None
-        ctl, self._launched.ctl = self._launched.ctl, None
+        client, ctl = self._take_client()
         if self._attached:
             if self._launched.pidfd >= 0:
                 os.close(self._launched.pidfd)
@@ -530,12 +540,7 @@ class Sandbox:
             await net.stop()
         if client is not None and self._detached:
             client.shutdown()
-        if client is not None:
-            client.close()  # the lifeline: the init kills everything and exits
-        elif ctl is not None:
-            ctl.close()
-        if self.pid:
-            await self._reap()
+        await self._end_init(client, ctl)
         for cleanup in self._launched.cleanups:  # the init is gone (its cgroups are empty)
             cleanup()
         self._launched.cleanups.clear()

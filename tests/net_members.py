@@ -5,6 +5,7 @@ the test can rewrite."""
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import os
 import socket
@@ -14,7 +15,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 
@@ -139,13 +140,16 @@ def host_server() -> Iterator[int]:
     listener.close()
 
 
-@pytest.fixture
-def http_server() -> Iterator[int]:
-    """An HTTP server on the host's 127.0.0.1 answering "hello from <Host header>"."""
+@contextlib.contextmanager
+def loopback_http(body_for: Callable[[http.server.BaseHTTPRequestHandler], bytes]) -> Iterator[tuple[int, list[str]]]:
+    """An HTTP server on the host's 127.0.0.1 answering each GET with
+    `body_for(request)`: (its port, the paths asked for so far)."""
+    seen: list[str] = []
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            body = f"hello from {self.headers['Host'].split(':')[0]}".encode()
+            seen.append(self.path)
+            body = body_for(self)
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -157,6 +161,15 @@ def http_server() -> Iterator[int]:
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    yield server.server_address[1]
-    server.shutdown()
-    server.server_close()
+    try:
+        yield server.server_address[1], seen
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def http_server() -> Iterator[int]:
+    """An HTTP server on the host's 127.0.0.1 answering "hello from <Host header>"."""
+    with loopback_http(lambda req: f"hello from {req.headers['Host'].split(':')[0]}".encode()) as (port, _):
+        yield port

@@ -27,6 +27,7 @@ from nsbox.build import BuildError, build_image
 from nsbox.storage import Store, oci
 
 from .conftest import MODE
+from .net_members import loopback_http
 from .test_build import busybox, context, name  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.timeout(300)
@@ -305,41 +306,11 @@ async def test_add_url_with_network_none_connects_nowhere(tmp_path: Path, name: 
         server.close()
 
 
-@contextlib.contextmanager
-def loopback_file_server(body: bytes, redirect_from: int | None = None) -> Iterator[tuple[int, list[str]]]:
-    """An HTTP server on 127.0.0.1 that serves `body` at /file and records
-    each request path."""
-    import http.server
-    import threading
-
-    seen: list[str] = []
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            seen.append(self.path)
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server.server_address[1], seen
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
 async def test_add_url_never_fetches_the_hosts_loopback_unasked(tmp_path: Path, name: str, busybox: str) -> None:
     """ADD runs its download in nsbox, on the host: a Dockerfile must not
     get the host's 127.0.0.1 services (or cloud metadata) into its image,
     as a RUN step cannot. `--network host` is the explicit opt-in."""
-    with loopback_file_server(b"host-only secret\n") as (port, seen):
+    with loopback_http(lambda _: b"host-only secret\n") as (port, seen):
         for url in (f"http://127.0.0.1:{port}/file", f"http://localhost:{port}/file",
                     f"http://[::ffff:127.0.0.1]:{port}/file"):
             ctx = context(tmp_path, f"FROM {busybox}\nADD {url} /file\n")
