@@ -32,7 +32,7 @@ from nsbox.storage import ImageNotFound, Store
 from nsbox.storage.archive import import_image
 
 from .conftest import FIXTURES, MODE, fixture_tar
-from .net_members import host_server, tun_usable  # noqa: F401 (fixture)
+from .net_members import host_server  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -314,7 +314,7 @@ async def test_default_network_is_announced(tmp_path: Path, name: str, busybox: 
     assert f"RUN steps use network {result.network}" in "".join(lines)
 
 
-@pytest.mark.skipif(not tun_usable(), reason="/dev/net/tun is not usable by this user (CI makes it so)")
+@pytest.mark.needs("tun", "usernet")
 async def test_run_steps_do_not_reach_the_hosts_loopback(tmp_path: Path, name: str, busybox: str,
                                                         host_server: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """A Dockerfile (or a package's install script) cannot read the host's

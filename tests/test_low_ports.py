@@ -22,7 +22,7 @@ from .conftest import MODE
 from .net_members import tun_usable
 
 pytestmark = pytest.mark.timeout(120)
-needs_tun = pytest.mark.skipif(not tun_usable(), reason="/dev/net/tun is not usable by this user (CI makes it so)")
+needs_tun = pytest.mark.needs("tun", "usernet")
 # Single-uid mode maps no user but root (exec as another user is refused).
 USERS = ["root", pytest.param("nobody", marks=pytest.mark.skipif(MODE.mode == "single", reason="single-uid mode"))]
 
@@ -83,6 +83,7 @@ async def test_service_network_members_and_a_pod_serve_on_80(user: str) -> None:
 
 
 @pytest.mark.timeout(180)
+@needs_tun  # a named network reaches out through nat
 def test_named_network_member_binds_80() -> None:
     name = f"t{secrets.token_hex(4)}"
     cli = [sys.executable, "-m", "nsbox"]

@@ -174,7 +174,10 @@ def test_rm_refuses_a_sandbox_a_live_process_owns() -> None:
         assert owner.poll() is None  # the owner itself is left alone
 
 
-def test_gc_removes_what_a_killed_owner_left() -> None:
+def test_gc_removes_what_a_killed_owner_left(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A state directory of its own: another process of this user starting
+    # its first sandbox would collect the dead one before `nsbox gc` does.
+    monkeypatch.setenv("NSBOX_STATE_DIR", str(tmp_path / "state"))
     with owner_process() as (owner, info, zygote):
         owner.send_signal(signal.SIGKILL)
         owner.wait()

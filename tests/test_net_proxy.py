@@ -284,6 +284,7 @@ anyio.run(main)
 """
 
 
+@pytest.mark.needs("iproute2")
 def test_names_and_literals_of_the_hosts_own_addresses_are_refused(tmp_path: Path) -> None:
     """In a network namespace of the test's own, with an address
     (198.51.100.7, on its lo) standing for the host's eth0 address: a name resolving to it (through

