@@ -230,6 +230,11 @@ class Services:
                 tg.start_soon(guarded, commands)
             if failed:
                 raise failed[0]
+            # A main process that exited while the others got ready (after
+            # its own check) fails the sample too: until start() returns.
+            for name, process in self._main.items():
+                if process.returncode not in (None, 0):
+                    raise ServicesError(await self._exited(name, process))
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self.close()
