@@ -132,9 +132,9 @@ def copy_meta(fd, st, single, name=None, dir_fd=None):
 
 def copy_dir(fds, dest, single):
     """Copies the merged directory `fds` into the open directory `dest`."""
-    names = []
+    names = {}
     for fd in fds:
-        names += [n for n in os.listdir(fd) if n not in names]
+        names.update(dict.fromkeys(os.listdir(fd)))
     for name in names:
         found = lookup(fds, name)
         if found is None:
