@@ -291,7 +291,7 @@ def compose(rest: list[str]) -> None:
         return
     files: list[str] = []
     i = 0
-    project_dir = None
+    project_dir = project_name = None
     while i < len(rest) and rest[i].startswith("-"):
         name, eq, value = rest[i].partition("=")
         if name not in ("-f", "--file", "--project-directory", "-p", "--project-name"):
@@ -306,7 +306,7 @@ def compose(rest: list[str]) -> None:
         elif name == "--project-directory":
             project_dir = value
         else:
-            _unsupported(["compose", name])
+            project_name = value
         i += 1
     if rest[i:i + 1] != ["config"]:
         _unsupported(["compose", *rest[i:i + 1]])
@@ -321,6 +321,7 @@ def compose(rest: list[str]) -> None:
 
     path = Path(files[0]) if files else Path(project_dir or ".")
     project = load_project(path)
+    project.name = project_name or project.name
     if "-q" in opts or "--quiet" in opts:
         return
     if "--images" in opts:

@@ -58,7 +58,9 @@ def test_compose_config_lists_images_and_services(docker: Path, tmp_path: Path) 
     r = run(docker, "compose", "-f", str(tmp_path / "compose.yaml"), "config", "--images")
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["registry.example/evals/agent:1", "ctf-victim"]
-    r = run(docker, "compose", "config", "--services", cwd=tmp_path)  # compose.yaml found in the directory
+    r = run(docker, "compose", "-p", "other", "config", "--images", cwd=tmp_path)  # compose.yaml found here
+    assert r.stdout.split() == ["registry.example/evals/agent:1", "other-victim"], r.stderr
+    r = run(docker, "compose", "config", "--services", cwd=tmp_path)
     assert (r.returncode, r.stdout.split()) == (0, ["default", "victim"]), r.stderr
     r = run(docker, "compose", "-f", str(tmp_path / "compose.yaml"), "config", "--format", "json")
     doc = json.loads(r.stdout)
