@@ -225,14 +225,16 @@ def images(rest: list[str]) -> None:
     if "-f" in opts or "--filter" in opts:
         _unsupported(["image", "ls", "--filter"])
     store = Store()
+    want = None  # `docker images REF`: that image's name only
+    if refs:
+        try:
+            want = store.lookup(refs[0]).name
+        except (ImageNotFound, NsboxError):
+            want = ""
     rows = []
     for name, rec in sorted(store.records().items()):
-        if refs and name not in refs:
-            try:
-                if store.lookup(refs[0]).name != name:
-                    continue
-            except (ImageNotFound, NsboxError):
-                continue
+        if want is not None and name != want:
+            continue
         repo, _, tag = name.rpartition(":") if ":" in name.rsplit("/", 1)[-1] else (name, "", "<none>")
         short = rec.id.split(":")[-1][:12]
         rows.append({"Repository": repo, "Tag": tag, "ID": rec.id if "--no-trunc" in opts else short,
