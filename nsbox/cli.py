@@ -21,6 +21,7 @@ from .storage import cli as image_cli
 from .storage.cli import image as image_group
 from .build.cli import build as build_command
 from .network_cli import network as network_group
+from .docker_shim import docker_shim as docker_shim_group
 
 T = TypeVar("T")
 # Exit statuses of `nsbox run` for failures of nsbox itself (as docker run).
@@ -373,5 +374,6 @@ main.add_command(image_group)
 main.add_command(doctor)
 main.add_command(build_command)  # nsbox/build/cli.py
 main.add_command(network_group)  # nsbox/network_cli.py
+main.add_command(docker_shim_group)  # nsbox/docker_shim.py
 # `nsbox image prune` keeps the layers live sandboxes stack.
 image_cli.in_use_hook = lambda: [layer for info in registry.entries() if info.init_alive for layer in info.lowers]

@@ -6,7 +6,8 @@ a Dockerfile, or its ComposeConfig) runs as nsbox services.
   service's image is built (nsbox/build/) or pulled and unpacked, once per
   task; a file nsbox cannot honour fails here, in one message.
 - sample_init (`start_sample`): fresh sandboxes for every service on a
-  network of the sample's own (nsbox/services.py), the default service
+  network of the sample's own (nsbox/services.py), its volumes seeded with
+  the images' files (nsbox/volumes.py), the default service
   first, ready as `docker compose up --wait` leaves them (every
   healthcheck passed, every other main process running), within the
   deadline Inspect's docker provider sets.
@@ -31,6 +32,7 @@ from .services import Healthcheck, ServiceSpec, Services, compose_deadline
 from .storage import Store
 from .storage.progress import Progress
 from .storage.store import Image
+from .volumes import seed, seeds, start_order
 
 COMPOSE_FILES = ["compose.yaml", "compose.yml", "docker-compose.yaml", "docker-compose.yml"]
 DOCKERFILES = ["Dockerfile"]
@@ -141,6 +143,8 @@ async def start_sample(task: ComposeTask, label: str, *, output_limit_mode: str 
                                      names=[n for n in names.get(service.name, []) if n != service.name]))
         if volumes is not None:
             give(volumes, mapping.host_root)  # the volume directories service_spec made
+            for service in start_order(project):  # the first service to mount a volume seeds it
+                await seed(task.images[service.name], seeds(service, volumes), task.id_mapping)
         services = Services(specs, network=task.network, wait_limit=compose_deadline(declared))
         sample = Sample(services, volumes, mapping)
         try:
@@ -198,7 +202,8 @@ def _uses_named_volumes(project: Project) -> bool:
 
 def _volume_root(project: Project, mapping: idmap.IdMap) -> Path:
     """A fresh directory for this sample's named volumes, owned by sandbox
-    root (a volume starts empty and belongs to root, as in Docker)."""
+    root (a volume starts empty and belongs to root, as in Docker, until
+    the image's files are copied in)."""
     base = _volume_base()
     base.mkdir(mode=0o700, parents=True, exist_ok=True)
     root = base / f"{project.name}-{secrets.token_hex(6)}"

@@ -578,7 +578,6 @@ def test_harmless_keys_are_accepted_and_listed(tmp_path):
     ("security_opt: [seccomp:unconfined]", "nsbox keeps its own seccomp deny-list"),
     ("ulimits: {nofile: 65535}", "ulimits are not applied"),
     ("shm_size: 1g", "/dev/shm keeps nsbox's size"),
-    ("volumes: [/data]", "volume (anonymous) at /data starts empty"),
     ("ports: ['8080:80']", "published on 127.0.0.1 unless an address is given"),
 ])
 def test_approximations_are_warnings(tmp_path, service_yaml, warning):

@@ -85,6 +85,12 @@ def service_spec(service: Service, project: Project, *, image: str, network: str
         raise ComposeError(f"service {service.name}: {e}") from None
 
 
+def volume_dir(service: Service, m: Mount, index: int, volume_root: Path) -> Path:
+    """The directory of a named or anonymous volume (the `index`th entry of
+    the service's volumes)."""
+    return volume_root / (m.source or os.path.join("_anonymous", service.name, str(index)))
+
+
 def _bind(service: Service, project: Project, m: Mount, volume_root: Path | None, index: int) -> Bind:
     if m.type == "bind":
         # Checked again: the project directory may have changed since it was
@@ -101,7 +107,6 @@ def _bind(service: Service, project: Project, m: Mount, volume_root: Path | None
         if volume_root is None:
             raise ComposeError(f"service {service.name}: volume at {m.target} needs a volume directory",
                                hint="pass volume_root to service_spec")
-        name = m.source or os.path.join("_anonymous", service.name, str(index))
-        source = Path(volume_root) / name / (m.subpath or "")
+        source = volume_dir(service, m, index, Path(volume_root)) / (m.subpath or "")
         source.mkdir(parents=True, exist_ok=True)
     return Bind(str(source), m.target.rstrip("/") or "/", readonly=m.read_only)

@@ -55,6 +55,7 @@ class Mount:
     read_only: bool = False
     create_host_path: bool = False  # short syntax binds: Docker creates a missing source directory
     subpath: str | None = None  # volume: mount this path inside the volume
+    nocopy: bool = False  # volume: not seeded with the image's files (volume.nocopy)
     size: int | None = None  # tmpfs
     mode: int | None = None  # tmpfs
 

@@ -230,7 +230,9 @@ class Reader:
                 subpath = self.string("volumes.volume.subpath", subpath)
                 if subpath.startswith("/") or ".." in subpath.split("/"):
                     raise self.fail("volumes.volume.subpath", f"must be a relative path inside the volume, not {subpath!r}")
-            return Mount("volume", target, None if source is None else str(source), read_only, subpath=subpath)
+            nocopy = self.boolean("volumes.volume.nocopy", (value.get("volume") or {}).get("nocopy", False))
+            return Mount("volume", target, None if source is None else str(source), read_only, subpath=subpath,
+                         nocopy=nocopy)
         if kind == "tmpfs":
             opts = value.get("tmpfs") or {}
             size = None if opts.get("size") is None else self.size("volumes.tmpfs.size", opts["size"])

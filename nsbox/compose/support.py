@@ -346,10 +346,6 @@ def check_references(project: Project) -> None:
 def mount_warnings(project: Project) -> list[str]:
     warnings = []
     for s in project.services.values():
-        for m in s.volumes:
-            if m.type == "volume":
-                warnings.append(f"service {s.name}: volume {m.source or '(anonymous)'} at {m.target} starts empty "
-                                "(Docker copies the image's files there into a new volume)")
         for m in s.tmpfs + [m for m in s.volumes if m.type == "tmpfs"]:
             warnings.append(f"service {s.name}: tmpfs {m.target} is a directory of the writable layer: "
                             "the image's files there stay visible and no size applies")
