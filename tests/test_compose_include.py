@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from nsbox.compose import ComposeError, load_project, service_spec
-from nsbox.compose.load import MAX_INCLUDE_DEPTH, is_compose_document
+from nsbox.compose import load as compose_load
 from nsbox.inspect_compose import is_docker_config, read_project
 from nsbox.inspect_provider import _config_key
 
@@ -164,9 +164,9 @@ def test_include_cycle_is_refused(tmp_path: Path) -> None:
 
 
 def test_include_depth_is_bounded(tmp_path: Path) -> None:
-    for i in range(MAX_INCLUDE_DEPTH + 2):
+    for i in range(compose_load.MAX_INCLUDE_DEPTH + 2):
         put(tmp_path / f"c{i}.yaml", f"include: [c{i + 1}.yaml]\nservices:\n  s{i}:\n    image: busybox\n")
-    put(tmp_path / f"c{MAX_INCLUDE_DEPTH + 2}.yaml", "services:\n  last:\n    image: busybox\n")
+    put(tmp_path / f"c{compose_load.MAX_INCLUDE_DEPTH + 2}.yaml", "services:\n  last:\n    image: busybox\n")
     with pytest.raises(ComposeError, match="nested more than"):
         load_project(tmp_path / "c0.yaml", environ={})
 
@@ -289,6 +289,6 @@ def test_a_compose_file_of_another_name_is_read_as_compose(tmp_path: Path) -> No
         assert _config_key(str(path)) == str(path)  # handed on as compose, not read as nsbox.yaml
         assert list(read_project(str(path)).services) == ["default"]
     nsbox_yaml = put(tmp_path / "nsbox.yaml", "rootfs: host\n")
-    assert not is_compose_document(nsbox_yaml) and not is_docker_config(str(nsbox_yaml))
-    assert not is_compose_document(put(tmp_path / "list.yaml", "- services\n"))
-    assert not is_compose_document(tmp_path / "missing.yaml")
+    assert not compose_load.is_compose_document(nsbox_yaml) and not is_docker_config(str(nsbox_yaml))
+    assert not compose_load.is_compose_document(put(tmp_path / "list.yaml", "- services\n"))
+    assert not compose_load.is_compose_document(tmp_path / "missing.yaml")
