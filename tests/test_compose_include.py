@@ -17,6 +17,8 @@ from nsbox.compose import load as compose_load
 from nsbox.inspect_compose import is_docker_config, read_project
 from nsbox.inspect_provider import _config_key
 
+from .test_compose_hostile import Opened
+
 
 def put(path: Path, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -233,7 +235,16 @@ def test_a_non_compose_file_in_reach_is_refused_without_its_content(tmp_path: Pa
               default:
                 image: busybox
             """)
-        _refused(top, match=r"(is not a compose file|not a valid compose file)")
+        _refused(top, match=r"(is not a compose file|not a valid compose file|is not named \*\.yaml)")
+
+
+def test_an_include_of_a_credentials_file_in_reach_never_opens_it(tmp_path: Path) -> None:
+    creds = put(tmp_path / "suite/shared/credentials-7f3a", f"{SECRET}\n")
+    top = put(tmp_path / "suite/task/compose.yaml", "include: [../shared/credentials-7f3a]\n"
+                                                    "services:\n  default:\n    image: busybox\n")
+    with Opened() as opened:
+        _refused(top, match=r"is not named \*\.yaml or \*\.yml")
+    assert not [p for p in opened if str(creds) in p or "credentials-7f3a" in p], opened
 
 
 def test_an_included_file_names_host_paths_in_its_own_directory_only(tmp_path: Path, secret_file: Path) -> None:

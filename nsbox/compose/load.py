@@ -406,8 +406,9 @@ def _include(entry: dict[str, Any], directory: Path, environ: Mapping[str, str],
 
     Its files (and project directory) must lie where the including file may
     name host paths, or in the suite directory; its `env_file`s where the
-    including file or the included project may. A file that is not a
-    compose document is refused without a word of its content."""
+    including file or the included project may. A file not named *.yaml
+    or *.yml is never opened; one that is not a compose document is
+    refused without a word of its content."""
     allowed = paths.widened(context.suite)
 
     def place(text: str, what: str) -> str:
@@ -422,6 +423,10 @@ def _include(entry: dict[str, Any], directory: Path, environ: Mapping[str, str],
                      f"levels above the top-level file's; to allow another, set NSBOX_COMPOSE_PATHS=DIR") from None
 
     files = [place(f, "include") for f in entry["path"]]
+    for file in files:  # refused before it is opened: no key file or credentials is ever read
+        if not file.endswith((".yaml", ".yml")):
+            raise ComposeError(f"{source}: included file {file} is not named *.yaml or *.yml",
+                               hint="an included file must be a compose file")
     chain = (*context.chain, source)
     if files[0] in chain:
         cycle = " -> ".join([*chain[chain.index(files[0]):], files[0]])
