@@ -107,12 +107,12 @@ def test_long_form_with_project_directory_and_env_file(tmp_path: Path) -> None:
           app:
             environment: {MODE: override}
         """)
-    (tmp_path / "elsewhere/data").mkdir(parents=True)
+    (tmp_path / "main/elsewhere/data").mkdir(parents=True)
     put(tmp_path / "main/vars.env", "TAG=from-env-file\n")
     put(tmp_path / "main/compose.yaml", """\
         include:
           - path: [../stack/compose.yaml, ../stack/override.yaml]
-            project_directory: ../elsewhere
+            project_directory: elsewhere
             env_file: vars.env
         services:
           default:
@@ -122,7 +122,7 @@ def test_long_form_with_project_directory_and_env_file(tmp_path: Path) -> None:
     app = project.services["app"]
     assert app.image == "app:from-env-file"
     assert app.environment == {"MODE": "override"}
-    assert [m.source for m in app.volumes] == [str((tmp_path / "elsewhere/data").resolve())]
+    assert [m.source for m in app.volumes] == [str((tmp_path / "main/elsewhere/data").resolve())]
 
 
 def test_include_only_top_level_file(tmp_path: Path) -> None:
@@ -207,6 +207,24 @@ def test_include_outside_the_allowed_directories(tmp_path: Path, secret_file: Pa
             image: busybox
         """)
     _refused(top, match="outside the directories a compose file may include from")
+
+
+def test_include_project_directory_cannot_widen_to_the_suite(tmp_path: Path) -> None:
+    """A file in the task's own directory, included with project_directory
+    ../.. (in reach as the suite directory), would name host paths anywhere
+    in the suite: refused."""
+    put(tmp_path / "suite/private/key.txt", f"{SECRET}\n")
+    put(tmp_path / "suite/a/task/sub.yaml", "services:\n  web:\n    image: busybox\n"
+                                            "    volumes: [./private:/x]\n")
+    top = put(tmp_path / "suite/a/task/compose.yaml", """\
+        include:
+          - path: sub.yaml
+            project_directory: ../..
+        services:
+          default:
+            image: busybox
+        """)
+    _refused(top, match="include project_directory .* is outside the project directory")
 
 
 def test_include_env_file_outside_is_refused(tmp_path: Path, secret_file: Path) -> None:

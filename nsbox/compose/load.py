@@ -404,9 +404,10 @@ def _include(entry: dict[str, Any], directory: Path, environ: Mapping[str, str],
     """The resources of one `include:` entry, loaded as compose loads it: as
     a project of its own, in its own directory with its own variables.
 
-    Its files (and project directory) must lie where the including file may
-    name host paths, or in the suite directory; its `env_file`s where the
-    including file or the included project may. A file not named *.yaml
+    Its files must lie where the including file may name host paths, or
+    in the suite directory; its project directory in the first file's
+    directory or where the including file may name host paths; its
+    `env_file`s where the including file or the included project may. A file not named *.yaml
     or *.yml is never opened; one that is not a compose document is
     refused without a word of its content."""
     allowed = paths.widened(context.suite)
@@ -436,8 +437,13 @@ def _include(entry: dict[str, Any], directory: Path, environ: Mapping[str, str],
     context.loaded += files
     if len(context.loaded) > MAX_INCLUDES:
         raise ComposeError(f"{context.loaded[0]}: includes more than {MAX_INCLUDES} compose files")
-    project_dir = Path(place(entry["project_directory"], "include project_directory")
-                       if entry.get("project_directory") else os.path.dirname(files[0]))
+    project_dir = Path(os.path.dirname(files[0]))
+    if entry.get("project_directory"):
+        # The included file names host paths in its project directory: one
+        # that only the suite directory allows (../.. = your home) is refused.
+        wanted = os.path.normpath(directory / os.path.expanduser(entry["project_directory"]))
+        inside = HostPaths(project_dir, extra="").widened(*paths.roots)
+        project_dir = Path(inside.check(wanted, f"{source}: include project_directory"))
     own = HostPaths(project_dir)
     env_paths = own.widened(*paths.roots)
     if entry.get("env_file"):
