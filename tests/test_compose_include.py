@@ -125,6 +125,42 @@ def test_long_form_with_project_directory_and_env_file(tmp_path: Path) -> None:
     assert [m.source for m in app.volumes] == [str((tmp_path / "main/elsewhere/data").resolve())]
 
 
+def test_long_form_paths_merge_as_override_files(tmp_path: Path) -> None:
+    put(tmp_path / "stack/base.yaml", """\
+        services:
+          app:
+            image: app:1
+            command: [serve, --slow]
+            environment: [A=1, B=2]
+            ports: ["8080:80"]
+            volumes: [./one:/data, ./logs:/logs]
+        """)
+    put(tmp_path / "stack/more.yaml", """\
+        services:
+          app:
+            command: [serve]
+            environment: {B: "3", C: "4"}
+            ports: ["8443:443"]
+            volumes: [./two:/data]
+        """)
+    for d in ("one", "two", "logs"):
+        (tmp_path / "stack" / d).mkdir()
+    put(tmp_path / "stack/compose.yaml", """\
+        include:
+          - path: [base.yaml, more.yaml]
+        services:
+          default:
+            image: busybox
+        """)
+    app = load_project(tmp_path / "stack/compose.yaml", environ={}).services["app"]
+    assert app.command == ["serve"]
+    assert app.environment == {"A": "1", "B": "3", "C": "4"}
+    assert app.ports == ["8080:80", "8443:443"]
+    stack = (tmp_path / "stack").resolve()
+    assert sorted((m.target, m.source) for m in app.volumes) == [("/data", str(stack / "two")),
+                                                                  ("/logs", str(stack / "logs"))]
+
+
 def test_include_only_top_level_file(tmp_path: Path) -> None:
     put(tmp_path / "stack/compose.yaml", "services:\n  default:\n    image: busybox\n")
     put(tmp_path / "task/compose.yaml", "include: [../stack/compose.yaml]\n")

@@ -470,18 +470,51 @@ def _include(entry: dict[str, Any], directory: Path, environ: Mapping[str, str],
     return _read_file(raw, project_dir, env, files[0], own, replace(context, chain=chain))
 
 
-def _override(base: Any, override: Any) -> Any:
-    """`override` merged onto `base` as a later compose file is: mappings
-    key by key, `include` lists joined, any other value replaced."""
+# Lists a later compose file adds to rather than replaces (compose's merge rules).
+_JOINED = frozenset({"include", "ports", "expose", "cap_add", "cap_drop", "dns", "dns_search", "dns_opt",
+                     "env_file", "security_opt", "devices", "secrets", "configs", "external_links", "tmpfs"})
+_KEYED = frozenset({"environment", "labels", "extra_hosts", "args", "sysctls", "annotations"})
+
+
+def _override(base: Any, override: Any, key: str = "") -> Any:
+    """`override` merged onto `base` as compose merges a later file:
+    mappings key by key; `environment`-like keys as mappings whatever
+    their form; `volumes` of a service by target; some lists joined; any
+    other value replaced."""
+    if key in _KEYED and isinstance(base, (dict, list)) and isinstance(override, (dict, list)):
+        return {**_as_mapping(base, key), **_as_mapping(override, key)}
     if isinstance(base, dict) and isinstance(override, dict):
         out = dict(base)
-        for key, value in override.items():
-            if key == "include" and isinstance(out.get(key), list) and isinstance(value, list):
-                out[key] = out[key] + value
-            else:
-                out[key] = _override(out[key], value) if key in out else value
+        for k, value in override.items():
+            out[k] = _override(out[k], value, k) if k in out else value
         return out
+    if isinstance(base, list) and isinstance(override, list):
+        if key in _JOINED:
+            return base + [v for v in override if v not in base]
+        if key == "volumes":
+            targets = {_target(v) for v in override}
+            return [v for v in base if _target(v) not in targets] + override
     return override
+
+
+def _as_mapping(value: dict[str, Any] | list[Any], key: str) -> dict[str, Any]:
+    """A list of KEY=VALUE (extra_hosts: also HOST:ADDRESS) as a mapping."""
+    if isinstance(value, dict):
+        return value
+    out: dict[str, Any] = {}
+    for item in map(str, value):
+        sep = ":" if key == "extra_hosts" and "=" not in item else "="
+        k, has, v = item.partition(sep)
+        out[k] = v if has else None
+    return out
+
+
+def _target(volume: Any) -> Any:
+    """The container path of a service's volume entry (what compose merges by)."""
+    if isinstance(volume, dict):
+        return volume.get("target")
+    parts = str(volume).split(":")
+    return parts[1] if len(parts) > 1 else parts[0]
 
 
 def is_compose_document(path: str | os.PathLike[str]) -> bool:
