@@ -25,6 +25,7 @@ from typing import Any
 from . import dirs, idmap, registry
 from .compose import (ComposeError, Project, Service, aliases, dockerfile_project, load_project, main_command,
                       project_from_config, sample_network, service_spec)
+from .compose.load import is_compose_document
 from .compose.mapping import pull_policy
 from .layers import give
 from .removal import remove_layer
@@ -39,10 +40,15 @@ DOCKERFILES = ["Dockerfile"]
 
 
 def is_docker_config(config: object) -> bool:
-    """A compose file, a Dockerfile or a ComposeConfig (Inspect's own test)."""
+    """A compose file, a Dockerfile or a ComposeConfig (Inspect's own test),
+    or a YAML file of another name (sandbox.yaml, compose_ID.yaml) whose
+    content is a compose file's: a top-level `services` mapping."""
     from inspect_ai.util._sandbox.compose import is_docker_compatible_config
 
-    return is_docker_compatible_config(config)  # type: ignore[arg-type]
+    if is_docker_compatible_config(config):  # type: ignore[arg-type]
+        return True
+    return (isinstance(config, str) and config.endswith((".yaml", ".yml"))
+            and is_compose_document(config))
 
 
 def read_project(config: object) -> Project:

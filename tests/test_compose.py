@@ -530,7 +530,7 @@ def test_each_unhonourable_key_is_named(tmp_path, service_yaml, named):
 
 
 @pytest.mark.parametrize("top_level, named", [
-    ("include: [other.yaml]", "top level: nsbox cannot honour: include"),
+    ("models: {m: {model: x}}", "top level: nsbox cannot honour: models"),
     ("secrets: {k: {environment: KEY}}", "secrets.k: environment (only file: sources)"),
     ("configs: {c: {content: hi}}", "configs.c: content"),
     ("volumes: {v: {driver: nfs}}", "volumes.v.driver: nfs"),

@@ -464,3 +464,46 @@ async def test_a_service_that_never_gets_healthy_fails_the_sample(images: dict[s
         assert [i for i in sandbox_registry.entries() if name in i.label] == []
     finally:
         await NsboxSandboxEnvironment.task_cleanup(name, str(compose), cleanup=True)
+
+
+def test_an_included_stack_reached_by_name_from_a_sandbox_yaml(images: dict[str, str], tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A suite's task file under a name Inspect does not know (sandbox.yaml)
+    includes ../../shared/web/compose.yaml, whose web service serves a bind
+    of its own directory on a port from its own .env; the default service
+    reaches it by name."""
+    monkeypatch.chdir(tmp_path)
+    web = tmp_path / "suite/shared/web"
+    (web / "www").mkdir(parents=True)
+    (web / "www/flag.txt").write_text("FLAG-INCLUDED\n")
+    (web / ".env").write_text("WEB_PORT=8000\n")
+    (web / "compose.yaml").write_text(textwrap.dedent(f"""\
+        services:
+          web:
+            image: {images['busybox']}
+            command: ["httpd", "-f", "-p", "${{WEB_PORT}}", "-h", "/srv"]
+            volumes: [./www:/srv:ro]
+            healthcheck:
+              test: ["CMD-SHELL", "wget -q -O- http://127.0.0.1:${{WEB_PORT}}/flag.txt"]
+              interval: 1s
+              retries: 30
+        """))
+    task_dir = tmp_path / "suite/tasks/t1"
+    task_dir.mkdir(parents=True)
+    (task_dir / "sandbox.yaml").write_text(textwrap.dedent(f"""\
+        include:
+          - ../../shared/web/compose.yaml
+        services:
+          default:
+            image: {images['debian']}
+            command: tail -f /dev/null
+            depends_on:
+              web:
+                condition: service_healthy
+        """))
+    task = Task(dataset=[Sample(input="get it", target="")], solver=[use_tools([bash()]), generate()],
+                scorer=output_has("FLAG-INCLUDED"), sandbox=("nsbox", str(task_dir / "sandbox.yaml")),
+                name="nsbox_compose_include")
+    fetch = "exec 3<>/dev/tcp/web/8000 && printf 'GET /flag.txt HTTP/1.0\\r\\n\\r\\n' >&3 && cat <&3"
+    [sample] = _check(_run(task, [("bash", {"command": fetch})], tmp_path), 1)
+    assert set(sample.scores["output_has"].metadata["ids"]) == {"default", "web"}

@@ -376,7 +376,8 @@ FILE_DEFS = st.dictionaries(st.sampled_from(["k", "other"]), st.one_of(
 DOCUMENT = st.fixed_dictionaries(
     {"services": st.dictionaries(NAMES, st.one_of(SERVICE, SERVICE, VALUES), min_size=1, max_size=3)},
     optional={"volumes": st.dictionaries(NAMES, VALUES, max_size=3), "networks": st.dictionaries(NAMES, VALUES, max_size=2),
-              "secrets": FILE_DEFS, "configs": FILE_DEFS, "x-any": VALUES, "include": VALUES, "name": SCALARS})
+              "secrets": FILE_DEFS, "configs": FILE_DEFS, "x-any": VALUES,
+              "include": st.one_of(VALUES, st.lists(PATHS, max_size=2)), "name": SCALARS})
 
 
 @pytest.fixture(scope="module")

@@ -43,6 +43,11 @@ class HostPaths:
             roots.append(os.path.realpath(entry))
         self.roots = tuple(dict.fromkeys(roots))
 
+    def widened(self, *directories: str | os.PathLike[str]) -> "HostPaths":
+        """This policy with `directories` allowed too (same project directory)."""
+        extra = [*self.roots[1:], *(os.path.realpath(d) for d in directories)]
+        return HostPaths(Path(self.directory), extra=os.pathsep.join(extra))
+
     def check(self, path: str | os.PathLike[str], what: str) -> str:
         """`path` with every symlink resolved, if that lies in an allowed
         directory; else a ComposeError naming `what` and the opt-in."""

@@ -95,7 +95,7 @@ def _bind(service: Service, project: Project, m: Mount, volume_root: Path | None
     if m.type == "bind":
         # Checked again: the project directory may have changed since it was
         # read (a sandbox of an earlier sample may write to it).
-        paths = project.host_paths or HostPaths(project.directory)
+        paths = m.host_paths or project.host_paths or HostPaths(project.directory)
         what = f"service {service.name}: bind source"
         source = Path(paths.check(m.source or "", what))
         if not source.exists():

@@ -480,16 +480,17 @@ def _gpu_entry(r: Reader, key: str, entry: Any) -> str:
     return str(int(count))
 
 
-def read_secret_mounts(r_name: str, raw: dict[str, Any], definitions: dict[str, dict[str, Any]],
-                       paths: HostPaths, kind: str) -> list[Mount]:
+def read_secret_mounts(r_name: str, raw: dict[str, Any], definitions: dict[str, tuple[dict[str, Any], HostPaths]],
+                       kind: str) -> list[Mount]:
     """`secrets:` or `configs:` of a service as read-only binds of their
     `file:` sources: secrets at /run/secrets/NAME, configs at /NAME, unless
-    a target is given."""
+    a target is given. Each definition comes with the policy of the file
+    that defines it (its `file:` is relative to that file's directory)."""
     mounts = []
     for item in raw.get(kind) or []:
         source, target = (item, None) if isinstance(item, str) else (item.get("source"), item.get("target"))
-        definition = definitions.get(source)
-        if definition is None:
+        definition, paths = definitions.get(source) or (None, None)
+        if definition is None or paths is None:
             raise ComposeError(f"service {r_name}: {kind}: {source!r} is not defined in the top-level {kind}")
         if not definition.get("file"):
             continue  # support.py reports the other sources
@@ -499,5 +500,5 @@ def read_secret_mounts(r_name: str, raw: dict[str, Any], definitions: dict[str, 
             target = target if target and target.startswith("/") else f"/{target or source}"
         path = os.path.normpath(Path(paths.directory) / os.path.expanduser(str(definition["file"])))
         path = paths.check(path, f"service {r_name}: {kind}: {source}: file")
-        mounts.append(Mount("bind", target, path, read_only=True))
+        mounts.append(Mount("bind", target, path, read_only=True, host_paths=paths))
     return mounts

@@ -102,7 +102,7 @@ APPROXIMATE_CAPS = {
 
 NAMESPACE_MODES = {"pid": ("", "private"), "ipc": ("", "private", "shareable", "none"),
                    "uts": ("", "private"), "cgroup": ("", "private"), "userns_mode": ("",)}
-TOP_LEVEL = frozenset({"name", "version", "services", "networks", "volumes", "secrets", "configs"})
+TOP_LEVEL = frozenset({"name", "version", "include", "services", "networks", "volumes", "secrets", "configs"})
 DEPLOY_HARMLESS = frozenset({"mode", "placement", "restart_policy", "update_config", "rollback_config",
                              "labels", "endpoint_mode"})
 # SandboxSpec settings `x-nsbox` may set; the rest come from compose keys,
@@ -283,7 +283,7 @@ def review_top_level(raw: dict[str, Any]) -> tuple[list[str], list[str]]:
     warnings: list[str] = []
     for key in raw:
         if not key.startswith("x-") and key not in TOP_LEVEL:
-            issues.append(key if key in ("include", "models") else f"unknown key {key}")
+            issues.append(key if key == "models" else f"unknown key {key}")
     for name, net in (raw.get("networks") or {}).items():
         net = net or {}
         if net.get("driver") not in (None, "bridge", "default"):
