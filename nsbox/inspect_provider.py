@@ -99,6 +99,9 @@ class SandboxSettings(BaseModel):
     """Default timeout of exec, in seconds."""
     nested_userns: bool = False
     """Let commands create user namespaces and mount (to run a sandbox inside)."""
+    privileged: bool = False
+    """As rootless podman's --privileged: nested_userns, no seccomp filter, every
+    capability of the sandbox's own user namespace, a sysfs at /sys; never host root."""
     memory: int | str | None = None
     """Memory limit of the sandbox, as in Docker: bytes, or "512m", "2g"."""
     pids_limit: int | None = Field(default=None, ge=1)
@@ -422,7 +425,7 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
             network=settings.network, host_loopback=settings.host_loopback, allow=settings.allow, ports=settings.ports,
             network_aliases=settings.network_aliases, output_limit_mode=cfg.output_limit_mode, id_mapping=cfg.id_mapping,
             timeout=settings.timeout, mounts=tuple(Bind.parse(m) for m in settings.mounts), label=label,
-            nested_userns=settings.nested_userns, memory=settings.memory, hostname=hostname,  # type: ignore[arg-type]
+            nested_userns=settings.nested_userns, privileged=settings.privileged, memory=settings.memory, hostname=hostname,  # type: ignore[arg-type]
             pids_limit=settings.pids_limit, cpus=settings.cpus, disk=settings.disk,  # type: ignore[arg-type]
             strict_limits=settings.strict_limits, gpus=settings.gpus,
             origin="inspect",

@@ -189,8 +189,6 @@ def review_service(name: str, raw: dict[str, Any]) -> Review:
         value = raw.get(key)
         if value is not None and str(value) not in allowed:
             r.issues.append(f"{key}: {value}")
-    if _true(raw.get("privileged")):
-        r.issues.append("privileged: true")
     if raw.get("runtime") not in RUNTIMES:
         r.issues.append(f"runtime: {raw['runtime']}")
     _review_network_mode(raw.get("network_mode"), r)
