@@ -124,3 +124,43 @@ def test_compose_privileged_maps_to_the_setting_and_not_to_host_root(tmp_path: P
         """))
     with pytest.raises(ComposeError, match="x-nsbox: unknown setting id_mapping"):
         load_project(f)
+
+
+async def test_privileged_cannot_undo_masks_or_locks(tmp_path: Path) -> None:
+    """No seccomp filter: the mount lock alone keeps read-only binds, the
+    /proc masks and the /sys masks in place, from sandbox root and from a
+    nested user namespace."""
+    from nsbox.rootfs import Bind
+
+    (tmp_path / "f").write_text("original\n")
+    os.chmod(tmp_path, 0o755)
+    attacks = ["umount -l /proc/timer_list", "umount -l /proc/sys", "mount -o remount,bind,rw /proc/sys",
+               "umount -l /sys/firmware", "mount -o remount,rw /sys/firmware", "mount -o remount,bind,rw /data",
+               "umount -l /data", "umount -l /usr", "mount -o remount,rw /usr"]
+    async with nsbox.Sandbox(privileged=True, mounts=[Bind(str(tmp_path), "/data", readonly=True)]) as sb:
+        for attack in attacks:
+            for how in ("", "unshare -Urm "):
+                r = await sb.exec(["sh", "-c", f"{how}sh -c '{attack}' && echo UNDONE; wc -c < /proc/timer_list; "
+                                                f"ls /sys/firmware | wc -l; echo hacked > /data/f"])
+                assert "UNDONE" not in r.stdout and r.stdout.split() == ["0", "0"], (how, attack, r)
+    assert (tmp_path / "f").read_text() == "original\n"
+
+
+async def test_privileged_compose_service_and_a_plain_one(tmp_path: Path) -> None:
+    """A compose project through the Inspect provider: the privileged
+    service nests namespaces and mounts, the other one cannot."""
+    f = tmp_path / "compose.yaml"
+    f.write_text(textwrap.dedent("""\
+        services:
+          default:
+            image: host
+            privileged: true
+          plain:
+            image: host
+        """))
+    project = load_project(f)
+    for name, privileged in (("default", True), ("plain", False)):
+        spec = service_spec(project.services[name], project, image="host", network="none")
+        async with nsbox.Sandbox(spec=spec.replace(image=None)) as sb:
+            out, status = await _probe(sb)
+            assert ("nested-mount-ok" in out) is privileged and (status["Seccomp"] == "0") is privileged, (name, out)
