@@ -169,8 +169,9 @@ async def _image(project: Project, service: Service, id_mapping: str) -> Image:
         ref = await build(b.context, dockerfile=b.dockerfile, tag=_tag(project, service), build_args=b.args,
                           target=b.target)
         return await store.resolve(ref, id_mapping=id_mapping, pull="never")  # type: ignore[arg-type]
-    if service.image is None:
-        raise ComposeError(f"service {service.name} has neither image nor build")
+    if not service.image:  # "" when it names only variables that are unset (a sample's, say)
+        raise ComposeError(f"service {service.name} has neither image nor build"
+                           + (" (its image is empty: a variable it names is unset)" if service.image == "" else ""))
     return await store.resolve(service.image, id_mapping=id_mapping, pull=pull_policy(service),  # type: ignore[arg-type]
                                platform=service.platform, progress=Progress(sys.stderr, label=service.name))
 

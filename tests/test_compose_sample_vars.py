@@ -96,3 +96,20 @@ def test_a_sample_without_the_variable_fails_clearly(flavours: dict[str, str], t
     with pytest.raises(ComposeError) as e:
         _run(task, STEPS, tmp_path)
     assert "required variable SAMPLE_METADATA_IMAGE is missing a value: this sample names no image" in str(e.value)
+
+
+def test_a_sample_without_the_variable_and_no_default_fails_clearly(flavours: dict[str, str], tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("SAMPLE_METADATA_IMAGE", raising=False)
+    task = _task(tmp_path, """\
+        services:
+          default:
+            image: ${SAMPLE_METADATA_IMAGE}
+            network_mode: none
+        """, [Sample(input="a", id="one", metadata={"image": flavours["one"]}),
+              Sample(input="b", id="bare")], "nsbox_compose_sample_vars_blank")
+    with pytest.raises(ComposeError) as e:
+        _run(task, STEPS, tmp_path)
+    assert "service default has neither image nor build (its image is empty: a variable it names is unset)" \
+        in str(e.value)
