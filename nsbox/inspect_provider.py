@@ -425,7 +425,8 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
             network=settings.network, host_loopback=settings.host_loopback, allow=settings.allow, ports=settings.ports,
             network_aliases=settings.network_aliases, output_limit_mode=cfg.output_limit_mode, id_mapping=cfg.id_mapping,
             timeout=settings.timeout, mounts=tuple(Bind.parse(m) for m in settings.mounts), label=label,
-            nested_userns=settings.nested_userns, privileged=settings.privileged, memory=settings.memory, hostname=hostname,  # type: ignore[arg-type]
+            nested_userns=settings.nested_userns, privileged=settings.privileged,
+            memory=settings.memory, hostname=hostname,  # type: ignore[arg-type]
             pids_limit=settings.pids_limit, cpus=settings.cpus, disk=settings.disk,  # type: ignore[arg-type]
             strict_limits=settings.strict_limits, gpus=settings.gpus,
             origin="inspect",

@@ -267,8 +267,9 @@ def contribute_sysfs(plan: Plan, network: str) -> None:
                              "mount sysfs at /sys"))
     for path in SYS_MASKED:
         if os.path.isdir(path):
-            plan.add(Phase.INSIDE, steps.mount("tmpfs", path, "tmpfs", ("MS_RDONLY", "MS_NOSUID", "MS_NODEV", "MS_NOEXEC"),
-                                               "mode=555,size=4k", f"mask {path} with an empty read-only tmpfs"))
+            flags = ("MS_RDONLY", "MS_NOSUID", "MS_NODEV", "MS_NOEXEC")
+            plan.add(Phase.INSIDE, steps.mount("tmpfs", path, "tmpfs", flags, "mode=555,size=4k",
+                                               f"mask {path} with an empty read-only tmpfs"))
 
 
 SYS_MASKED = ("/sys/firmware", "/sys/devices/virtual/powercap")
