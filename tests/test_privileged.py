@@ -126,6 +126,14 @@ def test_compose_privileged_maps_to_the_setting_and_not_to_host_root(tmp_path: P
         load_project(f)
 
 
+def test_compose_privileged_honours_seccomp_unconfined(tmp_path: Path) -> None:
+    f = tmp_path / "compose.yaml"
+    f.write_text("services:\n  app:\n    image: busybox\n    privileged: true\n    security_opt: [seccomp=unconfined]\n")
+    assert not [w for w in load_project(f).warnings if "seccomp" in w]
+    f.write_text("services:\n  app:\n    image: busybox\n    security_opt: [seccomp=unconfined]\n")
+    assert [w for w in load_project(f).warnings if "keeps its own seccomp deny-list" in w]
+
+
 async def test_privileged_cannot_undo_masks_or_locks(tmp_path: Path) -> None:
     """No seccomp filter: the mount lock alone keeps read-only binds, the
     /proc masks and the /sys masks in place, from sandbox root and from a
