@@ -93,6 +93,9 @@ def sandbox_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                           "host:443, '*')."),
         click.option("--nested-userns", is_flag=True,
                      help="Let commands create user namespaces and mount (to nest sandboxes)."),
+        click.option("--privileged", is_flag=True,
+                     help="As rootless podman's: nested user namespaces, no seccomp filter, every capability of "
+                          "the sandbox's user namespace, a sysfs at /sys; never host root."),
         click.option("--id-mapping", type=click.Choice(["auto", "single", "host-root"]), default="auto",
                      show_default=True,
                      help="'single' maps only your own uid, even when subordinate ids exist; "
@@ -116,7 +119,7 @@ def sandbox_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def make_sandbox(rootfs: str, image: str | None, pull: str, platform: str | None, user: str | None,
                  workdir: str | None, env: Sequence[str], volumes: Sequence[str], network: str,
-                 id_mapping: str, nested_userns: bool, memory: str | None = None, pids_limit: int | None = None,
+                 id_mapping: str, nested_userns: bool, privileged: bool = False, memory: str | None = None, pids_limit: int | None = None,
                  cpus: float | None = None, disk: str | None = None, strict_limits: bool = False, publish: Sequence[str] = (),
                  allow: Sequence[str] = (), add_hosts: Sequence[str] = (), hostname: str | None = None,
                  network_aliases: Sequence[str] = (), host_loopback: bool = False,
@@ -134,7 +137,8 @@ def make_sandbox(rootfs: str, image: str | None, pull: str, platform: str | None
                                         ports=tuple(publish), allow=tuple(allow), hosts=hosts, hostname=hostname,
                                         host_loopback=host_loopback,
                                         network_aliases=tuple(network_aliases),
-                                        id_mapping=id_mapping, nested_userns=nested_userns, origin="cli",
+                                        id_mapping=id_mapping, nested_userns=nested_userns, privileged=privileged,
+                                        origin="cli",
                                         memory=memory, pids_limit=pids_limit, cpus=cpus, disk=disk,
                                         strict_limits=strict_limits, gpus=gpus))  # type: ignore[arg-type]
     except ValueError as e:

@@ -11,11 +11,18 @@ a Dockerfile, or its ComposeConfig) runs as nsbox services.
   first, ready as `docker compose up --wait` leaves them (every
   healthcheck passed, every other main process running), within the
   deadline Inspect's docker provider sets.
+
+Per-sample variables: Inspect's docker provider runs compose with
+SAMPLE_METADATA_<KEY> set from each sample's metadata, so a file may name
+its image per sample. The file is read once per distinct set of those
+variables (once per task when it uses none), and an image is made ready
+once per task whichever variable set names it.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import sys
 from dataclasses import dataclass, field
@@ -51,8 +58,9 @@ def is_docker_config(config: object) -> bool:
             and is_compose_document(config))
 
 
-def read_project(config: object) -> Project:
-    """The project a Docker-compatible configuration describes."""
+def read_project(config: object, variables: dict[str, str] | None = None) -> Project:
+    """The project a Docker-compatible configuration describes, a compose
+    file interpolated with the environment plus `variables`."""
     from inspect_ai.util._sandbox.compose import ComposeConfig, is_dockerfile
 
     if isinstance(config, ComposeConfig):
@@ -60,7 +68,61 @@ def read_project(config: object) -> Project:
     path = Path(str(config)).resolve()
     if not path.is_file():
         raise ComposeError(f"{path}: no such file")
-    return dockerfile_project(path) if is_dockerfile(str(path)) else load_project(path)
+    if is_dockerfile(str(path)):
+        return dockerfile_project(path)
+    return load_project(path, environ={**os.environ, **variables} if variables else None)
+
+
+SAMPLE_PREFIX = "SAMPLE_METADATA_"
+
+
+def _compose_text(config: object) -> str | None:
+    """A compose file's text when it may use sample variables, else None."""
+    from inspect_ai.util._sandbox.compose import is_dockerfile
+
+    if not isinstance(config, str) or is_dockerfile(config):
+        return None
+    try:
+        text = Path(config).read_text(errors="replace")
+    except OSError:
+        return None
+    return text if SAMPLE_PREFIX in text else None
+
+
+def sample_variables(config: object, metadata: dict[str, Any]) -> dict[str, str]:
+    """The variables Inspect's docker provider sets for a sample: each
+    metadata key as SAMPLE_METADATA_<KEY> (spaces as `_`, upper-cased), its
+    value as str(), for the names the file mentions."""
+    text = _compose_text(config)
+    if text is None:
+        return {}
+    named = {SAMPLE_PREFIX + str(k).replace(" ", "_").upper(): str(v) for k, v in metadata.items()}
+    return {k: v for k, v in named.items() if k in text}
+
+
+def environ_variables(config: object) -> dict[str, str]:
+    """The sample variables Inspect set in the environment for a task_init
+    of their own (task_init_environment)."""
+    text = _compose_text(config)
+    if text is None:
+        return {}
+    return {k: v for k, v in os.environ.items() if k.startswith(SAMPLE_PREFIX) and k in text}
+
+
+def images_depend(config: object, variables: dict[str, str]) -> bool:
+    """Whether a sample's variables change which images the file needs
+    (then Inspect gives them a task_init of their own, as for docker)."""
+    if not variables:
+        return False
+    try:
+        plain = read_project(config)
+    except ComposeError:
+        return True
+    try:
+        own = read_project(config, variables)
+    except ComposeError:
+        return False  # the sample's own start says why
+    return [_source(plain, s) for s in plain.services.values()] != [_source(own, s) for s in own.services.values()]
 
 
 @dataclass
@@ -73,14 +135,31 @@ class ComposeTask:
     network: str = "none"
 
 
-async def prepare(config: object, id_mapping: str = "auto") -> ComposeTask:
-    project = read_project(config)  # everything it cannot honour fails here, in one message
+async def prepare(config: object, id_mapping: str = "auto", variables: dict[str, str] | None = None,
+                  known: dict[tuple[Any, ...], Image] | None = None) -> ComposeTask:
+    """The project read with the sample variables `variables`, every
+    service's image ready; `known` holds the images already made ready for
+    this task (by their source), filled in here."""
+    project = read_project(config, variables)  # everything it cannot honour fails here, in one message
     for warning in project.warnings:
         print(f"nsbox: note: {warning}", file=sys.stderr)
     task = ComposeTask(project, id_mapping, network=sample_network(project))
+    known = {} if known is None else known
     for service in project.services.values():
-        task.images[service.name] = await _image(project, service, id_mapping)
+        source = _source(project, service)
+        if source not in known:
+            known[source] = await _image(project, service, id_mapping)
+        task.images[service.name] = known[source]
     return task
+
+
+def _source(project: Project, service: Service) -> tuple[Any, ...]:
+    """What a service's image is made from: equal sources, one image."""
+    if service.build is not None:
+        b = service.build
+        return ("build", str(b.context), str(b.dockerfile), tuple(sorted(b.args.items())), b.target,
+                _tag(project, service))
+    return ("image", service.image, service.platform, pull_policy(service))
 
 
 def _tag(project: Project, service: Service) -> str:
@@ -98,8 +177,9 @@ async def _image(project: Project, service: Service, id_mapping: str) -> Image:
         ref = await build(b.context, dockerfile=b.dockerfile, tag=_tag(project, service), build_args=b.args,
                           target=b.target)
         return await store.resolve(ref, id_mapping=id_mapping, pull="never")  # type: ignore[arg-type]
-    if service.image is None:
-        raise ComposeError(f"service {service.name} has neither image nor build")
+    if not service.image:  # "" when it names only variables that are unset (a sample's, say)
+        raise ComposeError(f"service {service.name} has neither image nor build"
+                           + (" (its image is empty: a variable it names is unset)" if service.image == "" else ""))
     return await store.resolve(service.image, id_mapping=id_mapping, pull=pull_policy(service),  # type: ignore[arg-type]
                                platform=service.platform, progress=Progress(sys.stderr, label=service.name))
 

@@ -44,7 +44,8 @@ from inspect_ai.util import (
 from . import dirs, gpu, manage
 from .errors import NsboxError, OutputLimitExceeded, SandboxUnavailable, UserUnsupported
 from .idmap import detect as detect_idmap
-from .inspect_compose import (COMPOSE_FILES, DOCKERFILES, ComposeTask, Sample, is_docker_config, prepare,
+from .inspect_compose import (COMPOSE_FILES, DOCKERFILES, ComposeTask, Sample, environ_variables, images_depend,
+                              is_docker_config, prepare, sample_variables,
                               remove_orphan_volumes, start_sample)
 from .images import import_tarball
 from .limits import exec_output_limit, human_size
@@ -98,6 +99,9 @@ class SandboxSettings(BaseModel):
     """Default timeout of exec, in seconds."""
     nested_userns: bool = False
     """Let commands create user namespaces and mount (to run a sandbox inside)."""
+    privileged: bool = False
+    """As rootless podman's --privileged: nested_userns, no seccomp filter, every
+    capability of the sandbox's own user namespace, a sysfs at /sys; never host root."""
     memory: int | str | None = None
     """Memory limit of the sandbox, as in Docker: bytes, or "512m", "2g"."""
     pids_limit: int | None = Field(default=None, ge=1)
@@ -328,8 +332,11 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
     # Images task_init pulled (reference, platform): samples never pull again.
     _pulled: set[tuple[str, str | None]] = set()
 
-    # Compose projects task_init prepared (images ready), per configuration.
-    _compose: dict[Any, ComposeTask] = {}
+    # Compose projects prepared (images ready), per configuration and set of
+    # sample variables; the images made ready, per configuration and source.
+    _compose: dict[tuple[Any, tuple[tuple[str, str], ...]], ComposeTask] = {}
+    _compose_images: dict[Any, dict[tuple[Any, ...], Any]] = {}
+    _compose_locks: dict[Any, anyio.Lock] = {}
 
     def __init__(self, sandbox: Sandbox, config: NsboxConfig) -> None:
         super().__init__()
@@ -362,18 +369,34 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
     # ---- lifecycle -----------------------------------------------------
 
     @classmethod
-    async def _compose_task(cls, config: SandboxEnvironmentConfigType) -> ComposeTask:
-        key = _config_key(config)
+    async def _compose_task(cls, config: SandboxEnvironmentConfigType, variables: dict[str, str]) -> ComposeTask:
+        """The project read with these sample variables, images ready: once
+        per distinct set (samples starting at once wait for the first)."""
+        base = _config_key(config)
+        key = (base, tuple(sorted(variables.items())))
         if key not in cls._compose:
-            with _as_inspect_errors():
-                cls._compose[key] = await prepare(config)
+            async with cls._compose_locks.setdefault(base, anyio.Lock()):
+                if key not in cls._compose:
+                    with _as_inspect_errors():
+                        cls._compose[key] = await prepare(config, variables=variables,
+                                                          known=cls._compose_images.setdefault(base, {}))
         return cls._compose[key]
+
+    @classmethod
+    async def task_init_environment(cls, config: SandboxEnvironmentConfigType | None,
+                                    metadata: dict[str, str]) -> dict[str, str]:
+        # As Inspect's docker provider: a sample whose variables change the
+        # images gets a task_init of its own, with them in the environment.
+        variables = sample_variables(config, metadata)
+        return variables if images_depend(config, variables) else {}
 
     @classmethod
     async def task_init(cls, task_name: str, config: SandboxEnvironmentConfigType | None) -> None:
         if is_docker_config(config):
             assert config is not None
-            await cls._compose_task(config)  # images built or pulled once per task
+            # Images built or pulled once per task (per set of sample
+            # variables that names other images).
+            await cls._compose_task(config, environ_variables(config))
             return
         cfg = load_config(config)
         for _, spec in cfg.specs():
@@ -402,7 +425,8 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
             network=settings.network, host_loopback=settings.host_loopback, allow=settings.allow, ports=settings.ports,
             network_aliases=settings.network_aliases, output_limit_mode=cfg.output_limit_mode, id_mapping=cfg.id_mapping,
             timeout=settings.timeout, mounts=tuple(Bind.parse(m) for m in settings.mounts), label=label,
-            nested_userns=settings.nested_userns, memory=settings.memory, hostname=hostname,  # type: ignore[arg-type]
+            nested_userns=settings.nested_userns, privileged=settings.privileged,
+            memory=settings.memory, hostname=hostname,  # type: ignore[arg-type]
             pids_limit=settings.pids_limit, cpus=settings.cpus, disk=settings.disk,  # type: ignore[arg-type]
             strict_limits=settings.strict_limits, gpus=settings.gpus,
             origin="inspect",
@@ -414,7 +438,7 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
         sample = metadata.get("__sample_id__", "")
         if is_docker_config(config):
             assert config is not None
-            return await cls._compose_sample_init(task_name, config, sample)
+            return await cls._compose_sample_init(task_name, config, sample, sample_variables(config, metadata))
         cfg = load_config(config)
         created: dict[str, NsboxSandboxEnvironment] = {}
         networks: dict[str, Network] = {}  # this sample's service networks, by the config's name
@@ -445,8 +469,8 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
 
     @classmethod
     async def _compose_sample_init(cls, task_name: str, config: SandboxEnvironmentConfigType,
-                                   sample: str) -> dict[str, SandboxEnvironment]:
-        task = await cls._compose_task(config)
+                                   sample: str, variables: dict[str, str]) -> dict[str, SandboxEnvironment]:
+        task = await cls._compose_task(config, variables)
         label = f"{task_name} sample {sample}" if sample != "" else task_name
         with _as_inspect_errors():
             services, sandboxes = await start_sample(task, label)
@@ -487,7 +511,10 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
                            cleanup: bool) -> None:
         key = _config_key(config)
         live = list(cls._live.pop(key, set()))
-        cls._compose.pop(key, None)
+        for k in [k for k in cls._compose if k[0] == key]:
+            del cls._compose[k]
+        cls._compose_images.pop(key, None)
+        cls._compose_locks.pop(key, None)
         if cleanup:
             await cls._close_all(key, live)
             return

@@ -236,12 +236,43 @@ def contribute_hostname(plan: Plan, hostname: str) -> None:
     plan.add(Phase.INSIDE, steps.hostname(hostname))
 
 
-def contribute_seccomp(plan: Plan, nested_userns: bool) -> None:
+def contribute_seccomp(plan: Plan, nested_userns: bool, unfiltered: bool = False) -> None:
     """Every command runs under nsbox's seccomp filter (csrc/seccomp.c, set
     up by the init); nested_userns lets commands create namespaces (and
-    mount), for tasks that run a sandbox inside the sandbox."""
+    mount), for tasks that run a sandbox inside the sandbox; `unfiltered`
+    (privileged) installs no filter: the user namespace alone confines."""
     if nested_userns:
         plan.init_args.append("--nested-userns")
+    if unfiltered:
+        plan.init_args.append("--no-seccomp")
+
+
+def contribute_sysfs(plan: Plan, network: str) -> None:
+    """/sys for a privileged sandbox. The kernel mounts a sysfs in a user
+    namespace only for a network namespace it owns, and only while a fully
+    visible one exists (before the host's tree goes: MOUNT phase); it is
+    read-write, though what belongs to the host stays read-only to sandbox
+    root. Sharing another's network namespace: the host's /sys, read-only.
+    Firmware tables and power counters (an energy side channel) stay
+    masked, as OCI runtimes mask them, under the same mount lock as /proc's."""
+    if network == "host" or network.startswith("container:"):
+        slot = plan.slot("/sys")
+        plan.add(Phase.HOST, steps.tree_clone("/sys", slot, "take a read-only copy of the host's /sys",
+                                              recursive=True, readonly=True, nosuid=True))
+        plan.add(Phase.INSIDE, steps.mkdir("/sys", 0o555), steps.tree_attach(slot, "/sys", "attach /sys"))
+    else:
+        target = f"{plan.root}/sys"
+        plan.add(Phase.MOUNT, steps.mkdir(target, 0o555),
+                 steps.mount("sysfs", target, "sysfs", ("MS_NOSUID", "MS_NODEV", "MS_NOEXEC"), None,
+                             "mount sysfs at /sys"))
+    for path in SYS_MASKED:
+        if os.path.isdir(path):
+            flags = ("MS_RDONLY", "MS_NOSUID", "MS_NODEV", "MS_NOEXEC")
+            plan.add(Phase.INSIDE, steps.mount("tmpfs", path, "tmpfs", flags, "mode=555,size=4k",
+                                               f"mask {path} with an empty read-only tmpfs"))
+
+
+SYS_MASKED = ("/sys/firmware", "/sys/devices/virtual/powercap")
 
 
 def contribute_network(plan: Plan, network: str) -> None:

@@ -16,7 +16,8 @@ its own, and an nsbox (or any container runtime) inside it falls back to
 binding the /proc it sees (below).
 
 /sys: nsbox mounts no sysfs, so /sys is an empty directory, or missing, and
-/sys/firmware and /sys/devices/virtual/powercap do not exist in a sandbox.
+/sys/firmware and /sys/devices/virtual/powercap do not exist in a sandbox;
+a privileged one gets a /sys with those two masked (plan.contribute_sysfs).
 
 Where the host's own /proc has over-mounts (inside a container or a pod,
 whose runtime masked it), the kernel refuses a new procfs in the sandbox.

@@ -60,6 +60,19 @@ def _shared_devnull() -> int:
     return _devnull
 
 
+PRIVILEGED_NOTE = ("privileged here means what rootless podman gives: every capability of the sandbox's own user "
+                   "namespace, no seccomp filter, nested user namespaces, /sys mounted; never host root")
+_privileged_noted = False
+
+
+def _note_privileged() -> None:
+    """Says once per process what `privileged` grants."""
+    global _privileged_noted
+    if not _privileged_noted:
+        _privileged_noted = True
+        print(f"nsbox: note: {PRIVILEGED_NOTE}", file=sys.stderr)
+
+
 class Sandbox:
     """A rootless sandbox.
 
@@ -94,6 +107,7 @@ class Sandbox:
         mounts: Sequence[rootfs_mod.Bind] = (),
         label: str = "",
         nested_userns: bool = False,
+        privileged: bool = False,
         memory: int | str | None = None,
         pids_limit: int | None = None,
         cpus: float | None = None,
@@ -108,8 +122,8 @@ class Sandbox:
                 env=dict(env or {}), network=network, allow=tuple(allow), ports=tuple(ports), hosts=dict(hosts or {}), hostname=hostname,
                 host_loopback=host_loopback, network_aliases=tuple(network_aliases), mounts=tuple(mounts),
                 id_mapping=id_mapping, output_limit_mode=output_limit_mode, timeout=timeout, label=label,
-                nested_userns=nested_userns, memory=memory, pids_limit=pids_limit, cpus=cpus,  # type: ignore[arg-type]
-                disk=disk, strict_limits=strict_limits, gpus=gpus)  # type: ignore[arg-type]
+                nested_userns=nested_userns, privileged=privileged, memory=memory, pids_limit=pids_limit,
+                cpus=cpus, disk=disk, strict_limits=strict_limits, gpus=gpus)  # type: ignore[arg-type]
         self.spec = spec
         self.rootfs: rootfs_mod.Rootfs = rootfs_mod.resolve(spec.rootfs)
         self.image: Image | None = None  # the resolved image, once started
@@ -239,7 +253,7 @@ class Sandbox:
         # and of the cache dir; either can move (NSBOX_STATE_DIR, XDG_*).
         spec = self.spec
         return (self.rootfs, self.idmap, tuple(self.mounts), mount_dir, dirs.cache_dir(),
-                self.network, spec.nested_userns, spec.memory, spec.pids_limit, spec.cpus, spec.disk, procmask.enabled,
+                self.network, spec.nested_userns, spec.privileged, spec.memory, spec.pids_limit, spec.cpus, spec.disk, procmask.enabled,
                 tuple(procmask.covered()), resources.enabled)
 
     def _plan_from_template(self) -> plan_mod.Plan | None:
@@ -272,7 +286,10 @@ class Sandbox:
         mounts.contribute(plan, self.rootfs, layer, mount_dir, self.mounts)
         plan_mod.contribute_hostname(plan, hostname)
         plan_mod.contribute_network(plan, self.network)
-        plan_mod.contribute_seccomp(plan, self.spec.nested_userns)
+        plan_mod.contribute_seccomp(plan, self.spec.nested_userns or self.spec.privileged,
+                                    unfiltered=self.spec.privileged)
+        if self.spec.privileged:
+            plan_mod.contribute_sysfs(plan, self.network)
         procmask.contribute(plan)
         return plan
 
@@ -281,6 +298,8 @@ class Sandbox:
         rlimits.raise_nofile_limit()  # once per process: soft NOFILE up to the hard limit
         collect_in_background()  # once per process: what killed processes of this user left
         self.idmap = idmap.detect(self.spec.id_mapping)  # type: ignore[arg-type]
+        if self.spec.privileged:
+            _note_privileged()
         self.id = secrets.token_hex(6)
         self.hostname = self.spec.hostname or self.id
         if self.spec.gpus is not None:

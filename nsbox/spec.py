@@ -143,6 +143,9 @@ class SandboxSpec:
     id_mapping: "auto", "single" or "host-root" (see nsbox/idmap.py).
     nested_userns: let commands create user namespaces and mount (to run
         a sandbox inside); denied by default, as in Docker.
+    privileged: what rootless podman's --privileged means: nested_userns,
+        no seccomp filter at all, every capability of the sandbox's own user
+        namespace, a sysfs at /sys; never host root (id_mapping stays as set).
     output_limit_mode: "truncate" keeps the last bytes of a long output
         stream; "raise" raises OutputLimitExceeded.
     timeout: default exec timeout in seconds (None: none).
@@ -178,6 +181,7 @@ class SandboxSpec:
     mounts: tuple[Bind, ...] = ()
     id_mapping: str = "auto"
     nested_userns: bool = False
+    privileged: bool = False
     output_limit_mode: OutputLimitMode = "truncate"
     timeout: float | None = None
     memory: int | None = None

@@ -75,6 +75,7 @@ def service_spec(service: Service, project: Project, *, image: str, network: str
         "disk": service.disk,
         "gpus": service.gpus,
         "nested_userns": "SYS_ADMIN" in service.cap_add,
+        "privileged": service.privileged,
         "label": f"{project.name}/{service.name}",
     }
     fields.update(service.x_nsbox)

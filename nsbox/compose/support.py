@@ -189,13 +189,11 @@ def review_service(name: str, raw: dict[str, Any]) -> Review:
         value = raw.get(key)
         if value is not None and str(value) not in allowed:
             r.issues.append(f"{key}: {value}")
-    if _true(raw.get("privileged")):
-        r.issues.append("privileged: true")
     if raw.get("runtime") not in RUNTIMES:
         r.issues.append(f"runtime: {raw['runtime']}")
     _review_network_mode(raw.get("network_mode"), r)
     _review_capabilities(name, raw, r)
-    _review_security_opt(name, raw.get("security_opt") or [], r)
+    _review_security_opt(name, raw.get("security_opt") or [], r, privileged=_true(raw.get("privileged")))
     _review_deploy(raw.get("deploy") or {}, raw.get("scale"), r)
     for key in set(raw.get("storage_opt") or {}) - {"size"}:
         r.issues.append(f"storage_opt.{key}")
@@ -229,7 +227,7 @@ def _review_capabilities(name: str, raw: dict[str, Any], r: Review) -> None:
                           "capabilities over the sandbox's own namespaces (never over the host)")
 
 
-def _review_security_opt(name: str, options: list[Any], r: Review) -> None:
+def _review_security_opt(name: str, options: list[Any], r: Review, privileged: bool = False) -> None:
     for opt in options:
         text = str(opt)
         key, value = text, ""
@@ -241,6 +239,8 @@ def _review_security_opt(name: str, options: list[Any], r: Review) -> None:
             r.warnings.append(f"service {name}: security_opt no-new-privileges is not set "
                               "(the sandbox's seccomp filter and user namespace apply)")
         elif key == "seccomp" and value == "unconfined":
+            if privileged:  # honoured: a privileged sandbox has no filter
+                continue
             r.warnings.append(f"service {name}: security_opt seccomp=unconfined: nsbox keeps its own "
                               "seccomp deny-list (keyring, bpf, perf_event_open, io_uring, kexec, modules, ...)")
         elif (key in ("apparmor", "label") and value in ("unconfined", "disable")) or key == "no-new-privileges":
