@@ -179,11 +179,15 @@ def test_dotenv_format():
     }
 
 
-def test_dotenv_errors_name_the_file():
-    with pytest.raises(ComposeError, match="x.env: unterminated quoted value"):
-        dotenv.parse('A="open\n', {}.get, "x.env")
-    with pytest.raises(ComposeError, match="unexpected character '!'"):
-        dotenv.parse("A!B=1\n", {}.get, "x.env")
+def test_dotenv_errors_name_the_file_and_line_never_its_text():
+    # The file may be one a hostile compose file named: a key, a password.
+    with pytest.raises(ComposeError, match="x.env, line 2: unterminated quoted value$"):
+        dotenv.parse('OK=1\nA="s3cret-open\n', {}.get, "x.env")
+    with pytest.raises(ComposeError, match="x.env, line 1: unexpected character '!'") as e:
+        dotenv.parse("A!s3cret=1\n", {}.get, "x.env")
+    assert "s3cret" not in str(e.value)
+    with pytest.raises(ComposeError, match="x.env, line 3: key cannot contain a space$"):
+        dotenv.parse("# c\n\nMY s3cret=1\n", {}.get, "x.env")
 
 
 def test_env_file_forms_and_precedence(tmp_path):

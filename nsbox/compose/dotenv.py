@@ -40,8 +40,7 @@ def parse(text: str, lookup: Callable[[str], str | None], source: str) -> dict[s
         pos = _statement_start(src, pos)
         if pos == len(src):
             return out
-        nl = src.find("\n", pos)
-        line = src[pos:nl if nl >= 0 else len(src)]
+        line = pos  # where the statement starts, for an error's line number
         if _EXPORT.match(src, pos):
             pos = _skip_space(src, pos + len("export"))
         key, pos, inherited = _key(src, pos, source, line)
@@ -52,6 +51,12 @@ def parse(text: str, lookup: Callable[[str], str | None], source: str) -> dict[s
             continue
         value, pos = _value(src, pos, find, source, line)
         out[key] = value
+
+
+def _at(source: str, src: str, pos: int) -> str:
+    """Where an error is: its line number, never its text (a file named by
+    a hostile compose file may be a key or a password file)."""
+    return f"{source}, line {src.count(chr(10), 0, pos) + 1}"
 
 
 def _skip_space(src: str, pos: int) -> int:
@@ -71,7 +76,7 @@ def _statement_start(src: str, pos: int) -> int:
         pos = nl
 
 
-def _key(src: str, pos: int, source: str, line: str) -> tuple[str, int, bool]:
+def _key(src: str, pos: int, source: str, line: int) -> tuple[str, int, bool]:
     for i in range(pos, len(src)):
         ch = src[i]
         if ch in _SPACE:
@@ -79,14 +84,14 @@ def _key(src: str, pos: int, source: str, line: str) -> tuple[str, int, bool]:
         if ch in "=:\n":
             key = src[pos:i].rstrip()
             if " " in key or "\t" in key:
-                raise ComposeError(f"{source}: key cannot contain a space: {line!r}")
+                raise ComposeError(f"{_at(source, src, line)}: key cannot contain a space")
             return key, _skip_space(src, i + 1), ch == "\n"
         if not (ch.isalnum() or ch in _KEY_CHARS):
-            raise ComposeError(f"{source}: unexpected character {ch!r} in variable name {line!r}")
+            raise ComposeError(f"{_at(source, src, line)}: unexpected character {ch!r} in a variable name")
     return src[pos:].rstrip(), len(src), True  # a last line holding only a name
 
 
-def _value(src: str, pos: int, lookup: Callable[[str], str | None], source: str, line: str) -> tuple[str, int]:
+def _value(src: str, pos: int, lookup: Callable[[str], str | None], source: str, line: int) -> tuple[str, int]:
     if pos == len(src) or src[pos] not in "'\"":
         nl = src.find("\n", pos)
         end = len(src) if nl < 0 else nl
@@ -114,7 +119,7 @@ def _value(src: str, pos: int, lookup: Callable[[str], str | None], source: str,
         if quote == '"':
             value = substitute(_ESCAPE.sub(_unescape, value), lookup)
         return value, i + 1
-    raise ComposeError(f"{source}: unterminated quoted value {line!r}")
+    raise ComposeError(f"{_at(source, src, line)}: unterminated quoted value")
 
 
 def _unescape(m: re.Match[str]) -> str:
