@@ -317,6 +317,24 @@ def test_an_included_file_names_host_paths_in_its_own_directory_only(tmp_path: P
     _refused(top, match="volumes .* is outside the project directory .*suite/shared")
 
 
+def test_an_override_file_from_elsewhere_cannot_borrow_another_projects_directory(tmp_path: Path) -> None:
+    """`path: [victim/compose.yaml, ./evil.yaml]`: the files of a path list
+    are read as the first one's project, so evil.yaml's `./` would be the
+    victim's directory (its binds, env_files, secrets)."""
+    put(tmp_path / "suite/victim/compose.yaml", "services:\n  app:\n    image: busybox\n")
+    put(tmp_path / "suite/victim/.env", "TOKEN=victim-token\n")
+    put(tmp_path / "suite/task/evil.yaml", "services:\n  app:\n    volumes: [./:/loot]\n"
+                                           "    environment: [T=${TOKEN}]\n")
+    top = put(tmp_path / "suite/task/compose.yaml", """\
+        include:
+          - path: [../victim/compose.yaml, ./evil.yaml]
+        services:
+          default:
+            image: busybox
+        """)
+    _refused(top, match="evil.yaml is merged into .*victim/compose.yaml, so it must lie in that file's directory")
+
+
 def test_included_symlink_and_special_files(tmp_path: Path, secret_file: Path) -> None:
     shared = tmp_path / "suite/x/shared"
     shared.mkdir(parents=True)

@@ -438,6 +438,15 @@ def _include(entry: dict[str, Any], directory: Path, environ: Mapping[str, str],
     if len(context.loaded) > MAX_INCLUDES:
         raise ComposeError(f"{context.loaded[0]}: includes more than {MAX_INCLUDES} compose files")
     project_dir = Path(os.path.dirname(files[0]))
+    # Override files are read as the first file's project: from anywhere
+    # else, they would name host paths in the first file's directory.
+    beside_first = HostPaths(project_dir, extra="")
+    for file in files[1:]:
+        try:
+            beside_first.check(file, "include")
+        except ComposeError:
+            raise ComposeError(f"{source}: include: {file} is merged into {files[0]}, so it must lie in that "
+                               f"file's directory {project_dir}") from None
     if entry.get("project_directory"):
         # The included file names host paths in its project directory: one
         # that only the suite directory allows (../.. = your home) is refused.
