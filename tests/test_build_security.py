@@ -324,6 +324,30 @@ async def test_add_url_never_fetches_the_hosts_loopback_unasked(tmp_path: Path, 
         assert (await sb.read_file("/file")) == "host-only secret\n"
 
 
+async def test_add_url_connects_to_the_address_it_checked(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A name that resolves to a public address when checked and to
+    127.0.0.1 a moment later (DNS rebinding) must not reach the host: the
+    request goes to the address that was checked, with the name kept for
+    the Host header and TLS. Nothing is sent (192.0.2.0/24 is TEST-NET)."""
+    import httpx
+
+    from nsbox.build import builder as builder_mod
+
+    answers = iter([[(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("192.0.2.10", 443))]])
+
+    async def rebinding(host: str, port: int, **kw: object) -> object:
+        return next(answers)  # a second lookup would raise StopIteration
+
+    monkeypatch.setattr(builder_mod.anyio, "getaddrinfo", rebinding)
+    b = object.__new__(builder_mod.Builder)
+    b.network = None
+    async with httpx.AsyncClient() as client:
+        request = await b._checked_request(None, client, "https://files.example.org:8443/x.tar?v=1")
+    assert str(request.url) == "https://192.0.2.10:8443/x.tar?v=1"
+    assert request.headers["host"] == "files.example.org:8443"
+    assert request.extensions["sni_hostname"] == "files.example.org"
+
+
 async def test_odd_files_and_links_give_an_error_or_a_build_not_a_hang(tmp_path: Path, name: str, busybox: str) -> None:
     # ADD looks into a local file to see if it is an archive: not into a
     # FIFO (it would wait forever). --chown reads the image's /etc/passwd:

@@ -14,6 +14,7 @@ import copy as copy_mod
 import json
 import os
 import posixpath
+import socket
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -389,13 +390,14 @@ class Builder:
             # Redirects are followed here, each hop checked like the first.
             async with httpx.AsyncClient(follow_redirects=False, timeout=60) as client:
                 for _ in range(_MAX_REDIRECTS + 1):
-                    await self._check_address(ins, url, client.build_request("GET", url).url)
-                    async with client.stream("GET", url) as r:
+                    request = await self._checked_request(ins, client, url)
+                    r = await client.send(request, stream=True)
+                    try:
                         if r.is_redirect and "location" in r.headers:
-                            url = str(r.url.join(r.headers["location"]))
+                            url = str(httpx.URL(url).join(r.headers["location"]))
                             continue
-                        # What answered, not what the name said a moment ago
-                        # (a name may resolve elsewhere the second time).
+                        # What answered: the address checked, unless a proxy
+                        # of the host's environment was asked in between.
                         stream = r.extensions.get("network_stream")
                         peer = stream.get_extra_info("server_addr") if stream is not None else None
                         if peer:
@@ -406,6 +408,8 @@ class Builder:
                                 f.write(chunk)
                         modified = r.headers.get("last-modified")
                         break
+                    finally:
+                        await r.aclose()
                 else:
                     raise ins.error(f"downloading {url}: more than {_MAX_REDIRECTS} redirects")
         except httpx.HTTPError as e:
@@ -416,18 +420,31 @@ class Builder:
         name = posixpath.basename(url.split("?", 1)[0].rstrip("/")) or "index.html"
         return path, await anyio.to_thread.run_sync(file_digest, path), name, mtime
 
-    async def _check_address(self, ins: Instruction, url: str, parsed: Any) -> None:
-        """ADD URL reaches neither the host's own services nor cloud metadata
-        (Docker's builder runs in a network of its own): every address the
-        name resolves to is checked, as the proxy checks (nsbox/net/proxy.py)."""
+    async def _checked_request(self, ins: Instruction, client: Any, url: str) -> Any:
+        """The GET of `url`, sent to an address checked here: ADD URL
+        reaches neither the host's own services nor cloud metadata (Docker's
+        builder runs in a network of its own). Every address the name
+        resolves to is checked as the proxy checks (nsbox/net/proxy.py),
+        and the request goes to the first of them, so that a name cannot
+        resolve elsewhere for the connection (the name stays in the Host
+        header and is the name TLS verifies)."""
+        request = client.build_request("GET", url)
         if self.network == "host":
-            return
+            return request
+        target = request.url
+        port = target.port or (443 if target.scheme == "https" else 80)
         try:
-            found = await anyio.getaddrinfo(parsed.host, parsed.port or (443 if parsed.scheme == "https" else 80))
+            found = await anyio.getaddrinfo(target.host, port, type=socket.SOCK_STREAM)
         except OSError as e:
-            raise ins.error(f"downloading {url} failed: {parsed.host}: {e.strerror or e}") from None
-        for *_, sockaddr in found:
-            self._refuse_internal(ins, url, str(sockaddr[0]))
+            raise ins.error(f"downloading {url} failed: {target.host}: {e.strerror or e}") from None
+        addresses = [str(sockaddr[0]) for *_, sockaddr in found]
+        for address in addresses:
+            self._refuse_internal(ins, url, address)
+        if not addresses:
+            raise ins.error(f"downloading {url} failed: {target.host} has no address")
+        return client.build_request("GET", target.copy_with(host=addresses[0]),
+                                    headers={"Host": target.netloc.decode("ascii")},
+                                    extensions={"sni_hostname": target.host})
 
     def _refuse_internal(self, ins: Instruction, url: str, address: str) -> None:
         if self.network == "host":
