@@ -18,7 +18,9 @@ import json
 import os
 import platform
 import re
+import stat
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, NoReturn
@@ -62,20 +64,34 @@ def install(prefix: Path) -> Path:
     """Writes PREFIX/bin/docker; refuses to replace a `docker` that is not
     this shim."""
     target = prefix / "bin" / "docker"
-    if os.path.lexists(target):
-        try:
-            is_shim = not target.is_symlink() and MARK in target.read_text(errors="replace")[:400]
-        except OSError:
-            is_shim = False
-        if not is_shim:
-            raise NsboxError(f"{target} exists and is not nsbox's docker shim: not overwriting it",
-                             hint="choose another --prefix, or remove that file yourself")
+    if os.path.lexists(target) and not _is_shim(target):
+        raise NsboxError(f"{target} exists and is not nsbox's docker shim: not overwriting it",
+                         hint="choose another --prefix, or remove that file yourself")
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".docker.{os.getpid()}")
-    tmp.write_text(script())
-    tmp.chmod(0o755)
-    os.replace(tmp, target)
+    # A file of our own making (not a name another user of the folder could
+    # have planted), moved over the old shim in one step.
+    fd, tmp = tempfile.mkstemp(prefix=".docker.", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(script())
+            os.fchmod(f.fileno(), 0o755)
+        os.replace(tmp, target)
+    except BaseException:
+        os.unlink(tmp)
+        raise
     return target
+
+
+def _is_shim(path: Path) -> bool:
+    """A regular file (never a link or a FIFO, which would hang) that says it is the shim."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            return False
+        return MARK.encode() in f.read(400)
 
 
 # ---- answering ---------------------------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 import textwrap
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from nsbox import docker_shim
 from nsbox.storage import Store
 
 from .imagekit import Registry, busybox_oci, push, registry  # noqa: F401 (fixtures)
@@ -133,6 +135,18 @@ def test_the_installer_never_overwrites_another_docker(tmp_path: Path, docker: P
     other.unlink()
     other.symlink_to(docker)  # a link to a shim is still someone else's file
     assert _install(tmp_path / "other").returncode == 1 and other.is_symlink()
-    r = _install(tmp_path / "prefix")  # over its own shim: an update
-    assert r.returncode == 0, r.stderr
-    assert not list((tmp_path / "prefix" / "bin").glob(".docker.*"))
+    other.unlink()
+    os.mkfifo(other)  # a FIFO is refused, not read (a read would wait for ever)
+    r = _install(tmp_path / "other")
+    assert r.returncode == 1 and "not nsbox's docker shim" in r.stderr
+    # A file planted under the name a fixed temporary name would have (this
+    # process's pid: install() runs here) is left alone.
+    bin_dir = tmp_path / "prefix" / "bin"
+    victim = tmp_path / "victim"
+    victim.write_text("keep\n")
+    planted = bin_dir / f".docker.{os.getpid()}"
+    planted.symlink_to(victim)
+    docker_shim.install(tmp_path / "prefix")  # over its own shim: an update
+    assert victim.read_text() == "keep\n" and stat.S_IMODE(victim.stat().st_mode) != 0o755
+    assert docker_shim.MARK in (bin_dir / "docker").read_text()
+    assert [p.name for p in bin_dir.glob(".docker.*")] == [planted.name]
