@@ -43,7 +43,7 @@ def _refuse(path: Path, where: str, problem: str, hint: str) -> NsboxError:
     return NsboxError(f"refusing to use the state directory {shown} {problem}", hint=hint)
 
 
-def _trusted_uids() -> set[int]:
+def trusted_uids() -> set[int]:
     """You and root (see _unmapped_owner)."""
     uids = {0, os.geteuid()}
     unmapped = _unmapped_owner()
@@ -83,7 +83,7 @@ def _open_private_dir(path: Path) -> int:
     """Walks `path` from /, creating what is missing (mode 0700), checks
     every step (see above) and returns a descriptor of the last one, which
     is yours and mode 0700."""
-    uid, trusted = os.geteuid(), _trusted_uids()
+    uid, trusted = os.geteuid(), trusted_uids()
     todo = list(reversed(os.fspath(path).split("/")))
     root = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     stack = [(root, "/")]  # the directories walked, for ".."

@@ -30,11 +30,13 @@ import os
 import platform
 import re
 import shutil
+import stat
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from .dirs import trusted_uids
 from .errors import SandboxSetupError
 from .rootfs import USR_LINK_NAMES, Bind
 
@@ -155,10 +157,23 @@ def _cdi_spec() -> tuple[Path, dict[str, Any]] | None:
             path = Path(directory, name)
             if path.suffix not in (".json", ".yaml", ".yml") or not path.is_file():
                 continue
+            _check_trusted(Path(directory))
+            _check_trusted(path)
             spec = _load(path)
             if spec.get("kind") == KIND:
                 found = (path, spec)
     return found
+
+
+def _check_trusted(path: Path) -> None:
+    """A CDI spec names host paths that sandboxes get, read-write unless it
+    says `ro`: only you and root may have written it (as for a state
+    directory, nsbox/dirs.py)."""
+    st = path.stat()
+    if st.st_uid not in trusted_uids() or st.st_mode & 0o022:
+        raise _fail(f"CDI spec {path} could have been written by another user (owner uid {st.st_uid}, mode "
+                    f"{stat.S_IMODE(st.st_mode):o}); refusing the host paths it names; to fix: "
+                    f"`chmod go-w {path}`, owned by root or you")
 
 
 def _load(path: Path) -> dict[str, Any]:

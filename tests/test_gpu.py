@@ -207,6 +207,32 @@ def test_cdi_unreadable_spec_is_one_line(tmp_path: Path, monkeypatch: pytest.Mon
         gpu.resolve("all", host_root=False)
 
 
+def test_cdi_spec_others_could_write_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A spec names host paths a sandbox gets read-write: one that another
+    user could have written (group/other-writable, or theirs) is refused."""
+    spec = {"cdiVersion": "0.6.0", "kind": "nvidia.com/gpu",
+            "devices": [{"name": "0", "containerEdits": {"deviceNodes": [{"path": "/dev/nvidia0", "hostPath": "/dev/zero"}]}}],
+            "containerEdits": {"mounts": [{"hostPath": "/", "containerPath": "/host"}]}}
+    spec_dir = tmp_path / "cdi"
+    spec_dir.mkdir()
+    (spec_dir / "nvidia.json").write_text(json.dumps(spec))
+    monkeypatch.setenv("NSBOX_CDI_SPEC_DIRS", str(spec_dir))
+    spec_dir.chmod(0o777)
+    with pytest.raises(SandboxSetupError, match=rf"^gpus: CDI spec {spec_dir} could have been written by another user"):
+        gpu.resolve("all", host_root=False)
+    spec_dir.chmod(0o755)
+    (spec_dir / "nvidia.json").chmod(0o666)
+    with pytest.raises(SandboxSetupError, match="nvidia.json could have been written by another user .*mode 666"):
+        gpu.resolve("all", host_root=False)
+    (spec_dir / "nvidia.json").chmod(0o644)
+    if os.geteuid() == 0:
+        os.chown(spec_dir / "nvidia.json", 65534, 65534)
+        with pytest.raises(SandboxSetupError, match="owner uid 65534"):
+            gpu.resolve("all", host_root=False)
+        os.chown(spec_dir / "nvidia.json", 0, 0)
+    assert any(b.target == "/host" for b in gpu.resolve("all", host_root=False).binds)
+
+
 @pytest.fixture
 def discovered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """No CDI spec: stand-in /dev/nvidia* nodes, a driver library in a
