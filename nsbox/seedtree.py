@@ -12,6 +12,9 @@ is copied as a symlink, never followed on the host. A symlink on the way to
 the mount point is resolved inside the image, as Docker does, `..` stopping
 at the image's root. Owners are kept (sandbox root can give any mapped id);
 in single mode every file is root's, all a sandbox can represent.
+Hardlinks stay links and holes stay holes, and what is written is counted
+against the image bounds ("max_bytes", "max_files": storage/limits.py), so
+an image cannot make a volume larger than its own unpacked tree.
 """
 
 import json
@@ -130,8 +133,43 @@ def copy_meta(fd, st, single, name=None, dir_fd=None):
     os.utime(fd, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
-def copy_dir(fds, dest, single):
-    """Copies the merged directory `fds` into the open directory `dest`."""
+class Budget:
+    """What the copies may still write, and the files copied so far (a
+    hardlinked file is copied once, then linked)."""
+
+    def __init__(self, max_bytes, max_files):
+        self.bytes, self.files = max_bytes, max_files
+        self.links = {}  # (dev, ino) of the image's file -> its copy's path in the volume
+
+    def take(self, nbytes, what):
+        self.bytes -= nbytes
+        self.files -= 1 if what == "file" else 0
+        if self.bytes < 0 or self.files < 0:
+            sys.exit("seeding the volume would write more than the image bounds allow "
+                     "(NSBOX_IMAGE_LIMITS size=, files=)")
+
+
+def copy_data(src, dst, size, budget):
+    """The data of `src` into `dst`, its holes left holes."""
+    pos = 0
+    while pos < size:
+        try:
+            pos = os.lseek(src, pos, os.SEEK_DATA)
+        except OSError:  # ENXIO: only a hole is left
+            break
+        end = os.lseek(src, pos, os.SEEK_HOLE)
+        budget.take(end - pos, "data")
+        while pos < end:
+            n = os.copy_file_range(src, dst, end - pos, pos, pos)
+            if n == 0:
+                break
+            pos += n
+    os.ftruncate(dst, size)
+
+
+def copy_dir(fds, dest, single, budget, root, rel=""):
+    """Copies the merged directory `fds` into the open directory `dest`
+    (`rel` below the volume's directory `root`)."""
     names = {}
     for fd in fds:
         names.update(dict.fromkeys(os.listdir(fd)))
@@ -141,23 +179,28 @@ def copy_dir(fds, dest, single):
             continue
         st, fd, below = found
         mode = st.st_mode
+        budget.take(0, "file")
+        path = f"{rel}/{name}" if rel else name
         if below is not None:
             os.mkdir(name, 0o700, dir_fd=dest)
             sub = os.open(name, DIR, dir_fd=dest)
             try:
-                copy_dir(below, sub, single)
+                copy_dir(below, sub, single, budget, root, path)
                 copy_meta(sub, st, single)
             finally:
                 os.close(sub)
                 for b in below:
                     os.close(b)
+        elif stat.S_ISREG(mode) and (st.st_dev, st.st_ino) in budget.links:
+            os.link(budget.links[st.st_dev, st.st_ino], name, src_dir_fd=root, dst_dir_fd=dest, follow_symlinks=False)
         elif stat.S_ISREG(mode):
             src = os.open(name, OPEN, dir_fd=fd)
             dst = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dest)
             try:
-                while os.sendfile(dst, src, None, 1 << 20):
-                    pass
+                copy_data(src, dst, st.st_size, budget)
                 copy_meta(dst, st, single)
+                if st.st_nlink > 1:
+                    budget.links[st.st_dev, st.st_ino] = path
             finally:
                 os.close(src)
                 os.close(dst)
@@ -177,6 +220,7 @@ def copy_dir(fds, dest, single):
 def main():
     args = json.loads(sys.argv[1])
     roots = [os.open(p, DIR) for p in reversed(args["layers"])]
+    budget = Budget(args["max_bytes"], args["max_files"])
     seeded = []
     for path, volume in args["seeds"]:
         dest = os.open(volume, DIR)
@@ -186,7 +230,8 @@ def main():
             fds = resolve(roots, path)
             if fds is None:
                 continue
-            copy_dir(fds, dest, args["single"])
+            budget.links = {}  # a link never crosses volumes
+            copy_dir(fds, dest, args["single"], budget, dest)
             # The volume takes the owner and mode of the image's directory.
             copy_meta(dest, os.fstat(fds[0]), args["single"])
             seeded.append(volume)

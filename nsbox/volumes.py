@@ -22,6 +22,7 @@ from pathlib import Path
 from .compose.mapping import volume_dir
 from .compose.model import Project, Service
 from .errors import NsboxError
+from .storage.limits import Limits
 from .storage.store import Image
 
 SEEDER = Path(__file__).with_name("seedtree.py")
@@ -71,7 +72,9 @@ async def seed(image: Image, targets: Iterable[tuple[str, Path]], id_mapping: st
     volumes = [Bind(os.fspath(d), f"/volumes/{i}") for i, (_, d) in enumerate(targets)]
     box = Sandbox(mounts=[*layers, *volumes, *binds], id_mapping=id_mapping,  # type: ignore[arg-type]
                   workdir="/", label="nsbox volume seed")
+    limits = Limits.from_env()
     args = {"layers": [b.target for b in layers], "single": False,
+            "max_bytes": limits.size, "max_files": limits.files,
             "seeds": [[path, v.target] for (path, _), v in zip(targets, volumes)]}
     async with box:
         args["single"] = box.idmap is not None and box.idmap.mode == "single"

@@ -12,7 +12,10 @@ not seeded again, and a shared volume is shared.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -157,3 +160,67 @@ def test_an_eval_sees_the_seeded_volume(tmp_path: Path, monkeypatch: pytest.Monk
           challenge:
         """, "nsbox_compose_seeded_volume", output_has("seed+deep"))
     _check(_run(task, [("bash", {"command": "echo $(cat /data/f)+$(cat /data/sub/g)"})], tmp_path), 1)
+
+
+async def test_seeding_keeps_links_and_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An image's hardlinked files cost the volume no more than they cost
+    the image, and the image bounds cap what seeding writes (a hostile
+    image could otherwise fill the host's disk through a volume)."""
+    from nsbox.build import build_image
+    from nsbox.layers import give
+    from nsbox.storage import Store
+    from nsbox.volumes import seed
+
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "Dockerfile").write_text(
+        f"FROM {_base('busybox')}\n"
+        "RUN mkdir /d && head -c 1048576 /dev/urandom > /d/a && ln /d/a /d/b\n")
+    result = await build_image(ctx, tag="localhost/nsbox-seed-test:sparse", network="none", progress=lambda _: None)
+    image = await Store().resolve(result.name, pull="never")
+    volume = tmp_path / "vol"
+    volume.mkdir()
+    give(volume, MODE.host_root)
+    try:
+        assert await seed(image, [("/d", volume)]) == [volume]
+        assert os.stat(volume / "a").st_ino == os.stat(volume / "b").st_ino
+        assert os.stat(volume / "a").st_size == 1 << 20
+        # Bounded: 1 MiB of data is more than a 512 KiB bound allows.
+        monkeypatch.setenv("NSBOX_IMAGE_LIMITS", "size=512K")
+        other = tmp_path / "vol2"
+        other.mkdir()
+        give(other, MODE.host_root)
+        with pytest.raises(Exception, match="more than the image bounds allow .*NSBOX_IMAGE_LIMITS"):
+            await seed(image, [("/d", other)])
+    finally:
+        from nsbox.removal import remove_layer
+        for d in (volume, tmp_path / "vol2"):
+            if d.exists():
+                remove_layer(d, MODE)
+
+
+def test_seeding_keeps_holes(tmp_path: Path) -> None:
+    """A sparse file of a layer (the applier keeps an image's sparse members
+    sparse) is copied with its holes: a 1 GiB file of 8 KiB of data stays
+    8 KiB on disk. The copier runs here, outside its sandbox, on a layer
+    the test makes, so that its own rules are what is tested."""
+    from nsbox.volumes import SEEDER
+
+    layer = tmp_path / "layer"
+    (layer / "d").mkdir(parents=True)
+    with open(layer / "d" / "sparse", "wb") as f:
+        f.truncate(1 << 30)
+        f.seek(512 << 20)
+        f.write(b"x" * 8192)
+    volume = tmp_path / "vol"
+    volume.mkdir()
+    args = {"layers": [str(layer)], "seeds": [["/d", str(volume)]], "single": True,
+            "max_bytes": 1 << 20, "max_files": 100}
+    r = subprocess.run([sys.executable, "-I", "-S", str(SEEDER), json.dumps(args)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    st = os.stat(volume / "sparse")
+    assert st.st_size == 1 << 30 and st.st_blocks * 512 <= 64 << 10, st
+    with open(volume / "sparse", "rb") as f:
+        f.seek(512 << 20)
+        assert f.read(8192) == b"x" * 8192 and f.read(1) == b"\0"
