@@ -10,6 +10,7 @@ and the others are still removed.
 
 from __future__ import annotations
 
+import atexit
 import errno
 import fcntl
 import os
@@ -229,6 +230,8 @@ def collect_dead() -> list[str]:
     the same one; what fails is left for `nsbox gc`, which reports it."""
     removed = []
     for info in registry.entries():
+        if _stop_collecting.is_set():
+            break  # the process is exiting: the rest is the next one's
         if info.init_alive or info.owner_alive:
             continue
         try:
@@ -248,6 +251,23 @@ def collect_dead() -> list[str]:
 
 
 _collector: tuple[int, threading.Thread] | None = None  # (pid, thread): once per process
+_stop_collecting = threading.Event()
+
+
+def _collect_quietly() -> None:
+    # Whatever stops it (a state directory refused, say) is said by the
+    # sandbox's own use of the same directories, or by `nsbox gc`.
+    try:
+        collect_dead()
+    except Exception:
+        pass
+
+
+def _finish_collecting(thread: threading.Thread) -> None:
+    """At exit: the sandbox being removed is finished, the rest left, so
+    that the thread is not cut off by the interpreter's shutdown."""
+    _stop_collecting.set()
+    thread.join()
 
 
 def collect_in_background() -> None:
@@ -257,9 +277,11 @@ def collect_in_background() -> None:
     global _collector
     if _collector is not None and _collector[0] == os.getpid():
         return
-    thread = threading.Thread(target=collect_dead, name="nsbox-collect", daemon=True)
+    _stop_collecting.clear()
+    thread = threading.Thread(target=_collect_quietly, name="nsbox-collect", daemon=True)
     _collector = (os.getpid(), thread)
     thread.start()
+    atexit.register(_finish_collecting, thread)
 
 
 def wait_collected(timeout: float) -> bool:
