@@ -21,7 +21,7 @@ import subprocess
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 import anyio
 
@@ -248,7 +248,7 @@ def _blob_name(digest: object) -> str:
 
 
 async def _from_layout(s: Session, files: _Files, want: oci.Platform, tag: str | None) -> tuple[str, list[str]]:
-    index = _object(files.read("index.json"), "index.json")
+    index = oci.json_object(files.read("index.json"), "index.json")
     manifests = index.get("manifests") or []
     if not isinstance(manifests, list) or not all(isinstance(m, dict) for m in manifests):
         raise NsboxError("the layout's index.json does not list descriptors")
@@ -269,7 +269,7 @@ async def _from_layout(s: Session, files: _Files, want: oci.Platform, tag: str |
     for _ in range(4):  # an index may point at another index
         data = files.read(_blob_name(desc.get("digest")))
         oci.verify(data, desc["digest"], f"manifest {desc['digest']}")
-        doc = _object(data, f"manifest {desc['digest']}")
+        doc = oci.json_object(data, f"manifest {desc['digest']}")
         if oci.media_type(doc, desc.get("mediaType")) not in oci.INDEX_TYPES:
             break
         desc = oci.select_manifest(doc, want)
@@ -284,16 +284,6 @@ async def _from_layout(s: Session, files: _Files, want: oci.Platform, tag: str |
     # A ref.name is a tag ("latest") or a whole reference.
     tags = [f"localhost/{_layout_stem(files)}:{n}" if _valid_tag(n) else _try_normal(n) for n in names]
     return desc["digest"], [t for t in tags if t]
-
-
-def _object(data: bytes, what: str) -> dict[str, Any]:
-    try:
-        doc = json.loads(data)
-    except ValueError:
-        doc = None
-    if not isinstance(doc, dict):
-        raise NsboxError(f"{what} is not a JSON object")
-    return doc
 
 
 def _try_normal(name: str) -> str | None:

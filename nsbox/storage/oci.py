@@ -45,6 +45,17 @@ def check_digest(digest: object, what: str = "an image") -> tuple[str, str]:
     return (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
 
 
+def json_object(data: bytes, what: str, error: type[NsboxError] = NsboxError) -> dict[str, Any]:
+    """`data` as a JSON object (a manifest, an index, a config), else `error`."""
+    try:
+        doc = json.loads(data)
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict):
+        raise error(f"{what} is not a JSON object")
+    return doc
+
+
 def digest_of(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 

@@ -324,16 +324,6 @@ class Registry:
             raise
 
 
-def _json_object(data: bytes, r: Reference) -> dict[str, Any]:
-    try:
-        doc = json.loads(data)
-    except ValueError:
-        doc = None
-    if not isinstance(doc, dict):
-        raise RegistryError(f"{r}: the manifest is not a JSON object")
-    return doc
-
-
 async def pull(store: Store, ref: str, *, platform: str | None = None, progress: Progress | None = None,
                id_mapping: idmap.Requested = "auto") -> Image:
     """Pulls `ref` into the store, unpacks its layers for this user's id
@@ -345,12 +335,12 @@ async def pull(store: Store, ref: str, *, platform: str | None = None, progress:
     async with Registry(r) as reg:
         data, ctype = await reg.manifest(r.reference)
         digest = r.digest or oci.digest_of(data)
-        doc = _json_object(data, r)
+        doc = oci.json_object(data, f"{r}: the manifest", RegistryError)
         if oci.media_type(doc, ctype) in oci.INDEX_TYPES:
             desc = oci.select_manifest(doc, want)
             digest = desc["digest"]
             data, ctype = await reg.manifest(digest)
-            doc = _json_object(data, r)
+            doc = oci.json_object(data, f"{r}: the manifest", RegistryError)
             if oci.media_type(doc, ctype) not in oci.MANIFEST_TYPES:
                 raise RegistryError(f"{r}: the index entry for {want} is not an image manifest")
         layers = oci.layer_descriptors(doc)
