@@ -141,9 +141,9 @@ class Budget:
         self.bytes, self.files = max_bytes, max_files
         self.links = {}  # (dev, ino) of the image's file -> its copy's path in the volume
 
-    def take(self, nbytes, what):
+    def take(self, nbytes=0, files=0):
         self.bytes -= nbytes
-        self.files -= 1 if what == "file" else 0
+        self.files -= files
         if self.bytes < 0 or self.files < 0:
             sys.exit("seeding the volume would write more than the image bounds allow "
                      "(NSBOX_IMAGE_LIMITS size=, files=)")
@@ -158,7 +158,7 @@ def copy_data(src, dst, size, budget):
         except OSError:  # ENXIO: only a hole is left
             break
         end = os.lseek(src, pos, os.SEEK_HOLE)
-        budget.take(end - pos, "data")
+        budget.take(nbytes=end - pos)
         while pos < end:
             n = os.copy_file_range(src, dst, end - pos, pos, pos)
             if n == 0:
@@ -179,7 +179,7 @@ def copy_dir(fds, dest, single, budget, root, rel=""):
             continue
         st, fd, below = found
         mode = st.st_mode
-        budget.take(0, "file")
+        budget.take(files=1)
         path = f"{rel}/{name}" if rel else name
         if below is not None:
             os.mkdir(name, 0o700, dir_fd=dest)
