@@ -1,5 +1,5 @@
-"""Build glue: the cffi extension (csrc/spawn.c, csrc/spec.c), the text buffer
-(csrc/text.c) and the static programs.
+"""Build glue: the cffi extension (csrc/pyext/spawn.c, csrc/common/clone_request.c), the text buffer
+(csrc/pyext/text.c) and the static programs.
 
 Everything else about the package lives in pyproject.toml.
 """
@@ -17,9 +17,9 @@ ROOT = Path(__file__).parent.resolve()
 # The static programs nsbox runs: the sandbox's PID 1, and the helper that
 # creates a sandbox's namespaces.
 PROGRAMS = {
-    "nsbox-init": ["init/main.c", "init/child.c", "init/spawn.c", "init/open.c", "init/kill.c", "seccomp.c"],
+    "nsbox-init": ["init/main.c", "init/child.c", "init/spawn.c", "init/open.c", "init/kill.c", "init/seccomp.c"],
     "nsbox-create": ["create/main.c", "create/child.c", "create/idmap.c", "create/lock.c", "create/proc.c",
-                     "spec.c"],
+                     "common/clone_request.c"],
 }
 
 
@@ -61,6 +61,6 @@ setup(
     cffi_modules=["nsbox/_build_ffi.py:ffibuilder"],
     # CPython's C API, not cffi: it builds a str in place, which the
     # limited API cannot (PyUnicode_New and the characters' address).
-    ext_modules=[Extension("nsbox._text", ["csrc/text.c"], extra_compile_args=["-std=gnu11", "-O2", "-Wall", "-Wextra"])],
+    ext_modules=[Extension("nsbox._text", ["csrc/pyext/text.c"], extra_compile_args=["-std=gnu11", "-O2", "-Wall", "-Wextra"])],
     cmdclass={"build_ext": BuildExtWithPrograms},
 )

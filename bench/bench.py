@@ -36,7 +36,7 @@ from typing import Any, Awaitable, Callable
 import anyio
 
 import nsbox
-from nsbox.removal import remove_layer
+from nsbox.host.removal import remove_layer
 
 try:
     from inspect_ai.util._sandbox.local import LocalSandboxEnvironment
@@ -307,7 +307,7 @@ async def bench_create_writeback(n: int, warmup: int, notes: list[str]) -> list[
     bwrap = shutil.which("bwrap")
     if bwrap:
         variants["bwrap true"] = sync_op([bwrap, *BWRAP_ARGS])
-    from nsbox import dirs
+    from nsbox.host import dirs
 
     writer = DirtyWriter(dirs.data_dir())
     try:
@@ -326,7 +326,7 @@ async def bench_limits(n: int, warmup: int, notes: list[str]) -> list[Row]:
     limits = {"memory": "256m", "pids_limit": 256, "cpus": 1.0}
     s = await interleaved({"limits": create_close(**limits), "plain": create_close()}, n, warmup)
     med = {k: statistics.median(v) for k, v in s.items()}
-    from nsbox import resources
+    from nsbox.plan import resources
 
     how = resources.support()
     notes.append(f"limits (cgroup {how.cgroup}, enforced by a cgroup: {', '.join(sorted(how.enforced)) or 'none'}): "
@@ -413,7 +413,7 @@ async def bench_compose(n: int, warmup: int, notes: list[str]) -> list[Row]:
         return [Row(op, 0, None, f"n/a: {OCI_LAYOUT} missing (rootfs/images.sh)", None, "ms", "report")]
     import tempfile
 
-    from nsbox.inspect_compose import prepare, start_sample
+    from nsbox.inspect.compose import prepare, start_sample
 
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "compose.yaml")
@@ -494,7 +494,7 @@ async def bench_pull(n: int, notes: list[str]) -> list[Row]:
         missing.append(f"{OCI_LAYOUT} (rootfs/images.sh)")
     if missing:
         return [Row(op, 0, None, f"{baseline} (n/a: missing {', '.join(missing)})", None, "ms", "ratio <= 1.50")]
-    from nsbox import idmap
+    from nsbox.host import idmap
     from nsbox.storage import Store
     from nsbox.storage.registry import pull
 

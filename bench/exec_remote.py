@@ -33,7 +33,7 @@ from typing import Any, AsyncIterator
 import anyio
 
 import nsbox
-from nsbox.streaming import Exit, Output
+from nsbox.init.streaming import Exit, Output
 
 TARGET_MS = 5.0
 
@@ -132,7 +132,7 @@ async def main(args: argparse.Namespace) -> None:
     try:
         from inspect_ai.util._sandbox.events import SandboxEnvironmentProxy
 
-        from nsbox.inspect_provider import NsboxConfig, NsboxSandboxEnvironment
+        from nsbox.inspect.provider import NsboxConfig, NsboxSandboxEnvironment
     except ImportError:
         print(row("Inspect exec_remote", "n/a (inspect_ai is not installed)", True))
         return

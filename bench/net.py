@@ -22,7 +22,7 @@ import time
 
 import anyio
 
-from nsbox import idmap
+from nsbox.host import idmap
 from nsbox.net import usernet
 from nsbox.net.bridge import Network, OwnerUserns
 from nsbox.net.client import Namespaces, helper, listen_in

@@ -15,7 +15,7 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .client import ExecResult
+    from .init.client import ExecResult
     from .network import Network
     from .sandbox import Sandbox
     from .spec import SandboxSpec
@@ -39,7 +39,7 @@ __all__ = [
 
 # Loaded on first use: the plan, steps and spec modules need no compiled
 # code, so `import nsbox.plan` works without the C extension.
-_LAZY = {"Sandbox": "sandbox", "ExecResult": "client", "SandboxSpec": "spec", "Network": "network"}
+_LAZY = {"Sandbox": "sandbox", "ExecResult": "init.client", "SandboxSpec": "spec", "Network": "network"}
 
 
 def __getattr__(name: str) -> Any:

@@ -1,4 +1,4 @@
-"""cffi build script for nsbox._native: nsbox_spawn() (csrc/spawn.c, csrc/spec.c).
+"""cffi build script for nsbox._native: nsbox_spawn() (csrc/pyext/spawn.c, csrc/common/clone_request.c).
 
 The C headers are the single source of truth for the structures and constants
 shared with Python; the cdef below is read from them, dropping the
@@ -37,7 +37,7 @@ def header_for_cdef(name: str) -> str:
 
 # Kernel flags that Python puts into a spec, with the values the C compiler
 # finds in the system headers (cffi's "#define NAME ..."), the headers
-# csrc/create/ is compiled with: nsbox/native.py copies none of them.
+# csrc/create/ is compiled with: nsbox/create/zygote.py copies none of them.
 KERNEL_CONSTANTS = [
     # <linux/sched.h>: the namespaces of clone3
     "CLONE_NEWNS", "CLONE_NEWCGROUP", "CLONE_NEWUTS", "CLONE_NEWIPC", "CLONE_NEWUSER", "CLONE_NEWPID",
@@ -50,8 +50,8 @@ KERNEL_CONSTANTS = [
 ]
 
 ffibuilder = FFI()
-ffibuilder.cdef(header_for_cdef("protocol.h"))
-ffibuilder.cdef(header_for_cdef("create.h"))
+ffibuilder.cdef(header_for_cdef("common/protocol.h"))
+ffibuilder.cdef(header_for_cdef("common/create.h"))
 ffibuilder.cdef("\n".join(f"#define {name} ..." for name in KERNEL_CONSTANTS))
 ffibuilder.set_source(
     "nsbox._native",
@@ -59,9 +59,9 @@ ffibuilder.set_source(
     # <sys/mount.h> may clash with <linux/mount.h>, and we need nothing else
     # of either.
     "#include <fcntl.h>\n#include <linux/mount.h>\n#include <linux/sched.h>\n"
-    '#include "protocol.h"\n#include "create.h"\n',
+    '#include "common/protocol.h"\n#include "common/create.h"\n',
     # setuptools insists on paths relative to setup.py.
-    sources=[os.path.relpath(CSRC / "spawn.c"), os.path.relpath(CSRC / "spec.c")],
+    sources=[os.path.relpath(CSRC / "pyext" / "spawn.c"), os.path.relpath(CSRC / "common" / "clone_request.c")],
     include_dirs=[os.path.relpath(CSRC)],
     extra_compile_args=["-std=gnu11", "-Wall", "-Wextra", "-O2"],
 )

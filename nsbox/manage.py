@@ -1,7 +1,7 @@
 """Managing sandboxes from outside their owner: list, remove, collect garbage.
 
 Used by `nsbox ps / rm / gc` and by `inspect sandbox cleanup nsbox`. A
-sandbox is found through the registry (nsbox/registry.py); it is removed by
+sandbox is found through the registry (nsbox/host/live.py); it is removed by
 killing its init (which takes every process of the sandbox with it), then
 deleting its writable layer and its registry entry. Each sandbox and layer
 is handled on its own: one that cannot be removed is reported, in one line,
@@ -21,13 +21,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import client, dirs, registry, resources
+from .init import client
+from .host import dirs, live
+from .plan import resources
 from .errors import NsboxError
-from .idmap import IdMap
-from .idmap import detect as detect_idmap
-from .registry import SandboxInfo
-from .removal import SWEEP_WAIT, remove_layer, wait_swept
-from .layers import REUSE, TRASH
+from .host.idmap import IdMap
+from .host.idmap import detect as detect_idmap
+from .host.live import SandboxInfo
+from .host.removal import SWEEP_WAIT, remove_layer, wait_swept
+from .host.layers import REUSE, TRASH
 
 # A layer directory without a registry entry may belong to a sandbox being
 # created right now; only older ones are garbage.
@@ -52,12 +54,12 @@ def state_of(info: SandboxInfo) -> str:
 
 def query_status(info: SandboxInfo) -> dict[str, int] | None:
     """Asks the init for its counters over the sandbox's socket."""
-    return client.query_status(os.fspath(registry.sandbox_dir(info.id) / registry.SOCKET))
+    return client.query_status(os.fspath(live.sandbox_dir(info.id) / live.SOCKET))
 
 
 def entries(with_status: bool = False) -> list[Entry]:
     out = []
-    for info in registry.entries():
+    for info in live.entries():
         st = state_of(info)
         status = query_status(info) if with_status and st != "dead" else None
         out.append(Entry(info, st, status["execs"] if status else None))
@@ -66,7 +68,7 @@ def entries(with_status: bool = False) -> list[Entry]:
 
 def find(prefix: str) -> SandboxInfo:
     """The sandbox whose id starts with `prefix` (as docker accepts)."""
-    matches = [i for i in registry.entries() if i.id.startswith(prefix)]
+    matches = [i for i in live.entries() if i.id.startswith(prefix)]
     if not matches:
         raise NsboxError(f"no sandbox {prefix!r}", hint="run `nsbox ps` to list them")
     if len(matches) > 1:
@@ -118,15 +120,15 @@ def remove(info: SandboxInfo, *, force: bool = False) -> None:
         raise NsboxError(f"sandbox {info.id} belongs to the running process {info.owner_pid}",
                          hint="stop that process, or use --force")
     _kill_init(info)
-    resources.remove_cgroups(registry.sandbox_dir(info.id))
+    resources.remove_cgroups(live.sandbox_dir(info.id))
     layer = Path(info.layer)
     try:
         remove_layer(layer, _mapping_of(info))
     except Exception as e:  # whatever it is, say which layer and sandbox
         # The entry stays, so that `nsbox ps` shows it and gc tries again.
         raise NsboxError(f"cannot remove layer {layer} of sandbox {info.id}: {describe(e)}") from e
-    run = registry.sandbox_dir(info.id)
-    for name in (registry.INFO, registry.SOCKET, registry.INFO + ".tmp"):
+    run = live.sandbox_dir(info.id)
+    for name in (live.INFO, live.SOCKET, live.INFO + ".tmp"):
         try:
             os.unlink(run / name)
         except FileNotFoundError:
@@ -155,7 +157,7 @@ def failure(sandbox_id: str, e: Exception) -> str:
 def garbage() -> tuple[list[SandboxInfo], list[Path]]:
     """What gc would remove: sandboxes that are dead or whose owner is gone
     without detaching them, and layers no sandbox refers to."""
-    recorded = registry.entries()
+    recorded = live.entries()
     infos = [i for i in recorded if state_of(i) in ("dead", "orphaned")]
     known = {Path(i.layer) for i in recorded}
     layers_dir = dirs.data_dir() / "sandboxes"
@@ -229,18 +231,18 @@ def collect_dead() -> list[str]:
     runtime directory, so that processes collecting at once do not remove
     the same one; what fails is left for `nsbox gc`, which reports it."""
     removed = []
-    for info in registry.entries():
+    for info in live.entries():
         if _stop_collecting.is_set():
             break  # the process is exiting: the rest is the next one's
         if info.init_alive or info.owner_alive:
             continue
         try:
-            fd = os.open(registry.sandbox_dir(info.id), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            fd = os.open(live.sandbox_dir(info.id), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError:
             continue  # removed meanwhile
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if registry.read(info.id) is not None:  # else removed before we held the lock
+            if live.read(info.id) is not None:  # else removed before we held the lock
                 remove(info, force=True)
                 removed.append(info.id)
         except Exception:

@@ -23,11 +23,11 @@ The plumbing is nsbox/net/bridge.py and its worker: a bridge in a network
 namespace of its own, a veth pair per member. Unprivileged, the kernel lets
 one process link two network namespaces only if it holds CAP_NET_ADMIN over
 both owners: so the network's namespace belongs to a holder user namespace
-(native.Holder, with the owner's maps) and members are created in it (their
+(zygote.Holder, with the owner's maps) and members are created in it (their
 user namespaces are its children), where the worker, having entered it,
 holds that capability over all of them. A named network's members, made by
 other processes, are created by a holder that enters its user namespace
-(native.JoinedHolder). As real root no such owner is needed.
+(zygote.JoinedHolder). As real root no such owner is needed.
 """
 
 from __future__ import annotations
@@ -41,7 +41,10 @@ from typing import TYPE_CHECKING, Iterator, Sequence
 
 import anyio
 
-from . import dirs, fdwait, idmap, native, netplan
+from .host import dirs, idmap
+from .init import fdwait
+from .create import zygote
+from .plan import netmodes
 from .net import bridge
 from .net.client import Namespaces, NetError
 from .spec import NET, NETWORK_NAME
@@ -93,7 +96,7 @@ class Network:
     async def _start(self, path: str | None) -> None:
         owner = None
         if os.geteuid() != 0:
-            holder = native.holder(self.mapping)
+            holder = zygote.holder(self.mapping)
             if holder is None:
                 raise NetError("service networks need nsbox's holder user namespace, which this host refused",
                                hint="check `nsbox doctor`; NSBOX_HOLDER=0 turns it off")
@@ -177,7 +180,7 @@ class Network:
             raise NetError(f"network {self.name} already has a member called {name}")
         self.members[name] = sandbox  # first: a reservation cut short is still forgotten on leave
         try:
-            await self._net.reserve(name, aliases, sandbox=sandbox.id, extra=netplan.extra_hosts(sandbox.spec))
+            await self._net.reserve(name, aliases, sandbox=sandbox.id, extra=netmodes.extra_hosts(sandbox.spec))
         except NetError:
             del self.members[name]  # refused: nothing of ours to forget
             raise
@@ -201,7 +204,7 @@ class Network:
         """Once the member runs: the other members' /etc/hosts. (Its own was
         written with its files, but on a named network members of other
         processes may have come since. Its resolver, on an outbound network,
-        is nat mode's: nsbox/netplan.py.)"""
+        is nat mode's: nsbox/plan/netmodes.py.)"""
         await self._announce(but=None if self.named else sandbox.hostname)
 
     async def _announce(self, but: str | None = None) -> None:

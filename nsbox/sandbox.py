@@ -1,9 +1,9 @@
 """Sandbox: the lifecycle of one sandbox, and its public operations.
 
 A sandbox is a set of namespaces whose PID 1 is nsbox-init. Creating one is
-nsbox/launch.py's (a plan from nsbox/plan.py and its contributors); talking
-to its init is nsbox/client.py's; running a command, nsbox/process.py's;
-files, nsbox/files.py's. This object ties them together: create or attach,
+nsbox/create/launch.py's (a plan from nsbox/plan/plan.py and its contributors); talking
+to its init is nsbox/init/client.py's; running a command, nsbox/init/process.py's;
+files, nsbox/init/files.py's. This object ties them together: create or attach,
 close or detach, and exec, spawn, read_file, write_file.
 
 It owns the control connection to the init, which is also the init's
@@ -25,20 +25,29 @@ from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
 import anyio
 
 from . import network as network_mod
-from . import dirs, fdwait, files, gpu, idmap, layers, mounts, netplan, procmask, process, protocol, registry, removal, resources, rlimits
-from . import users
-from . import plan as plan_mod
-from . import rootfs as rootfs_mod
-from .capture import CappedBuffer, Forwarder
-from .client import DEFAULT_PATH, Channel, Command, ExecResult, InitClient, failed_start
-from .errors import CommandTimeout, NsboxError, OutputLimitExceeded, SandboxSetupError, SandboxUnavailable, UserUnsupported
-from .launch import Launched, launch
-from .limits import exec_output_limit, human_size
+from .host import dirs, idmap, layers, live, removal, rlimits
+from .init import fdwait, files, process, protocol
+from .plan import gpu, mounts, netmodes, procmask, resources
+from .init import users
+from .plan import plan as plan_mod
+from .plan import rootfs as rootfs_mod
+from .init.capture import CappedBuffer, Forwarder
+from .init.client import DEFAULT_PATH, Channel, Command, ExecResult, InitClient, failed_start
+from .errors import (
+    CommandTimeout,
+    NsboxError,
+    OutputLimitExceeded,
+    SandboxSetupError,
+    SandboxUnavailable,
+    UserUnsupported,
+)
+from .create.launch import Launched, launch
+from .init.output_limits import exec_output_limit, human_size
 from .manage import collect_in_background, describe
 from .spec import NET, Network, OutputLimitMode, SandboxSpec
 
 if TYPE_CHECKING:
-    from . import streaming
+    from .init import streaming
     from .storage import Image
 
 __all__ = ["DEFAULT_PATH", "ExecResult", "Sandbox"]
@@ -140,7 +149,7 @@ class Sandbox:
         self._detached = False
         self._attached = False  # connected to a sandbox another process owns
         self._user_cache: dict[str, tuple[bytes, bytes, users.Identity | None]] = {}
-        self._net: netplan.Attached | None = None  # what this process serves for nat, proxy and ports
+        self._net: netmodes.Attached | None = None  # what this process serves for nat, proxy and ports
 
     # What the spec says, under the names this class always had.
     user = property(lambda self: self.spec.user or "root")
@@ -306,13 +315,13 @@ class Sandbox:
             self._use_gpus(self.spec.gpus)
         if self.spec.network.startswith(NET):  # this process's network, or a named one it reaches now
             (await network_mod.lookup(self.spec.network)).check_mapping(self.idmap)
-        netplan.check(self.spec)  # nat without a usable tun device: one line, before anything exists
-        if extra_env := netplan.environment(self.spec):
+        netmodes.check(self.spec)  # nat without a usable tun device: one line, before anything exists
+        if extra_env := netmodes.environment(self.spec):
             self.spec = self.spec.replace(env={**extra_env, **self.spec.env})
         self._layer = layers.layers_dir() / self.id
         self._rundir = dirs.runtime_dir() / self.id
         self._rundir.mkdir(mode=0o700)
-        service_net = netplan.service_network(self.spec)
+        service_net = netmodes.service_network(self.spec)
         if service_net is not None:
             await service_net._reserve(self, self.spec.network_aliases)
         etc_written = False
@@ -321,7 +330,7 @@ class Sandbox:
             nonlocal etc_written
             assert self.idmap is not None and self._layer is not None
             self.rootfs.prepare(self._layer, self.hostname, self.idmap.host_root)
-            etc_written = netplan.prepare_layer(self.spec, self.rootfs, self._layer, self.hostname,
+            etc_written = netmodes.prepare_layer(self.spec, self.rootfs, self._layer, self.hostname,
                                                 self.idmap.host_root)
 
         # A plan copied from a template names the layer without looking at
@@ -333,12 +342,12 @@ class Sandbox:
             plan = self._plan()
         # Known now or later: record the sandbox while its setup runs.
         self.workdir = self.spec.workdir or self._known_default_home() or ""
-        plan.join = netplan.open_join(self.spec, self.idmap)
+        plan.join = netmodes.open_join(self.spec, self.idmap)
         if service_net is not None:
             plan.userns = service_net.owner_userns()
             plan.alongside.append(lambda pid: service_net._join(self, pid, self._launched.pidfd))
         try:
-            await launch(plan, self._launched, sandbox_id=self.id, socket_path=self._rundir / registry.SOCKET,
+            await launch(plan, self._launched, sandbox_id=self.id, socket_path=self._rundir / live.SOCKET,
                          layer=self._layer, on_cloned=self._register,
                          before_go=prepare_layer if prepare_later else None)
         finally:
@@ -348,17 +357,17 @@ class Sandbox:
             raise SandboxSetupError("the sandbox's init exited right after starting")
         assert self._launched.ctl is not None
         self._client = InitClient(self._launched.ctl, self.id)
-        if netplan.private(self.spec):
-            self._net = await netplan.attach(self.spec, self.pid, self._launched.pidfd)
-        if netplan.needs_etc(self.spec) and not etc_written:
-            for path, text in netplan.etc_files(self.spec, self.hostname).items():
+        if netmodes.private(self.spec):
+            self._net = await netmodes.attach(self.spec, self.pid, self._launched.pidfd)
+        if netmodes.needs_etc(self.spec) and not etc_written:
+            for path, text in netmodes.etc_files(self.spec, self.hostname).items():
                 await self._write_as_root(path, text)
         if service_net is not None:
             await service_net._settle(self)
 
     def _use_gpus(self, request: str) -> None:
         """The GPUs' device nodes, driver files and environment, as binds
-        and variables of this sandbox's spec (nsbox/gpu.py)."""
+        and variables of this sandbox's spec (nsbox/plan/gpu.py)."""
         setup = gpu.resolve(request, host_root=isinstance(self.rootfs, rootfs_mod.HostRootfs))
         for note in setup.notes:
             _note_once(f"gpus: {note}")
@@ -388,13 +397,13 @@ class Sandbox:
 
     def _register(self) -> None:
         assert self.idmap is not None and self._layer is not None
-        registry.write(registry.SandboxInfo(
-            id=self.id, owner_pid=os.getpid(), owner_start=registry.process_start_time(os.getpid()),
-            init_pid=self.pid, init_start=registry.process_start_time(self.pid), rootfs=str(self.rootfs),
+        live.write(live.SandboxInfo(
+            id=self.id, owner_pid=os.getpid(), owner_start=live.process_start_time(os.getpid()),
+            init_pid=self.pid, init_start=live.process_start_time(self.pid), rootfs=str(self.rootfs),
             layer=os.fspath(self._layer), hostname=self.hostname, user=self.user, workdir=self.workdir,
             idmap=self.idmap.to_dict(), origin=self.origin, label=self.label,
             lowers=[os.fspath(p) for p in (self.image.layers if self.image else ())],
-            network=netplan.mode(self.spec),
+            network=netmodes.mode(self.spec),
         ))
 
     async def _settle_identity(self) -> None:
@@ -469,7 +478,7 @@ class Sandbox:
     async def attach(cls, sandbox_id: str) -> "Sandbox":
         """Connects to a running sandbox that another process created (or
         that was detached). close() then only disconnects."""
-        info = registry.read(sandbox_id)
+        info = live.read(sandbox_id)
         if info is None:
             raise SandboxUnavailable(f"no sandbox {sandbox_id!r}", hint="run `nsbox ps` to list them")
         if not info.init_alive:
@@ -488,7 +497,7 @@ class Sandbox:
             sb._launched.pidfd = os.pidfd_open(info.init_pid)
             if not info.init_alive:  # the pid was recycled between the checks
                 raise SandboxUnavailable(f"sandbox {sandbox_id} is not running any more")
-            sb._client = InitClient.connect(os.fspath(registry.sandbox_dir(info.id) / registry.SOCKET), info.id)
+            sb._client = InitClient.connect(os.fspath(live.sandbox_dir(info.id) / live.SOCKET), info.id)
             await sb._settle_identity()
         except BaseException as e:
             await sb._teardown()
@@ -571,7 +580,7 @@ class Sandbox:
             removal.release_later(functools.partial(_release_layer, self.id, self._layer, self.rootfs, self.idmap))
             self._layer = None
         if self._rundir is not None:
-            for name in (registry.INFO, registry.SOCKET):
+            for name in (live.INFO, live.SOCKET):
                 try:
                     os.unlink(self._rundir / name)
                 except FileNotFoundError:
@@ -596,15 +605,15 @@ class Sandbox:
             pass
         self._launched.pid = 0
 
-    async def detach(self) -> registry.SandboxInfo:
+    async def detach(self) -> live.SandboxInfo:
         """Lets the sandbox outlive this process; `nsbox rm` ends it later."""
         await self.client.detach()
         self._detached = True
-        netplan.warn_detached(self.spec)
-        info = registry.read(self.id)
+        netmodes.warn_detached(self.spec)
+        info = live.read(self.id)
         assert info is not None
         info.detached = True
-        registry.write(info)
+        live.write(info)
         # The layer now belongs to the detached sandbox, not to this object.
         return info
 
@@ -708,7 +717,7 @@ class Sandbox:
         """Runs `cmd` in the sandbox and returns its exit status and output.
 
         Output is decoded as UTF-8, invalid bytes replaced. Each stream keeps
-        its last N bytes (N from nsbox.limits), or raises OutputLimitExceeded
+        its last N bytes (N from nsbox.init.output_limits), or raises OutputLimitExceeded
         in "raise" mode.
 
         Raises:
@@ -817,17 +826,17 @@ class Sandbox:
                             cwd: str | None = None, env: Mapping[str, str] | None = None,
                             user: str | None = None, output_limit: int | None = None) -> "streaming.Process":
         """Starts `cmd` and returns a Process whose output streams to the
-        host as the command writes it (see nsbox/streaming.py): iterate it
+        host as the command writes it (see nsbox/init/streaming.py): iterate it
         for Output and Exit events, write_stdin/close_stdin (stdin_open=True),
         kill(), or wait() for an ExecResult. Returns once the command runs.
 
         `input` is written to stdin first; stdin is then closed unless
         `stdin_open`. Output waiting for the consumer keeps its last N bytes
-        per stream (N from nsbox.limits; the sandbox's timeout and "raise"
+        per stream (N from nsbox.init.output_limits; the sandbox's timeout and "raise"
         mode do not apply: the process runs until it exits or is killed;
         `output_limit` sets another N). Start failures are reported as exec
         reports them."""
-        from . import streaming
+        from .init import streaming
 
         client = self.client
         identity = await self._identity_for_command(cmd, user)

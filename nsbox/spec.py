@@ -12,9 +12,9 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Literal, Mapping, Sequence
 
-from . import gpu
-from .idmap import REQUESTS
-from .rootfs import Bind
+from .plan import gpu
+from .host.idmap import REQUESTS
+from .plan.rootfs import Bind
 
 Network = Literal["none", "host", "nat", "proxy"]
 OutputLimitMode = Literal["truncate", "raise"]
@@ -140,7 +140,7 @@ class SandboxSpec:
     network_aliases: other names the sandbox answers to on its service
         network (Docker's --network-alias).
     mounts: host files or directories bound into the sandbox.
-    id_mapping: "auto", "single" or "host-root" (see nsbox/idmap.py).
+    id_mapping: "auto", "single" or "host-root" (see nsbox/host/idmap.py).
     nested_userns: let commands create user namespaces and mount (to run
         a sandbox inside); denied by default, as in Docker.
     privileged: what rootless podman's --privileged means: nested_userns,
@@ -156,11 +156,11 @@ class SandboxSpec:
     disk: size cap of the writable layer (with /tmp, /dev/shm and /run), in
         bytes or as "2g".
         Limits are enforced by a cgroup where the host offers one, else
-        approximated (see nsbox/resources.py and `nsbox doctor`).
+        approximated (see nsbox/plan/resources.py and `nsbox doctor`).
     strict_limits: refuse memory, pids_limit or cpus where no cgroup
         enforces it, instead of approximating it.
     gpus: NVIDIA GPUs to pass through: "all", a number of them, or
-        "device=0,1" (indices, UUIDs or CDI names); see nsbox/gpu.py.
+        "device=0,1" (indices, UUIDs or CDI names); see nsbox/plan/gpu.py.
     label, origin: what `nsbox ps` shows (origin: "api", "cli", "inspect").
     """
 

@@ -1,7 +1,7 @@
 """Shared fixtures.
 
 Every test runs in the identity mode of the user running pytest (root,
-subuid or single; see nsbox/idmap.py). tests/run.sh runs the suite once per
+subuid or single; see nsbox/host/idmap.py). tests/run.sh runs the suite once per
 mode with a real user of each kind, and sets NSBOX_TEST_EXPECT_MODE so that
 a machine missing a prerequisite fails loudly instead of silently testing
 another mode.
@@ -26,9 +26,9 @@ import anyio
 import pytest
 
 import nsbox
-from nsbox import dirs, idmap, removal
-from nsbox.images import import_tarball
-from nsbox.removal import remove_layer
+from nsbox.host import dirs, idmap, removal
+from nsbox.storage.tarball import import_tarball
+from nsbox.host.removal import remove_layer
 
 from . import components
 from .components import FIXTURES

@@ -333,7 +333,7 @@ def busybox_oci(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def store(tmp_path: Path) -> Any:
     """An empty image store of its own; deleted afterwards (files of other
     sandbox users included)."""
-    from nsbox.removal import remove_layer
+    from nsbox.host.removal import remove_layer
     from nsbox.storage.store import Store
 
     from .conftest import MODE
@@ -382,7 +382,7 @@ async def self_check_failures(task: str, config: Any) -> list[str]:
     import anyio
     from inspect_ai.util._sandbox import self_check
 
-    from nsbox.inspect_provider import NsboxSandboxEnvironment as Env
+    from nsbox.inspect.provider import NsboxSandboxEnvironment as Env
 
     checks = [name for name in dir(self_check) if name.startswith("test_")]
     await Env.task_init(task, config)

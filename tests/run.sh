@@ -9,7 +9,7 @@
 # absent is skipped.
 #
 # As root: installs the Debian packages of absent components first (it says
-# which), then tests all three identity modes (see nsbox/idmap.py), each
+# which), then tests all three identity modes (see nsbox/host/idmap.py), each
 # with a real user of that kind:
 #   root          this process
 #   nsbox-sub     created here, with an /etc/subuid and /etc/subgid range

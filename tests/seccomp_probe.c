@@ -1,5 +1,5 @@
 /*
- * seccomp_probe.c - drives csrc/seccomp.c for tests/test_seccomp.py, which
+ * seccomp_probe.c - drives csrc/init/seccomp.c for tests/test_seccomp.py, which
  * builds it statically with the filter, as setup.py builds the init.
  *
  *   seccomp_probe [--userns] [--nnp] MODE             run every probe, print "name result"
@@ -62,8 +62,8 @@
 #include <termios.h>
 #include <unistd.h>
 
-#include "protocol.h"
-#include "seccomp.h"
+#include "common/protocol.h"
+#include "init/seccomp.h"
 
 #define SETUP_FAILED 200
 #define MISSING "/nonexistent-nsbox-probe"

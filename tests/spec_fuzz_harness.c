@@ -1,5 +1,5 @@
 /*
- * spec_fuzz_harness.c - nsbox_spec_unpack (csrc/spec.c) on arbitrary input,
+ * spec_fuzz_harness.c - nsbox_spec_unpack (csrc/common/clone_request.c) on arbitrary input,
  * for a memory checker to watch: tests/test_spec_fuzz.py builds it with
  * -fsanitize=address,undefined and feeds it mutated specs, so a read past
  * the buffer or a leak is caught even where it would not crash.
@@ -13,7 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "create.h"
+#include "common/create.h"
 
 static void touch(const char *s)
 {

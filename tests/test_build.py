@@ -26,8 +26,8 @@ import anyio
 import pytest
 
 import nsbox
-from nsbox import registry
-from nsbox.build import BuildError, build, build_image
+from nsbox.host import live
+from nsbox.dockerfile import BuildError, build, build_image
 from nsbox.storage import ImageNotFound, Store
 from nsbox.storage.archive import import_image
 
@@ -281,7 +281,7 @@ RUN cat /data.txt >> /log
 
 async def test_failed_run_leaves_no_image(tmp_path: Path, name: str, busybox: str) -> None:
     ctx = context(tmp_path, f"FROM {busybox}\nRUN echo partial > /p\nRUN echo oops >&2; exit 3\n")
-    mine = lambda: {i.id for i in registry.entries() if i.owner_pid == os.getpid()}  # noqa: E731
+    mine = lambda: {i.id for i in live.entries() if i.owner_pid == os.getpid()}  # noqa: E731
     before = mine()
     lines: list[str] = []
     with pytest.raises(BuildError) as e:

@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 import nsbox
-from nsbox.build import BuildError, build_image
+from nsbox.dockerfile import BuildError, build_image
 from nsbox.storage import Store, oci
 
 from .conftest import MODE
@@ -143,7 +143,7 @@ def test_the_archiver_opens_only_what_it_looked_at(tmp_path: Path) -> None:
     # The archiver's second guard, should a process still run: a name
     # swapped for a symlink or a FIFO after it was looked at is not opened
     # through, and not waited on.
-    from nsbox.build import capture_tar
+    from nsbox.dockerfile import capture_tar
 
     (tmp_path / "f").write_text("harmless\n")
     os.symlink("/etc/passwd", tmp_path / "link")
@@ -331,7 +331,7 @@ async def test_add_url_connects_to_the_address_it_checked(monkeypatch: pytest.Mo
     the Host header and TLS. Nothing is sent (192.0.2.0/24 is TEST-NET)."""
     import httpx
 
-    from nsbox.build import builder as builder_mod
+    from nsbox.dockerfile import builder as builder_mod
 
     answers = iter([[(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("192.0.2.10", 443))]])
 

@@ -15,7 +15,7 @@ import pytest
 
 import nsbox
 from nsbox._text import TextBuffer
-from nsbox.capture import READ_CHUNK, CappedBuffer
+from nsbox.init.capture import READ_CHUNK, CappedBuffer
 
 
 def drain(buf: CappedBuffer, fd: int) -> None:

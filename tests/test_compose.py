@@ -22,7 +22,7 @@ from nsbox.compose import (
     substitute,
 )
 from nsbox.compose import dotenv
-from nsbox import netplan
+from nsbox.plan import netmodes
 from nsbox.errors import NsboxError
 
 FIXTURES = Path(__file__).parent / "compose_fixtures"
@@ -957,6 +957,6 @@ def test_extra_hosts_forms(tmp_path: Path) -> None:
     p = load_project(tmp_path / "compose.yaml")
     assert p.services["a"].extra_hosts == {"db": "10.1.2.3", "gw": "host-gateway", "v6": "::1"}
     a = service_spec(p.services["a"], p, image="x", network="nat")
-    assert netplan.host_loopback(a) and netplan.extra_hosts(a)["gw"] == GATEWAY
+    assert netmodes.host_loopback(a) and netmodes.extra_hosts(a)["gw"] == GATEWAY
     spec = service_spec(p.services["b"], p, image="x", network="none")
     assert spec.hosts == {"cache": "10.9.9.9"}

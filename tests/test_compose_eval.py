@@ -33,9 +33,9 @@ from inspect_ai.solver import TaskState, generate, use_tools
 from inspect_ai.tool import bash
 from inspect_ai.util import sandbox
 
-from nsbox import registry as sandbox_registry
+from nsbox.host import live as sandbox_registry
 from nsbox.errors import NsboxError
-from nsbox.inspect_provider import NsboxSandboxEnvironment
+from nsbox.inspect.provider import NsboxSandboxEnvironment
 
 from .imagekit import Registry, busybox_oci, fixture_tar, push, registry, self_check_failures, umoci_image  # noqa: F401
 from . import components
@@ -349,7 +349,7 @@ def test_no_sandbox_cleanup_keeps_every_service(images: dict[str, str], tmp_path
                 await sb.close()
 
         assert anyio.run(shared_note) == "written-by-default\n"  # the named volume, shared
-        volumes = nsbox.dirs.data_dir() / "volumes"
+        volumes = nsbox.host.dirs.data_dir() / "volumes"
         assert [p for p in volumes.iterdir() if p.is_dir()]
         anyio.run(NsboxSandboxEnvironment.cli_cleanup, None)
         assert all(sandbox_registry.read(i.id) is None for i in kept.values())
@@ -366,7 +366,7 @@ async def test_default_network_has_outbound_access_and_names(images: dict[str, s
     the host's loopback as host.nsbox.internal (mapped by extra_hosts
     host-gateway too, as Docker users write it), and its services reach each
     other by name."""
-    from nsbox.inspect_compose import prepare, start_sample
+    from nsbox.inspect.compose import prepare, start_sample
 
     components.require("tun", "usernet")  # nat's refusal is tested elsewhere
     (tmp_path / "compose.yaml").write_text(textwrap.dedent(f"""\

@@ -14,8 +14,8 @@ import pytest
 
 from nsbox.compose import ComposeError, load_project, service_spec
 from nsbox.compose import load as compose_load
-from nsbox.inspect_compose import is_docker_config, read_project
-from nsbox.inspect_provider import _config_key
+from nsbox.inspect.compose import is_docker_config, read_project
+from nsbox.inspect.provider import _config_key
 
 from .test_compose_hostile import Opened
 

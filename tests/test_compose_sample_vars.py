@@ -27,7 +27,7 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def test_variable_names_and_values_as_inspects_docker_provider(tmp_path: Path) -> None:
-    from nsbox.inspect_compose import sample_variables
+    from nsbox.inspect.compose import sample_variables
 
     f = tmp_path / "compose.yaml"
     f.write_text("services:\n  default:\n    image: ${SAMPLE_METADATA_IMAGE_VULNERABLE}\n"

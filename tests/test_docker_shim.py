@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from nsbox import docker_shim
+from nsbox.cli import docker_shim
 from nsbox.storage import Store
 
 from .imagekit import Registry, busybox_oci, push, registry  # noqa: F401 (fixtures)

@@ -27,7 +27,9 @@ from typing import Any
 import click
 import pytest
 
-from nsbox import doctor, hostcheck, idmap
+from nsbox.cli import doctor
+from nsbox.create import hostcheck
+from nsbox.host import idmap
 
 from .test_seccomp import probe_binary  # noqa: F401  (the fixture)
 
@@ -41,9 +43,9 @@ WORKING: dict[str, str] = {"clone3": "ok", "userns": "ok", "idmap": "ok", "mntns
 
 def run_doctor(*args: str, wrap: list[str] | None = None, env: dict[str, str] | None = None,
                preexec_fn: Callable[[], None] | None = None) -> tuple[int, dict[str, dict[str, Any]], str]:
-    """Runs `python -m nsbox.doctor --json` (inside `wrap`, a shell
+    """Runs `python -m nsbox.cli.doctor --json` (inside `wrap`, a shell
     command's prefix); returns the exit status, the checks by name and stderr."""
-    cmd = [sys.executable, "-m", "nsbox.doctor", "--json", *args]
+    cmd = [sys.executable, "-m", "nsbox.cli.doctor", "--json", *args]
     r = subprocess.run([*(wrap or []), *cmd], capture_output=True, text=True, timeout=90,
                        env={**os.environ, **(env or {})}, preexec_fn=preexec_fn)
     try:
@@ -84,7 +86,7 @@ def test_doctor_passes_here(mode: str) -> None:
 
 
 def test_text_output_names_each_check() -> None:
-    r = subprocess.run([sys.executable, "-m", "nsbox.doctor"], capture_output=True, text=True, timeout=90)
+    r = subprocess.run([sys.executable, "-m", "nsbox.cli.doctor"], capture_output=True, text=True, timeout=90)
     assert r.returncode == 0, r.stdout + r.stderr
     lines = r.stdout.splitlines()
     assert lines[-1].startswith("nsbox can run here")
@@ -143,7 +145,7 @@ def test_seccomp_filter_like_dockers(probe_binary: Path) -> None:  # noqa: F811
 ], ids=["masked", "read-only"])
 def test_masked_proc(cover: str, state_env: dict[str, str]) -> None:
     status, checks, _ = run_doctor(wrap=in_userns(f'{cover} && exec "$@"'), env=state_env)
-    # nsbox still runs: its sandboxes get a masked bind of this /proc (nsbox/procmask.py).
+    # nsbox still runs: its sandboxes get a masked bind of this /proc (nsbox/plan/procmask.py).
     assert status == 0, checks
     proc = checks["proc"]
     assert proc["status"] == "warn" and "refuses a fresh /proc" in proc["summary"]
@@ -174,7 +176,7 @@ def test_stale_xdg_runtime_dir(value: str, why: str, tmp_path: Path) -> None:
 
 def test_unset_xdg_runtime_dir_is_fine() -> None:
     env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
-    r = subprocess.run([sys.executable, "-m", "nsbox.doctor", "--json"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "nsbox.cli.doctor", "--json"], capture_output=True, text=True,
                        timeout=90, env=env)
     state = {c["name"]: c for c in json.loads(r.stdout)["checks"]}["state"]
     assert state["status"] == "pass" and "XDG_RUNTIME_DIR is unset" in state["summary"]
@@ -245,7 +247,7 @@ def test_apparmor_restriction_with_nsbox_profile_installed(tmp_path: Path) -> No
 
 
 def test_apparmor_profile_names_this_installation() -> None:
-    r = subprocess.run([sys.executable, "-m", "nsbox.doctor", "--apparmor-profile"], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "nsbox.cli.doctor", "--apparmor-profile"], capture_output=True,
                        text=True, timeout=30)
     assert r.returncode == 0
     helper = str(doctor.helper_path())

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 import nsbox
-from nsbox import native
-from nsbox.rootfs import Bind
+from nsbox.create import zygote
+from nsbox.plan.rootfs import Bind
 
 ATTACK_INIT = r"""
 import ctypes, errno, os
@@ -77,7 +77,7 @@ async def test_init_is_out_of_reach(sandbox: nsbox.Sandbox) -> None:
     assert results["/proc/1/environ"] in ("EACCES", "EPERM")
 
 
-# setns as the init's children make it (csrc/seccomp.c), on descriptors a
+# setns as the init's children make it (csrc/init/seccomp.c), on descriptors a
 # sandbox process places at the init's numbers itself.
 ATTACK_SETNS = r"""
 import ctypes, errno, os, sys
@@ -115,8 +115,8 @@ async def test_the_init_carries_the_filter_and_allows_only_its_own_setns(sandbox
     # (Read after an exec: the init installs the filter before it serves a
     # request, which may be after create() has returned.)
     assert _status(f"/proc/{sandbox.pid}/status")["Seccomp"] == "2"
-    r = await sandbox.exec(["python3", "-c", ATTACK_SETNS, str(native.lib.NSBOX_FD_USERNS),
-                            str(native.lib.NSBOX_FD_MNTNS)])
+    r = await sandbox.exec(["python3", "-c", ATTACK_SETNS, str(zygote.lib.NSBOX_FD_USERNS),
+                            str(zygote.lib.NSBOX_FD_MNTNS)])
     results = dict(line.split(" ", 1) for line in r.stdout.splitlines())
     assert r.success, r.stderr
     assert results["own-user"] == "EINVAL"  # the kernel: it is already there
@@ -129,8 +129,8 @@ async def test_the_init_carries_the_filter_and_allows_only_its_own_setns(sandbox
     # A user other than root (single mode has no other): the kernel refuses
     # it even its own mount namespace.
     if mode != "single":
-        r = await sandbox.exec(["python3", "-c", ATTACK_SETNS, str(native.lib.NSBOX_FD_USERNS),
-                                str(native.lib.NSBOX_FD_MNTNS)], user="nobody")
+        r = await sandbox.exec(["python3", "-c", ATTACK_SETNS, str(zygote.lib.NSBOX_FD_USERNS),
+                                str(zygote.lib.NSBOX_FD_MNTNS)], user="nobody")
         assert dict(line.split(" ", 1) for line in r.stdout.splitlines())["own-mnt"] == "EPERM", r.stderr
 
 

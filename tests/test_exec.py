@@ -13,7 +13,8 @@ import anyio
 import pytest
 
 import nsbox
-from nsbox import CommandTimeout, OutputLimitExceeded, SandboxUnavailable, UserUnsupported, execfds
+from nsbox import CommandTimeout, OutputLimitExceeded, SandboxUnavailable, UserUnsupported
+from nsbox.init import execfds
 
 
 async def processes(sb: nsbox.Sandbox) -> list[str]:
@@ -290,7 +291,7 @@ async def test_exec_as_root_and_unknown_user(sandbox: nsbox.Sandbox) -> None:
 
 
 def test_spare_exec_descriptors_stay_with_the_process_that_made_them() -> None:
-    # The next exec's pipes and channel are made ahead (nsbox/execfds.py);
+    # The next exec's pipes and channel are made ahead (nsbox/init/execfds.py);
     # a forked child must not share them with its parent.
     execfds.restock()
     spare = execfds._spare

@@ -1,6 +1,6 @@
 """Streaming: Sandbox.start_process, and the provider's native exec_remote.
 
-The first half drives nsbox.streaming.Process directly; the second calls
+The first half drives nsbox.init.streaming.Process directly; the second calls
 Inspect's exec_remote through Inspect's own SandboxEnvironmentProxy, as
 sample code and the sandbox agent bridge do, in the bridge's style: a
 long-running process whose events a monitor task reads while the caller
@@ -23,7 +23,7 @@ import pytest
 
 import nsbox
 from nsbox import SandboxUnavailable
-from nsbox.streaming import Event, Exit, Output, Process
+from nsbox.init.streaming import Event, Exit, Output, Process
 
 from .test_exec import processes
 
@@ -291,7 +291,7 @@ async def inspect_env() -> AsyncIterator[Any]:
     Inspect's SandboxEnvironmentProxy."""
     from inspect_ai.util._sandbox.events import SandboxEnvironmentProxy
 
-    from nsbox.inspect_provider import NsboxConfig, NsboxSandboxEnvironment
+    from nsbox.inspect.provider import NsboxConfig, NsboxSandboxEnvironment
 
     cfg = NsboxConfig()
     envs = await NsboxSandboxEnvironment.sample_init("exec_remote", cfg, {"__sample_id__": "1"})
@@ -304,7 +304,7 @@ async def inspect_env() -> AsyncIterator[Any]:
 async def test_exec_remote_is_native_through_inspects_proxy(inspect_env: Any) -> None:
     from inspect_ai.util import ExecCompleted, ExecRemoteProcess, ExecStderr, ExecStdout
 
-    from nsbox.inspect_provider import NsboxExecRemoteProcess
+    from nsbox.inspect.provider import NsboxExecRemoteProcess
 
     proc = await inspect_env.exec_remote(["sh", "-c", "echo out; sleep 0.05; echo err >&2; exit 4"])
     assert isinstance(proc, ExecRemoteProcess) and isinstance(proc, NsboxExecRemoteProcess)
@@ -367,7 +367,7 @@ async def test_agent_bridge_style_caller(inspect_env: Any) -> None:
 
 
 def _nsbox_env() -> type:
-    from nsbox.inspect_provider import NsboxSandboxEnvironment
+    from nsbox.inspect.provider import NsboxSandboxEnvironment
 
     return NsboxSandboxEnvironment
 

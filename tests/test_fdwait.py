@@ -1,4 +1,4 @@
-"""nsbox.fdwait.Poller, the readiness wait of every exec, on both of its paths:
+"""nsbox.init.fdwait.Poller, the readiness wait of every exec, on both of its paths:
 asyncio's (its epoll registered with the loop, a future and a loop timer)
 and the generic one trio takes (anyio.wait_readable and cancel scopes)."""
 
@@ -9,7 +9,7 @@ import os
 import anyio
 import pytest
 
-from nsbox.fdwait import Poller, PollerPool
+from nsbox.init.fdwait import Poller, PollerPool
 
 
 @pytest.fixture(params=["asyncio", "trio"])

@@ -1,4 +1,4 @@
-"""GPU passthrough (nsbox/gpu.py) without a GPU: a CDI spec and stand-in
+"""GPU passthrough (nsbox/plan/gpu.py) without a GPU: a CDI spec and stand-in
 device nodes, driver libraries and programs the tests make.
 
 A user namespace cannot mknod, so the stand-in nodes are the host's own
@@ -20,13 +20,14 @@ from pathlib import Path
 import pytest
 
 import nsbox
-from nsbox import dirs, gpu, layers, registry
+from nsbox.host import dirs, layers, live
+from nsbox.plan import gpu
 from nsbox.compose import load_project
 from nsbox.compose.errors import ComposeError
 from nsbox.compose.mapping import service_spec
 from nsbox.errors import SandboxSetupError
-from nsbox.inspect_provider import NsboxConfig, NsboxSandboxEnvironment
-from nsbox.rootfs import Bind
+from nsbox.inspect.provider import NsboxConfig, NsboxSandboxEnvironment
+from nsbox.plan.rootfs import Bind
 from nsbox.spec import SandboxSpec
 
 LIB = "/opt/fake-nvidia/lib"  # outside /usr: the host root shows the host's /usr, read-only
@@ -175,7 +176,7 @@ async def test_cdi_refuses_what_it_does_not_have(cdi: Path, request_: object, me
         await sb.start()
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
     # Refused before anything was made: no runtime dir, registry entry or layer.
-    assert sb.id and registry.read(sb.id) is None
+    assert sb.id and live.read(sb.id) is None
     assert not (dirs.runtime_dir() / sb.id).exists() and not (layers.layers_dir() / sb.id).exists()
 
 

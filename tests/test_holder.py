@@ -1,4 +1,4 @@
-"""The holder (native.Holder, hold() in csrc/create/main.c): where sandbox
+"""The holder (zygote.Holder, hold() in csrc/create/main.c): where sandbox
 root is the owner's own uid (subuid and single modes), sandboxes are
 created in user namespaces nested in one per process, whose maps the holder
 writes directly; newuidmap runs once per process instead of once per
@@ -24,7 +24,7 @@ import psutil
 import pytest
 
 import nsbox
-from nsbox import native
+from nsbox.create import zygote
 
 from .conftest import process_named
 
@@ -44,8 +44,8 @@ def _parent_inode(path: str) -> int:
         os.close(fd)
 
 
-def _holders() -> list[native.Holder]:
-    return [h for h in native._holders.values() if h.owner == os.getpid() and h.alive()]
+def _holders() -> list[zygote.Holder]:
+    return [h for h in zygote._holders.values() if h.owner == os.getpid() and h.alive()]
 
 
 async def test_sandboxes_nest_in_the_holder_where_root_is_our_uid(mode: str) -> None:

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from nsbox import hostcheck, native, steps
+from nsbox.create import hostcheck, zygote
+from nsbox.plan import steps
 
 
 def test_refused_user_namespaces_name_the_sysctl(tmp_path: Path) -> None:

@@ -11,7 +11,8 @@ import os
 import pytest
 
 import nsbox
-from nsbox import UserUnsupported, idmap
+from nsbox import UserUnsupported
+from nsbox.host import idmap
 
 # Inspect's root probe reads these (see Inspect's sandbox-tools root access).
 PROBE = "grep -E '^(Uid|CapEff):' /proc/self/status; cat /proc/self/setgroups"
@@ -84,7 +85,7 @@ async def test_inspect_root_probe_verdict(mode: str) -> None:
     # Inspect's own probe decides whether its tools may run as root.
     from inspect_ai.tool._sandbox_tools_utils.sandbox import resolve_root_access
 
-    from nsbox.inspect_provider import NsboxConfig, NsboxSandboxEnvironment
+    from nsbox.inspect.provider import NsboxConfig, NsboxSandboxEnvironment
 
     cfg = NsboxConfig()
     envs = await NsboxSandboxEnvironment.sample_init("probe", cfg, {})

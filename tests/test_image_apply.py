@@ -73,7 +73,7 @@ async def test_hostile_layer_stays_inside(tmp_path: Path, store: Store, caplog: 
     layout = Layout(tmp_path / "layout")
     layout.tag("hostile", layout.image([busybox_layer(), tar_bytes(hostile)]))
     host_before = snapshot(tmp_path, skip=store.root)
-    caplog.set_level(logging.WARNING, "nsbox.images")
+    caplog.set_level(logging.WARNING, "nsbox.storage.tarball")
     image = await import_image(store, layout.path, name="hostile:1")
     top = image.layers[-1]
     assert snapshot(tmp_path, skip=store.root) == host_before

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from nsbox.errors import NsboxError
 from nsbox.storage.archive import import_image
-from nsbox.storage.cli import image as image_cli
+from nsbox.cli.image import image as image_cli
 from nsbox.storage.store import Image, Store
 
 from .conftest import MODE
@@ -113,7 +113,7 @@ def test_cli(busybox_oci: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     assert json.loads(runner.invoke(image_cli, ["ls", "--json"]).output) == []
     store = Store(tmp_path / "state/data/images")
     assert not list(store.blobs.joinpath("sha256").iterdir())
-    from nsbox.removal import remove_layer
+    from nsbox.host.removal import remove_layer
     remove_layer(tmp_path / "state", MODE)
 
 

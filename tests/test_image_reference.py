@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from nsbox import idmap
+from nsbox.host import idmap
 from nsbox.errors import NsboxError
 from nsbox.storage import oci, registry
 from nsbox.storage.config import ImageConfig

@@ -17,7 +17,7 @@ import anyio
 import pytest
 
 import nsbox
-from nsbox.inspect_provider import NsboxConfig
+from nsbox.inspect.provider import NsboxConfig
 from nsbox.storage import Store
 
 from .conftest import MODE
@@ -97,7 +97,7 @@ async def test_what_a_new_sandbox_finds_in_an_image_is_read_once(
         assert b.workdir == "/srv"
     bound = tmp_path / "bound"
     bound.mkdir()
-    async with nsbox.Sandbox(image=app_image, mounts=[nsbox.rootfs.Bind(str(bound), "/mnt/b")]) as c:
+    async with nsbox.Sandbox(image=app_image, mounts=[nsbox.plan.rootfs.Bind(str(bound), "/mnt/b")]) as c:
         assert len(reads) == before + 1, reads  # c read its own
         assert (await c.exec(["pwd"])).stdout == "/srv\n"
 

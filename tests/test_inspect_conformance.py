@@ -25,7 +25,7 @@ from inspect_ai.util import SandboxEnvironment
 from inspect_ai.util._sandbox.self_check import *  # noqa: F403
 
 import nsbox
-from nsbox.inspect_provider import NsboxConfig, NsboxSandboxEnvironment
+from nsbox.inspect.provider import NsboxConfig, NsboxSandboxEnvironment
 
 from .conftest import MODE
 

@@ -27,9 +27,10 @@ from inspect_ai.tool import bash, bash_session, python, text_editor
 from inspect_ai.util import sandbox
 
 import nsbox
-from nsbox import manage, registry, removal
+from nsbox import manage
+from nsbox.host import live, removal
 from nsbox.errors import NsboxError
-from nsbox.inspect_provider import NsboxSandboxEnvironment
+from nsbox.inspect.provider import NsboxSandboxEnvironment
 
 MODEL = "mockllm/model"
 
@@ -79,7 +80,7 @@ def files_are(expected: dict[str, str]):  # type: ignore[no-untyped-def]
             value=CORRECT if got == expected else INCORRECT,
             explanation=json.dumps(got),
             metadata={"id": env.sandbox.id, "pid": env.sandbox.pid,
-                      "start": registry.process_start_time(env.sandbox.pid),
+                      "start": live.process_start_time(env.sandbox.pid),
                       "root_access": access.state if access is not None else None,
                       "tools_user": getattr(sandbox(), "_tools_user", "?")},
         )
@@ -106,7 +107,7 @@ def sample_problems(log: EvalLog) -> list[str]:
 
 
 def gone(pid: int, start: int | None) -> bool:
-    return not registry.process_alive(pid, start)
+    return not live.process_alive(pid, start)
 
 
 # Each tool writes a file; bash_session also shows that its shell keeps
@@ -166,10 +167,10 @@ def test_eval_with_every_tool(rootfs: str, tmp_path: Path, debian_rootfs: Path, 
     assert meta["root_access"] == ("unusable" if mode == "single" else "usable"), meta
     assert meta["tools_user"] == (None if mode == "single" else "root"), meta
     # The sample's sandbox is gone with everything in it (the tools server too).
-    assert registry.read(meta["id"]) is None
+    assert live.read(meta["id"]) is None
     assert gone(meta["pid"], meta["start"])
     assert removal.wait_swept(10)
-    assert not (nsbox.dirs.data_dir() / "sandboxes" / meta["id"]).exists()
+    assert not (nsbox.host.dirs.data_dir() / "sandboxes" / meta["id"]).exists()
 
 
 KEEP_STEPS: list[tuple[str, dict[str, Any]]] = [("bash", {"command": "echo {INPUT} > /tmp/marker"})]
@@ -189,7 +190,7 @@ def test_no_sandbox_cleanup_keeps_detached_sandboxes(tmp_path: Path, debian_root
                 solver=[use_tools([bash()]), generate()],
                 scorer=files_are({"/tmp/marker": "x"}),  # only to record which sandbox
                 sandbox=("nsbox", write_config(tmp_path, f"rootfs: {debian_rootfs}\n")), name=name)
-    kept: dict[str, registry.SandboxInfo] = {}
+    kept: dict[str, live.SandboxInfo] = {}
     try:
         [log] = eval(task, model=get_model(MODEL, custom_outputs=script), log_dir=str(tmp_path),
                      display="none", sandbox_cleanup=False)
@@ -224,23 +225,23 @@ def test_no_sandbox_cleanup_keeps_detached_sandboxes(tmp_path: Path, debian_root
         anyio.run(NsboxSandboxEnvironment.cli_cleanup, one)
         assert capfd.readouterr().out == f"removed nsbox sandbox {one}\n"
         info = kept[one]
-        assert registry.read(one) is None
+        assert live.read(one) is None
         assert gone(info.init_pid, info.init_start)
         assert not Path(info.layer).exists()
-        assert registry.read(two) is not None and kept[two].init_alive
+        assert live.read(two) is not None and kept[two].init_alive
         assert anyio.run(marker, two) == "keep-two\n"
 
         # `inspect sandbox cleanup nsbox` removes every one left.
         anyio.run(NsboxSandboxEnvironment.cli_cleanup, None)
         assert f"removed nsbox sandbox {two} " in capfd.readouterr().out
         info = kept[two]
-        assert registry.read(two) is None
+        assert live.read(two) is None
         assert gone(info.init_pid, info.init_start)
         assert not Path(info.layer).exists()
         assert inspect_entries(name) == {}
     finally:
         for info in kept.values():
-            if registry.read(info.id) is not None:
+            if live.read(info.id) is not None:
                 manage.remove(info, force=True)
 
 
@@ -249,7 +250,7 @@ def test_config_error_fails_the_eval_before_any_sample(tmp_path: Path) -> None:
     name = f"nsbox_badcfg_{uuid.uuid4().hex[:8]}"
     task = Task(dataset=[Sample(input="never", target="")], solver=[use_tools([bash()]), generate()],
                 scorer=files_are({}), sandbox=("nsbox", write_config(tmp_path, "network: bogus\n")), name=name)
-    before = {i.id for i in registry.entries()}
+    before = {i.id for i in live.entries()}
     # Inspect runs task_init before it opens the log: the error surfaces as
     # the exception itself (older versions logged it as status "error").
     try:
@@ -264,4 +265,4 @@ def test_config_error_fails_the_eval_before_any_sample(tmp_path: Path) -> None:
     assert "invalid nsbox configuration" in message and "nsbox.yaml" in message, message
     assert "network: Value error, Input should be 'none', 'host', 'nat', 'proxy' or 'net:NAME'" in message, message
     assert script.calls == []  # type: ignore[attr-defined]
-    assert {i.id for i in registry.entries() if name in i.label} - before == set()
+    assert {i.id for i in live.entries() if name in i.label} - before == set()

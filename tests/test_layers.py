@@ -7,8 +7,9 @@ import time
 from pathlib import Path
 
 import nsbox
-from nsbox import layers, manage, removal
-from nsbox.rootfs import HostRootfs, ImageRootfs
+from nsbox.host import layers, removal
+from nsbox import manage
+from nsbox.plan.rootfs import HostRootfs, ImageRootfs
 
 
 def reuse_dir() -> Path:
@@ -25,7 +26,7 @@ def kept() -> set[str]:
 
 
 async def test_an_untouched_layer_is_kept_and_reused() -> None:
-    manage.gc(nsbox.idmap.detect())  # start from an empty pool
+    manage.gc(nsbox.host.idmap.detect())  # start from an empty pool
     async with nsbox.Sandbox() as a:
         await a.exec(["true"])
         layer_a = a._layer
@@ -56,7 +57,7 @@ async def test_nothing_of_a_sandbox_carries_over() -> None:
     ]
     etc_in_memory = HostRootfs.layer_kind() == layers.HOST_MEMORY_ETC_LAYER
     for change in changes:
-        manage.gc(nsbox.idmap.detect())
+        manage.gc(nsbox.host.idmap.detect())
         async with nsbox.Sandbox() as a:
             r = await a.exec(["sh", "-c", change])
             assert r.success, (change, r.stderr)
@@ -78,7 +79,7 @@ async def test_gc_empties_the_pool() -> None:
     async with nsbox.Sandbox():
         pass
     assert kept()
-    manage.gc(nsbox.idmap.detect())
+    manage.gc(nsbox.host.idmap.detect())
     assert not kept()
     assert not [p for p in os.listdir(layers.layers_dir()) if p.startswith(".gc-")]
 
@@ -116,7 +117,7 @@ def image_sandbox(lower: Path) -> nsbox.Sandbox:
 async def test_a_kept_layer_has_no_overlay_uuid() -> None:
     # The uuid is the overlay's f_fsid: a reused layer would share it.
     for make in (nsbox.Sandbox, lambda: nsbox.Sandbox(workdir="/")):
-        manage.gc(nsbox.idmap.detect())
+        manage.gc(nsbox.host.idmap.detect())
         async with make() as sb:
             await sb.exec(["true"])
         (name,) = kept()
@@ -127,7 +128,7 @@ async def test_a_kept_layer_has_no_overlay_uuid() -> None:
 
 async def test_an_untouched_directory_or_image_layer_is_reused_across_lower_stacks(
         busybox_rootfs: Path, debian_rootfs: Path) -> None:
-    manage.gc(nsbox.idmap.detect())
+    manage.gc(nsbox.host.idmap.detect())
     async with nsbox.Sandbox(busybox_rootfs) as a:
         before = await fingerprint(a)
     assert len(dir_kept()) == 1 and not host_kept()
@@ -160,11 +161,11 @@ async def test_nothing_of_a_directory_or_image_sandbox_carries_over(debian_rootf
         ("touch -d 2001-01-01 /", True),
         ("touch /x && rm /x", True),
     ]
-    manage.gc(nsbox.idmap.detect())
+    manage.gc(nsbox.host.idmap.detect())
     async with nsbox.Sandbox(debian_rootfs, workdir="/") as fresh:
         expected = await fingerprint(fresh)
     for i, (change, keepable) in enumerate(changes):
-        manage.gc(nsbox.idmap.detect())
+        manage.gc(nsbox.host.idmap.detect())
         make = (lambda: nsbox.Sandbox(debian_rootfs, workdir="/")) if i % 2 else (lambda: image_sandbox(debian_rootfs))
         async with make() as a:
             r = await a.exec(["sh", "-c", change])
@@ -184,7 +185,7 @@ async def test_nothing_of_a_directory_or_image_sandbox_carries_over(debian_rootf
 async def test_host_layer_times_flags_and_fsid_do_not_carry_over(mode: str) -> None:
     for change in ("touch -d 2001-01-01 / /etc/hosts && touch -a -d 2001-01-01 /etc/hostname",
                    "chattr +d /", "chattr +A /etc/hosts", "chgrp 1 /etc/hosts", "chgrp 1 /"):
-        manage.gc(nsbox.idmap.detect())
+        manage.gc(nsbox.host.idmap.detect())
         async with nsbox.Sandbox() as a:
             r = await a.exec(["sh", "-c", change])
             fsid = (await a.exec(["stat", "-f", "-c", "%i", "/"])).stdout
@@ -213,7 +214,7 @@ def trash() -> Path:
 
 
 async def test_overlays_are_volatile_and_their_work_is_swept() -> None:
-    manage.gc(nsbox.idmap.detect())
+    manage.gc(nsbox.host.idmap.detect())
     async with nsbox.Sandbox() as a:
         r = await a.exec(["sh", "-c", "grep ' - overlay ' /proc/self/mountinfo"])
         overlays = r.stdout.splitlines()
@@ -235,7 +236,7 @@ async def test_overlays_are_volatile_and_their_work_is_swept() -> None:
 
 
 async def test_a_layer_whose_work_cannot_be_set_aside_is_not_kept() -> None:
-    manage.gc(nsbox.idmap.detect())
+    manage.gc(nsbox.host.idmap.detect())
     if trash().exists():
         removal.remove_tree(trash())
     trash().write_text("not a directory")  # every rename into it fails
@@ -257,6 +258,6 @@ async def test_gc_sweeps_what_a_sweeper_left() -> None:
     (left / "work" / "incompat" / "volatile").mkdir(parents=True)
     (left / "work" / "incompat" / "volatile" / "dirty").write_text("")
     os.chmod(left / "work", 0)
-    report = manage.gc(nsbox.idmap.detect())
+    report = manage.gc(nsbox.host.idmap.detect())
     assert not report.failures, report.failures
     assert not left.exists()

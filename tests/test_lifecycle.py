@@ -17,8 +17,9 @@ import psutil
 import pytest
 
 import nsbox
-from nsbox import dirs, native, registry, removal
-from nsbox import layers as layer_store
+from nsbox.host import dirs, live, removal
+from nsbox.create import zygote
+from nsbox.host import layers as layer_store
 
 
 def pidns(pid: int) -> str:
@@ -136,7 +137,7 @@ def test_sigkill_of_the_owner_leaves_no_process() -> None:
         # The init leaves its namespaces before it has finished exiting
         # (unmounting its tree): allow it that moment.
         deadline = time.monotonic() + 5
-        while (entry := registry.read(info["id"])) is not None and entry.init_alive and time.monotonic() < deadline:
+        while (entry := live.read(info["id"])) is not None and entry.init_alive and time.monotonic() < deadline:
             time.sleep(0.02)
         assert entry is not None and not entry.owner_alive and not entry.init_alive
     finally:
@@ -210,7 +211,7 @@ async def test_setup_failure_leaves_nothing(tmp_path: Path) -> None:
     # No sandbox process is left (other tests' helpers, e.g. a registry
     # server, may be children of this process too).
     assert not [c.pid for c in psutil.Process().children()
-                if c.name() in ("nsbox-init", "nsbox-create") and c.pid not in native.helper_pids()]
+                if c.name() in ("nsbox-init", "nsbox-create") and c.pid not in zygote.helper_pids()]
 
 
 async def test_a_layer_failing_while_the_zygote_clones_leaves_nothing(monkeypatch) -> None:
@@ -218,7 +219,8 @@ async def test_a_layer_failing_while_the_zygote_clones_leaves_nothing(monkeypatc
     the zygote (launch's before_go). If that fails, the cloned process gets
     no go: it exits without running a step, is reaped, and its layer and
     registry entry go; the next sandbox is fine."""
-    from nsbox import launch as launch_mod, rootfs as rootfs_mod
+    from nsbox.create import launch as launch_mod
+    from nsbox.plan import rootfs as rootfs_mod
 
     async with nsbox.Sandbox():  # the plan's template, the zygote and the holder exist from here
         pass

@@ -101,7 +101,7 @@ def test_named_network_member_binds_80() -> None:
 @pytest.mark.timeout(300)
 async def test_a_run_step_binds_80(tmp_path: Path) -> None:
     """busybox httpd exits 1 when it cannot bind its port."""
-    from nsbox.build import build
+    from nsbox.dockerfile import build
     from nsbox.storage import ImageNotFound, Store
 
     from .test_build import _base, context

@@ -24,8 +24,10 @@ from typing import Iterator
 import pytest
 from inspect_ai.util import SandboxUserUnsupportedError
 
-from nsbox import manage, native, registry, removal
-from nsbox.inspect_provider import NsboxSandboxEnvironment
+from nsbox import manage
+from nsbox.create import zygote
+from nsbox.host import live, removal
+from nsbox.inspect.provider import NsboxSandboxEnvironment
 
 NSBOX = [sys.executable, "-m", "nsbox"]
 
@@ -55,10 +57,10 @@ def ps_rows() -> dict[str, dict[str, str]]:
     return rows
 
 
-def assert_removed(info: registry.SandboxInfo) -> None:
+def assert_removed(info: live.SandboxInfo) -> None:
     """Nothing is left of the sandbox: entry, init, layer, runtime dir."""
-    assert registry.read(info.id) is None
-    assert not registry.sandbox_dir(info.id).exists()
+    assert live.read(info.id) is None
+    assert not live.sandbox_dir(info.id).exists()
     assert wait_for(lambda: not info.init_alive), f"init {info.init_pid} still runs"
     assert removal.wait_swept(10)  # closed in this process: released on its sweeper's thread
     assert not Path(info.layer).exists(), info.layer
@@ -66,19 +68,19 @@ def assert_removed(info: registry.SandboxInfo) -> None:
 
 
 @contextlib.contextmanager
-def detached(*command: str) -> Iterator[registry.SandboxInfo]:
+def detached(*command: str) -> Iterator[live.SandboxInfo]:
     """`nsbox run --detach -- COMMAND`; removed afterwards whatever happens."""
     r = nsbox("run", "--detach", "--", *command)
     assert r.returncode == 0, r.stderr
     sandbox_id = r.stdout.strip()
     assert re.fullmatch(r"[0-9a-f]{12}", sandbox_id), r.stdout
     assert f"nsbox rm {sandbox_id}" in r.stderr
-    info = registry.read(sandbox_id)
+    info = live.read(sandbox_id)
     assert info is not None
     try:
         yield info
     finally:
-        if registry.read(sandbox_id) is not None:
+        if live.read(sandbox_id) is not None:
             manage.remove(info, force=True)
 
 
@@ -120,18 +122,18 @@ def test_rm_of_a_missing_sandbox() -> None:
 
 OWNER = textwrap.dedent("""
     import anyio, json, nsbox
-    from nsbox import native
+    from nsbox.create import zygote
     async def main():
         sb = await nsbox.Sandbox.create()
         await sb.exec(["sh", "-c", "sleep 1000 & echo started"])
-        print(json.dumps({"id": sb.id, "zygote": native.zygote_pid()}), flush=True)
+        print(json.dumps({"id": sb.id, "zygote": zygote.zygote_pid()}), flush=True)
         await anyio.sleep(1000)
     anyio.run(main)
 """)
 
 
 @contextlib.contextmanager
-def owner_process() -> Iterator[tuple[subprocess.Popen[str], registry.SandboxInfo, int]]:
+def owner_process() -> Iterator[tuple[subprocess.Popen[str], live.SandboxInfo, int]]:
     """A Python process that holds a sandbox open: (process, entry, pidfd of
     its nsbox-create zygote)."""
     owner = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True)
@@ -143,13 +145,13 @@ def owner_process() -> Iterator[tuple[subprocess.Popen[str], registry.SandboxInf
         assert line, "the owner process failed"
         data = json.loads(line)
         pidfd = os.pidfd_open(data["zygote"])
-        info = registry.read(data["id"])
+        info = live.read(data["id"])
         assert info is not None and info.owner_pid == owner.pid
         yield owner, info, pidfd
     finally:
         owner.kill()
         owner.wait()
-        if info is not None and registry.read(info.id) is not None:
+        if info is not None and live.read(info.id) is not None:
             manage.remove(info, force=True)
         if pidfd >= 0:
             # The owner's zygote goes with it.
@@ -165,7 +167,7 @@ def test_rm_refuses_a_sandbox_a_live_process_owns() -> None:
         assert r.returncode == 1 and r.stdout == ""
         assert f"sandbox {info.id} belongs to the running process {owner.pid}" in r.stderr, r.stderr
         assert "--force" in r.stderr and "Traceback" not in r.stderr
-        assert info.init_alive and registry.read(info.id) is not None and Path(info.layer).is_dir()
+        assert info.init_alive and live.read(info.id) is not None and Path(info.layer).is_dir()
         assert owner.poll() is None
 
         r = nsbox("rm", "--force", info.id)
@@ -184,13 +186,13 @@ def test_gc_removes_what_a_killed_owner_left(tmp_path: Path, monkeypatch: pytest
         # The init dies with its lifeline; the entry and layer stay behind.
         assert wait_for(lambda: not info.init_alive)
         assert ps_rows()[info.id]["state"] == "dead"
-        assert registry.read(info.id) is not None and Path(info.layer).is_dir()
+        assert live.read(info.id) is not None and Path(info.layer).is_dir()
 
         r = nsbox("gc", "-n")
         assert r.returncode == 0, r.stderr
         assert f"would remove sandbox {info.id}" in r.stdout.splitlines(), r.stdout
         assert "removed" not in r.stdout
-        assert registry.read(info.id) is not None and Path(info.layer).is_dir()  # only reported
+        assert live.read(info.id) is not None and Path(info.layer).is_dir()  # only reported
 
         r = nsbox("gc")
         assert r.returncode == 0, r.stderr
@@ -301,7 +303,7 @@ def test_shell_in_a_fresh_sandbox() -> None:
     with terminal([*NSBOX, "shell"], rows=33, cols=101) as t:
         t.run("echo $((6*7))", r"\b42\b")
         sandbox_id = t.run("echo host=$(hostname)", r"host=([0-9a-f]{12})\b").group(1)
-        info = registry.read(sandbox_id)
+        info = live.read(sandbox_id)
         assert info is not None and info.origin == "cli" and not info.detached
 
         # The window size, at start and after changes: one that a program
@@ -385,7 +387,7 @@ async def test_connection_logs_in_as_the_default_user(inspect_env: NsboxSandboxE
         # The session lives in the user namespace sandbox processes run in
         # (the nested one the init holds as a descriptor), on a terminal of
         # the sandbox's own.
-        nested = os.readlink(f"/proc/{sb.pid}/fd/{native.lib.NSBOX_FD_USERNS}")
+        nested = os.readlink(f"/proc/{sb.pid}/fd/{zygote.lib.NSBOX_FD_USERNS}")
         assert found == ("0", sb.workdir, sb.hostname, "nsbox-init", nested)
         t.run("tty", r"/dev/pts/\d+")
         t.type("exit 4\n")
@@ -409,7 +411,7 @@ async def test_connection_after_cleanup() -> None:
     envs = await NsboxSandboxEnvironment.sample_init("conn", None, {})
     env = envs["default"]
     assert isinstance(env, NsboxSandboxEnvironment)
-    info = registry.read(env.sandbox.id)
+    info = live.read(env.sandbox.id)
     assert info is not None
     await NsboxSandboxEnvironment.sample_cleanup("conn", None, envs, False)
     with pytest.raises(ConnectionError, match="not running"):
@@ -464,8 +466,8 @@ def test_a_killed_evals_sandboxes_are_collected_by_the_next_start(tmp_path: Path
                            "--max-samples", "2", "--log-dir", str(tmp_path / "logs"), "--display", "none"],
                           cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        def theirs() -> list[registry.SandboxInfo]:
-            return [i for i in registry.entries() if i.label.startswith("killed sample")
+        def theirs() -> list[live.SandboxInfo]:
+            return [i for i in live.entries() if i.label.startswith("killed sample")
                     and _descends(i.owner_pid, ev.pid) and i.init_alive]
 
         assert wait_for(lambda: len(theirs()) == 2, 60), "the eval did not start both samples"
@@ -487,10 +489,10 @@ def test_a_killed_evals_sandboxes_are_collected_by_the_next_start(tmp_path: Path
         r = subprocess.run([sys.executable, "-c", NEXT_START], capture_output=True, text=True, timeout=90)
         assert r.returncode == 0, r.stderr
         for info in infos:
-            assert registry.read(info.id) is None
+            assert live.read(info.id) is None
             assert not Path(info.layer).exists(), info.layer
             assert info.id not in ps_rows()
-        assert live.init_alive and registry.read(live.id) is not None and Path(live.layer).is_dir()
+        assert live.init_alive and live.read(live.id) is not None and Path(live.layer).is_dir()
         assert owner.poll() is None
 
 

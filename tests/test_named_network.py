@@ -22,7 +22,8 @@ import psutil
 import pytest
 
 import nsbox
-from nsbox import idmap, network as network_mod
+from nsbox.host import idmap
+from nsbox import network as network_mod
 from nsbox.net.client import NetError
 
 pytestmark = pytest.mark.timeout(120)

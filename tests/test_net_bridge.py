@@ -25,7 +25,7 @@ import anyio
 import pytest
 
 import nsbox
-from nsbox import idmap
+from nsbox.host import idmap
 from nsbox.net.bridge import Network, OwnerUserns
 from nsbox.net.client import Namespaces
 
@@ -160,7 +160,7 @@ async def test_outbound_network_and_host_access(owner: OwnerUserns, members: dic
 
 OWNER_SCRIPT = textwrap.dedent("""
     import anyio, os, subprocess, sys, time
-    from nsbox import idmap
+    from nsbox.host import idmap
     from nsbox.net.bridge import Network, OwnerUserns
     from nsbox.net.client import Namespaces, helper
     async def main():

@@ -26,7 +26,7 @@ import anyio
 import pytest
 
 import nsbox
-from nsbox import netplan
+from nsbox.plan import netmodes
 from nsbox.net import usernet
 from nsbox.net.client import NetError
 
@@ -94,13 +94,13 @@ def test_spec_checks_network_settings() -> None:
 
 
 def test_cli_and_inspect_settings_pass_them_on() -> None:
-    from nsbox.cli import make_sandbox
+    from nsbox.cli.main import make_sandbox
 
     sb = make_sandbox(rootfs="host", image=None, pull="missing", platform=None, user=None, workdir=None, env=(),
                       volumes=(), network="proxy", id_mapping="auto", nested_userns=False,
                       publish=("9000:80",), allow=("example.com",))
     assert sb.spec.ports == ("127.0.0.1:9000:80",) and sb.spec.allow == ("example.com",)
-    inspect = pytest.importorskip("nsbox.inspect_provider")
+    inspect = pytest.importorskip("nsbox.inspect.provider")
     settings = inspect.SandboxSettings(network="nat", ports=("8000:80",))
     assert settings.network == "nat" and settings.ports == ("8000:80",)
 
@@ -169,13 +169,13 @@ async def test_nat_refuses_an_unusable_tun_in_one_line(monkeypatch: pytest.Monke
             fake.chmod(0o600 if os.stat(tmp).st_uid != os.getuid() else 0)
             monkeypatch.setattr(usernet, "TUN_DEVICE", str(fake))
             fix = "chmod 0666"
-        before = set(os.listdir(nsbox.dirs.runtime_dir()))
+        before = set(os.listdir(nsbox.host.dirs.runtime_dir()))
         sb = nsbox.Sandbox(network="nat")
         with pytest.raises(NetError) as info:
             await sb.start()
     text = str(info.value)
     assert fix in text and "proxy" in text and "\n" not in text, text
-    assert sb.pid == 0 and set(os.listdir(nsbox.dirs.runtime_dir())) == before
+    assert sb.pid == 0 and set(os.listdir(nsbox.host.dirs.runtime_dir())) == before
 
 
 async def test_nat_refusal_with_the_real_tun_at_0600() -> None:
@@ -189,7 +189,7 @@ async def test_nat_refusal_with_the_real_tun_at_0600() -> None:
 
 async def test_proxy_allows_an_allowlisted_name_and_refuses_another(
         http_server: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(netplan.PROXY_HOSTS_ENV, "allowed.test=127.0.0.1,denied.test=127.0.0.1")
+    monkeypatch.setenv(netmodes.PROXY_HOSTS_ENV, "allowed.test=127.0.0.1,denied.test=127.0.0.1")
     async with nsbox.Sandbox(network="proxy", allow=["allowed.test"]) as sb:
         r = await sb.exec(["python3", "-c", FETCH, f"http://allowed.test:{http_server}/"])
         assert r.stdout.strip() == "got hello from allowed.test", r
@@ -254,13 +254,13 @@ async def test_a_taken_host_port_fails_creation() -> None:
 
 OWNER = textwrap.dedent("""
     import anyio, json, os, sys, nsbox
-    from nsbox import netplan
+    from nsbox.plan import netmodes
 
     async def main():
         network = sys.argv[1]
         sbs = [await nsbox.Sandbox(network=network, ports=["0:8000"]).start(),
                await nsbox.Sandbox(network="proxy", allow=["example.com"]).start()]
-        print(json.dumps({"inits": [sb.pid for sb in sbs], "helper": netplan.runner().helper.pid,
+        print(json.dumps({"inits": [sb.pid for sb in sbs], "helper": netmodes.runner().helper.pid,
                           "usernet": sbs[0]._net.usernet_pid, "port": sbs[0].host_ports[0]}), flush=True)
         await anyio.sleep(600)
 
@@ -294,9 +294,9 @@ async def test_close_stops_what_the_process_serves() -> None:
 
 
 def test_a_detached_sandbox_warns_once(capsys: pytest.CaptureFixture[str]) -> None:
-    netplan._warned = False
-    netplan.warn_detached(nsbox.SandboxSpec(network="nat", ports=("1:2",)))
-    netplan.warn_detached(nsbox.SandboxSpec(network="proxy"))
-    netplan.warn_detached(nsbox.SandboxSpec(network="none"))
+    netmodes._warned = False
+    netmodes.warn_detached(nsbox.SandboxSpec(network="nat", ports=("1:2",)))
+    netmodes.warn_detached(nsbox.SandboxSpec(network="proxy"))
+    netmodes.warn_detached(nsbox.SandboxSpec(network="none"))
     err = capsys.readouterr().err
     assert err.count("warning") == 1 and "nat networking and published ports end when this process exits" in err

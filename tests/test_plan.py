@@ -15,8 +15,9 @@ BUILD = r"""
 import json, sys
 sys.modules["nsbox._native"] = None  # importing it now fails
 from pathlib import Path
-from nsbox import idmap, mounts, plan, rootfs, steps
-from nsbox.rootfs import Bind
+from nsbox.host import idmap
+from nsbox.plan import mounts, plan, rootfs, steps
+from nsbox.plan.rootfs import Bind
 mapping = idmap.detect()  # this user's: the cached layers the plan names are built for it
 out = {}
 for name, root in (("host", rootfs.HostRootfs()), ("dir", rootfs.DirectoryRootfs(Path("/srv/image")))):
@@ -83,7 +84,8 @@ async def test_a_plan_from_the_cache_is_the_plan_built_for_the_sandbox(tmp_path)
     copy equals a plan built for that sandbox, and an input that changes
     the plan is not served the old one."""
     import nsbox
-    from nsbox import procmask, sandbox as sandbox_mod
+    from nsbox.plan import procmask
+    from nsbox import sandbox as sandbox_mod
 
     def fields(plan) -> list[tuple]:
         return [(s.kind, s.what, s.a, s.b, s.c, s.d, s.flags, s.mode, s.slot) for s in plan.steps()]
@@ -98,13 +100,13 @@ async def test_a_plan_from_the_cache_is_the_plan_built_for_the_sandbox(tmp_path)
     async with nsbox.Sandbox(hostname="named") as sb:
         copied = sb._plan_from_template()
         assert copied is not None
-        mount_dir = nsbox.layers.mount_point(sb.idmap.host_root)
+        mount_dir = nsbox.host.layers.mount_point(sb.idmap.host_root)
         built = sb._build_plan(mount_dir, sb._layer, sb.id, sb.hostname)
         assert fields(copied) == fields(built)
         assert sb._layer is not None and any(st.a == f"{sb._layer}/upper" for st in copied.steps())
         assert (await sb.exec(["hostname"])).stdout == "named\n"
         # Another input, another plan: a bind, or the /proc masks switched off.
-        bound = nsbox.Sandbox(mounts=[nsbox.rootfs.Bind(str(tmp_path), "/mnt/t")])
+        bound = nsbox.Sandbox(mounts=[nsbox.plan.rootfs.Bind(str(tmp_path), "/mnt/t")])
         bound.idmap, bound._layer, bound._rundir, bound.id, bound.hostname = (
             sb.idmap, sb._layer, sb._rundir, sb.id, sb.hostname)
         assert any(st.b == "/mnt/t" for st in plan_of(bound).steps())
@@ -123,17 +125,18 @@ async def test_a_templated_spec_is_the_spec_packed_for_the_sandbox() -> None:
     packing the sandbox's own plan gives. A hostname of another length
     than the id's packs the plan itself."""
     import nsbox
-    from nsbox import native, sandbox as sandbox_mod
+    from nsbox.create import zygote
+    from nsbox import sandbox as sandbox_mod
 
     sandbox_mod._plan_templates.clear()
     async with nsbox.Sandbox():
         pass
     (template,) = sandbox_mod._plan_templates.values()
-    shape = dict(clone_flags=native.clone_flags(template.namespaces), idmaps=template.idmap.how_to_write(),
+    shape = dict(clone_flags=zygote.clone_flags(template.namespaces), idmaps=template.idmap.how_to_write(),
                  keep_fds=[3, 4, -1, -1], exec_fd=5, envp=[], keep_stdio=False, new_session=True)
 
     def pack(p) -> bytes:
-        return native.pack_spec(steps=p.steps(), argv=["nsbox-init", p.sandbox_id, *p.init_args], **shape)
+        return zygote.pack_spec(steps=p.steps(), argv=["nsbox-init", p.sandbox_id, *p.init_args], **shape)
 
     for hostname in (None, "twelve-chars", "short", "a-much-longer-hostname"):
         async with nsbox.Sandbox(hostname=hostname) as sb:
@@ -141,7 +144,7 @@ async def test_a_templated_spec_is_the_spec_packed_for_the_sandbox() -> None:
             assert copy is not None and copy.sandbox_id == sb.id
             packed = copy.packed("key", pack)
             assert (packed is not None) == (len(sb.hostname) == len(sb.id)), sb.hostname
-            whole = pack(sb._build_plan(nsbox.layers.mount_point(sb.idmap.host_root), sb._layer, sb.id, sb.hostname))
+            whole = pack(sb._build_plan(nsbox.host.layers.mount_point(sb.idmap.host_root), sb._layer, sb.id, sb.hostname))
             assert pack(copy) == whole  # the lazy copy's steps, asked for
             if packed is not None:
                 assert packed == whole
@@ -157,7 +160,8 @@ def test_marks_found_elsewhere_in_a_spec_are_never_patched() -> None:
     whole."""
     import zlib
 
-    from nsbox import idmap, plan as plan_mod, steps
+    from nsbox.host import idmap
+    from nsbox.plan import plan as plan_mod, steps
 
     template = plan_mod.Plan(idmap.detect(), root="", sandbox_id="@aaaaaaaaaa@")
     template.add(plan_mod.Phase.INSIDE, steps.hostname("%bbbbbbbbbb%"), steps.mkdir("/x/@aaaaaaaaaa@"))

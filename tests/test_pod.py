@@ -17,7 +17,8 @@ import psutil
 import pytest
 
 import nsbox
-from nsbox import netplan, registry
+from nsbox.plan import netmodes
+from nsbox.host import live
 from nsbox.net.client import NetError
 
 from .conftest import process_named
@@ -93,11 +94,11 @@ async def test_joiner_outlives_its_target() -> None:
 
 
 async def test_missing_target_is_refused_and_leaves_nothing() -> None:
-    before = {i.id for i in registry.entries()}
+    before = {i.id for i in live.entries()}
     children = _children()
     with pytest.raises(NetError, match="no running sandbox nosuchbox"):
         await nsbox.Sandbox(network="container:nosuchbox").start()
-    assert {i.id for i in registry.entries()} == before
+    assert {i.id for i in live.entries()} == before
     assert _children() <= children
 
 
@@ -162,7 +163,7 @@ async def test_only_namespaces_of_a_sandbox_init_can_be_joined() -> None:
         for pid, expected in ((a.pid, True), (nested.pid, False)):
             fds = [os.open(f"/proc/{pid}/ns/{ns}", os.O_RDONLY | os.O_CLOEXEC) for ns in ("user", "net")]
             try:
-                assert netplan._sandbox_namespaces(*fds) is expected, pid
+                assert netmodes._sandbox_namespaces(*fds) is expected, pid
             finally:
                 for fd in fds:
                     os.close(fd)

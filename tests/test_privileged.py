@@ -17,7 +17,7 @@ import pytest
 
 import nsbox
 from nsbox.compose import ComposeError, load_project, service_spec
-from nsbox.inspect_provider import NsboxConfig, NsboxSandboxEnvironment
+from nsbox.inspect.provider import NsboxConfig, NsboxSandboxEnvironment
 
 from .test_security import _root_only_host_files
 
@@ -138,7 +138,7 @@ async def test_privileged_cannot_undo_masks_or_locks(tmp_path: Path) -> None:
     """No seccomp filter: the mount lock alone keeps read-only binds, the
     /proc masks and the /sys masks in place, from sandbox root and from a
     nested user namespace."""
-    from nsbox.rootfs import Bind
+    from nsbox.plan.rootfs import Bind
 
     (tmp_path / "f").write_text("original\n")
     os.chmod(tmp_path, 0o755)

@@ -1,4 +1,4 @@
-"""Masked and read-only /proc paths (nsbox/procmask.py), as OCI runtimes
+"""Masked and read-only /proc paths (nsbox/plan/procmask.py), as OCI runtimes
 set them up, and the fallback where the host's /proc is masked already.
 
 NSBOX_TEST_SWITCH_OFF=procmask runs these tests with the masks switched
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import nsbox
-from nsbox import procmask
+from nsbox.plan import procmask
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -121,7 +121,7 @@ def test_fallback_where_the_host_masks_proc(tmp_path: Path) -> None:
 
 WATCH = textwrap.dedent("""\
     import subprocess
-    from nsbox import procmask
+    from nsbox.plan import procmask
     seen = [procmask._covered.get()]
     subprocess.run(["mount", "--bind", "/dev/null", "/proc/timer_list"], check=True)
     seen.append(procmask._covered.get())

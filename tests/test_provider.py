@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from nsbox import NsboxError, dirs, idmap
-from nsbox.inspect_provider import NsboxConfig, NsboxSandboxEnvironment, load_config
+from nsbox import NsboxError
+from nsbox.host import dirs, idmap
+from nsbox.inspect.provider import NsboxConfig, NsboxSandboxEnvironment, load_config
 
 from .conftest import fixture_tar
 

@@ -19,9 +19,11 @@ import pytest
 from click.testing import CliRunner
 
 import nsbox
-from nsbox import cli, idmap, layers, manage, registry, removal
+from nsbox.cli import main
+from nsbox.host import idmap, layers, live, removal
+from nsbox import manage
 from nsbox.errors import NsboxError
-from nsbox.removal import RemovalError, remove_layer, remove_tree
+from nsbox.host.removal import RemovalError, remove_layer, remove_tree
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -144,7 +146,7 @@ async def test_files_of_other_sandbox_users(tmp_path: Path, mode: str) -> None:
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o777)
-    async with nsbox.Sandbox(mounts=[nsbox.rootfs.Bind(os.fspath(shared), "/shared")]) as sb:
+    async with nsbox.Sandbox(mounts=[nsbox.plan.rootfs.Bind(os.fspath(shared), "/shared")]) as sb:
         r = await sb.exec(["perl", "-e", DEEP_TREE, "/shared/tree", str(DEPTH)], user="nobody", cwd="/")
         assert r.success, r.stderr
         mapping = sb.idmap
@@ -225,7 +227,7 @@ NSBOX = [sys.executable, "-m", "nsbox"]
 
 @pytest.fixture
 def state() -> Iterator[Path]:
-    """A private state directory (registry, layers), so that `rm --all` and
+    """A private state directory (live, layers), so that `rm --all` and
     gc only see this test's sandboxes. Short: socket paths are limited.
     Not set through monkeypatch: tests name `monkeypatch` after this
     fixture, so that their patches are undone before it cleans up."""
@@ -236,7 +238,7 @@ def state() -> Iterator[Path]:
         yield d
     finally:
         try:
-            for info in registry.entries():
+            for info in live.entries():
                 with contextlib.suppress(NsboxError):
                     manage.remove(info, force=True)
             remove_layer(d, idmap.detect())
@@ -251,22 +253,22 @@ def nsbox_cmd(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*NSBOX, *args], capture_output=True, text=True, timeout=60, check=False)
 
 
-def detached() -> registry.SandboxInfo:
+def detached() -> live.SandboxInfo:
     r = nsbox_cmd("run", "--detach", "--", "sleep", "1000")
     assert r.returncode == 0, r.stderr
-    info = registry.read(r.stdout.strip())
+    info = live.read(r.stdout.strip())
     assert info is not None
     return info
 
 
-def fill(info: registry.SandboxInfo) -> None:
+def fill(info: live.SandboxInfo) -> None:
     r = nsbox_cmd("exec", info.id, "--", "perl", "-e", DEEP_TREE, "/var/tmp/tree", str(DEPTH))
     assert r.returncode == 0, r.stderr
 
 
-def assert_removed(info: registry.SandboxInfo) -> None:
-    assert registry.read(info.id) is None
-    assert not registry.sandbox_dir(info.id).exists()
+def assert_removed(info: live.SandboxInfo) -> None:
+    assert live.read(info.id) is None
+    assert not live.sandbox_dir(info.id).exists()
     assert not Path(info.layer).exists(), info.layer
     deadline = time.monotonic() + 5
     while info.init_alive:
@@ -317,14 +319,14 @@ def test_gc_goes_on_past_a_layer_it_cannot_remove(state: Path, monkeypatch: pyte
         real(layer, mapping)  # type: ignore[arg-type]
 
     monkeypatch.setattr(manage, "remove_layer", failing)
-    r = CliRunner().invoke(cli.main, ["gc"])
+    r = CliRunner().invoke(main.main, ["gc"])
     assert isinstance(r.exception, SystemExit) and r.exit_code == 1, r.output
     one_line_each(r.stderr, [f"nsbox: cannot remove layer {re.escape(str(stuck))}: RecursionError: .*"])
     assert set(r.stdout.splitlines()) == {f"removed layer {deep}", f"removed layer {plain}"}
     assert not deep.exists() and not plain.exists() and stuck.exists()
 
     monkeypatch.setattr(manage, "remove_layer", real)
-    r = CliRunner().invoke(cli.main, ["gc"])
+    r = CliRunner().invoke(main.main, ["gc"])
     assert r.exit_code == 0 and r.stdout == f"removed layer {stuck}\n" and r.stderr == "", r.output
 
 
@@ -358,14 +360,14 @@ def test_rm_all_goes_on_past_sandboxes_it_cannot_remove(state: Path, monkeypatch
             raise RecursionError("maximum recursion depth exceeded")
         real_remove_layer(layer, mapping)  # type: ignore[arg-type]
 
-    def failing_kill_init(info: registry.SandboxInfo) -> None:
+    def failing_kill_init(info: live.SandboxInfo) -> None:
         if info.id == bad_init.id:
             raise NsboxError(f"sandbox {info.id}: its init (pid {info.init_pid}) did not exit after SIGKILL")
         real_kill_init(info)
 
     monkeypatch.setattr(manage, "remove_layer", failing_remove_layer)
     monkeypatch.setattr(manage, "_kill_init", failing_kill_init)
-    r = CliRunner().invoke(cli.main, ["rm", "--all"])
+    r = CliRunner().invoke(main.main, ["rm", "--all"])
     assert isinstance(r.exception, SystemExit) and r.exit_code == 1, r.output
     one_line_each(r.stderr, [
         f"nsbox: cannot remove layer {re.escape(bad_layer.layer)} of sandbox {bad_layer.id}: RecursionError: .*",
@@ -374,12 +376,12 @@ def test_rm_all_goes_on_past_sandboxes_it_cannot_remove(state: Path, monkeypatch
     assert sorted(r.stdout.split()) == sorted([deep.id, plain.id])
     assert_removed(deep)
     assert_removed(plain)
-    assert registry.read(bad_layer.id) is not None and Path(bad_layer.layer).exists()
+    assert live.read(bad_layer.id) is not None and Path(bad_layer.layer).exists()
     assert bad_init.init_alive
 
     monkeypatch.setattr(manage, "remove_layer", real_remove_layer)
     monkeypatch.setattr(manage, "_kill_init", real_kill_init)
-    r = CliRunner().invoke(cli.main, ["rm", bad_layer.id[:6], "0123456789ab", bad_init.id])
+    r = CliRunner().invoke(main.main, ["rm", bad_layer.id[:6], "0123456789ab", bad_init.id])
     assert r.exit_code == 1
     one_line_each(r.stderr, ["nsbox: no sandbox '0123456789ab'.*"])
     assert sorted(r.stdout.split()) == sorted([bad_layer.id, bad_init.id])
@@ -401,7 +403,7 @@ def test_rm_all_on_the_command_line(state: Path, mode: str) -> None:
             assert r.returncode == 1
             reason = f"Operation not permitted: {stuck.id}/upper/pinned"
             one_line_each(r.stderr, [f"nsbox: cannot remove layer {re.escape(stuck.layer)} of sandbox {stuck.id}: {reason}"])
-            assert registry.read(stuck.id) is not None
+            assert live.read(stuck.id) is not None
         else:
             assert (r.returncode, r.stderr) == (0, "")
     if stuck:

@@ -1,4 +1,4 @@
-"""Resource limits (nsbox/resources.py): memory, pids_limit, cpus, disk.
+"""Resource limits (nsbox/plan/resources.py): memory, pids_limit, cpus, disk.
 
 As root here they are cgroup v1 limits; as an unprivileged user (no
 delegated cgroup on this host) they fall back to rlimits, and nsbox says so.
@@ -21,9 +21,11 @@ import click
 import pytest
 
 import nsbox
-from nsbox import cli, layers, registry, resources
+from nsbox.cli import main
+from nsbox.host import layers, live
+from nsbox.plan import resources
 from nsbox.errors import HostPrerequisiteError
-from nsbox.inspect_provider import NsboxConfig, NsboxSandboxEnvironment
+from nsbox.inspect.provider import NsboxConfig, NsboxSandboxEnvironment
 from nsbox.spec import SandboxSpec, parse_size
 
 pytestmark = pytest.mark.timeout(60)
@@ -62,17 +64,17 @@ def test_spec_api_yaml_cli_agree() -> None:
     assert (sb.spec.memory, sb.spec.pids_limit, sb.spec.cpus, sb.spec.disk) == (512 * MiB, 256, 1.5, 2 << 30)
     cfg = NsboxConfig.model_validate({"memory": "512m", "pids_limit": 256, "cpus": 1.5, "disk": "2g"})
     assert (cfg.memory, cfg.pids_limit, cfg.cpus, cfg.disk) == (512 * MiB, 256, 1.5, 2 << 30)
-    ctx = cli.run.make_context("run", ["--memory", "512m", "--pids-limit", "256", "--cpus", "1.5", "--disk", "2g",
+    ctx = main.run.make_context("run", ["--memory", "512m", "--pids-limit", "256", "--cpus", "1.5", "--disk", "2g",
                                        "--", "true"])
     opts = {k: v for k, v in ctx.params.items() if k not in ("command", "timeout", "detach")}
-    made = cli.make_sandbox(**opts).spec
+    made = main.make_sandbox(**opts).spec
     assert (made.memory, made.pids_limit, made.cpus, made.disk) == (512 * MiB, 256, 1.5, 2 << 30)
     assert not made.strict_limits and not sb.spec.strict_limits and not cfg.strict_limits
     # strict_limits: wherever the limits are given.
     assert nsbox.Sandbox(memory="64m", strict_limits=True).spec.strict_limits
-    ctx = cli.run.make_context("run", ["--memory", "64m", "--strict-limits", "--", "true"])
+    ctx = main.run.make_context("run", ["--memory", "64m", "--strict-limits", "--", "true"])
     opts = {k: v for k, v in ctx.params.items() if k not in ("command", "timeout", "detach")}
-    assert cli.make_sandbox(**opts).spec.strict_limits
+    assert main.make_sandbox(**opts).spec.strict_limits
     cfg = NsboxConfig.model_validate({"memory": "64m", "strict_limits": True})
     (name, settings), = cfg.specs()
     assert NsboxSandboxEnvironment._make(cfg, settings, "t").spec.strict_limits
@@ -80,7 +82,7 @@ def test_spec_api_yaml_cli_agree() -> None:
         with pytest.raises(ValueError):
             SandboxSpec(**bad)  # type: ignore[arg-type]
     with pytest.raises(click.UsageError):
-        cli.make_sandbox(**{**opts, "memory": "lots"})
+        main.make_sandbox(**{**opts, "memory": "lots"})
 
 
 # ---- enforcement -----------------------------------------------------------
@@ -175,12 +177,12 @@ async def test_strict_limits(tmp_path: Path) -> None:
     assert r.returncode != 0 and r.stdout == "" and "Traceback" not in r.stderr, r
     assert len(r.stderr.strip().splitlines()) == 1, r
     assert f"strict_limits: this host cannot enforce {', '.join(weak)}" in r.stderr, r
-    before = (sorted(registry.runtime_dir().iterdir()), sorted(layers.layers_dir().iterdir()))
+    before = (sorted(live.runtime_dir().iterdir()), sorted(layers.layers_dir().iterdir()))
     with pytest.raises(HostPrerequisiteError) as e:
         await nsbox.Sandbox.create(strict_limits=True, **want)  # type: ignore[arg-type]
     assert "memory would be approximated by RLIMIT_AS" in str(e.value) and e.value.hint
     assert "nsbox doctor" in e.value.hint and "\n" not in str(e.value)
-    assert (sorted(registry.runtime_dir().iterdir()), sorted(layers.layers_dir().iterdir())) == before
+    assert (sorted(live.runtime_dir().iterdir()), sorted(layers.layers_dir().iterdir())) == before
     # Without it, the same limits are approximated, as before.
     async with nsbox.Sandbox(**want) as sb:  # type: ignore[arg-type]
         assert (await sb.exec(["true"])).success
@@ -329,11 +331,12 @@ def test_v2_delegated_cgroup(tmp_path: Path) -> None:
 
 
 async def test_detached_sandbox_cgroups_go_with_nsbox_rm() -> None:
-    from nsbox import manage, registry
+    from nsbox import manage
+    from nsbox.host import live
 
     sb = await nsbox.Sandbox.create(pids_limit=50)
     info = await sb.detach()
     if by_cgroup("pids_limit"):
         assert leftover_cgroups(sb.id) != []
     manage.remove(info, force=True)
-    assert leftover_cgroups(sb.id) == [] and not registry.sandbox_dir(sb.id).exists()
+    assert leftover_cgroups(sb.id) == [] and not live.sandbox_dir(sb.id).exists()

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import nsbox
-from nsbox.rootfs import Bind
+from nsbox.plan.rootfs import Bind
 
 from .conftest import MODE
 
@@ -51,15 +51,16 @@ async def test_etc_upper_in_memory_or_on_disk(monkeypatch: pytest.MonkeyPatch, i
     xattrs (overlayfs needs them to delete and rename directories), else
     the layer directory: either way /etc takes what a sandbox does to it,
     and with the upper in memory nothing of it reaches the host's disk."""
-    from nsbox import layers, manage, removal, sandbox as sandbox_mod
-    from nsbox.rootfs import HostRootfs
+    from nsbox.host import layers, removal
+    from nsbox import manage, sandbox as sandbox_mod
+    from nsbox.plan.rootfs import HostRootfs
 
     if in_memory and not layers.etc_upper_in_memory():
         pytest.skip(f"this kernel ({os.uname().release}) keeps /etc's upper layer on disk: tmpfs has no user xattrs")
-    monkeypatch.setattr("nsbox.rootfs.etc_upper_in_memory", lambda: in_memory)
+    monkeypatch.setattr("nsbox.plan.rootfs.etc_upper_in_memory", lambda: in_memory)
     monkeypatch.setattr(sandbox_mod, "_plan_templates", {})
     kind = HostRootfs.layer_kind()
-    manage.gc(nsbox.idmap.detect())  # an empty pool
+    manage.gc(nsbox.host.idmap.detect())  # an empty pool
     async with nsbox.Sandbox() as sb:
         r = await sb.exec(["sh", "-c", ETC_OPERATIONS])
         assert r.success and r.stdout == f"{sb.hostname}\n", r.stderr
@@ -88,7 +89,7 @@ async def test_etc_upper_in_memory_or_on_disk(monkeypatch: pytest.MonkeyPatch, i
         async with nsbox.Sandbox():
             pass
         assert [layers._of_kind(name, kind) for name in kept()] == [True]
-    monkeypatch.setattr("nsbox.rootfs.etc_upper_in_memory", lambda: not in_memory)
+    monkeypatch.setattr("nsbox.plan.rootfs.etc_upper_in_memory", lambda: not in_memory)
     monkeypatch.setattr(sandbox_mod, "_plan_templates", {})
     async with nsbox.Sandbox() as other:
         assert sorted(os.listdir(other._layer)) == sorted(layers.layer_dirs(HostRootfs.layer_kind()))
@@ -189,8 +190,8 @@ async def test_a_process_that_moves_its_state_dir_uses_the_new_one(tmp_path: Pat
     process moves its sandboxes' layers, or the cached layers under them,
     at once: nothing this process remembered names the old directory,
     which may be gone."""
-    from nsbox import removal
-    from nsbox.removal import remove_layer
+    from nsbox.host import removal
+    from nsbox.host.removal import remove_layer
 
     async def two_sandboxes(layers_in: Path, cached_in: Path) -> None:
         for _ in range(2):  # the second one's plan is copied from a template

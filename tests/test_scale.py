@@ -5,7 +5,7 @@ The scenario runs in a fresh interpreter (so the limit and the memory
 figures are its own, and pytest's process is left alone): it lowers its
 soft descriptor limit to 1024 (the hard limit stays as it is), creates
 1000 sandboxes one after the other, runs `echo` in each, measures, and
-closes them all. nsbox must raise the soft limit itself (nsbox.rlimits);
+closes them all. nsbox must raise the soft limit itself (nsbox.host.rlimits);
 without that, creation fails with EMFILE at about 300 sandboxes.
 
 Reported (printed, visible with `pytest -s`, and written as JSON to
@@ -26,8 +26,8 @@ import textwrap
 
 import pytest
 
-from nsbox import dirs, registry
-from nsbox import layers as layer_store
+from nsbox.host import dirs, live
+from nsbox.host import layers as layer_store
 
 N = 1000
 # Host descriptors per live sandbox (control socket, pidfd, /dev/null),
@@ -41,7 +41,8 @@ SCENARIO = textwrap.dedent("""
     import json, os, resource, sys, time
     import anyio, psutil
     import nsbox
-    from nsbox import native, registry, removal
+    from nsbox.create import zygote
+    from nsbox.host import live, removal
 
     N, SOFT, CONCURRENCY = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -99,7 +100,7 @@ SCENARIO = textwrap.dedent("""
             out["execs_ok"] = sum(results[i].success and results[i].stdout == f"{i}\\n" for i in range(N))
 
             host_mem, avail = memory("self"), available_kib()
-            out["inits"] = [[sb.pid, registry.process_start_time(sb.pid)] for sb in boxes]
+            out["inits"] = [[sb.pid, live.process_start_time(sb.pid)] for sb in boxes]
             out["ids"] = [sb.id for sb in boxes]
             init_mem = [memory(sb.pid) for sb in boxes]
             out["init_rss_kib_total"] = sum(rss for rss, _ in init_mem)
@@ -108,7 +109,7 @@ SCENARIO = textwrap.dedent("""
             out["host_rss_growth_kib"] = host_mem[0] - base_mem[0]
             out["host_pss_growth_kib"] = (host_mem[1] - base_mem[1]) if base_mem[1] is not None else None
             out["meminfo_available_drop_kib"] = base_avail - avail
-            zygote = native.zygote_pid()
+            zygote = zygote.zygote_pid()
             out["zygote_rss_kib"] = memory(zygote)[0] if zygote else None
         finally:
             t = time.perf_counter()
@@ -122,7 +123,7 @@ SCENARIO = textwrap.dedent("""
         out["swept"] = removal.wait_swept(60)
         out["fds_left_over"] = fds() - base_fds
         out["children_left"] = [c.pid for c in psutil.Process().children(recursive=True)
-                                if c.pid not in native.helper_pids()]
+                                if c.pid not in zygote.helper_pids()]
         print(json.dumps(out), flush=True)
 
     anyio.run(main)
@@ -188,11 +189,11 @@ def test_a_thousand_live_sandboxes_with_a_soft_limit_of_1024(mode: str) -> None:
     assert m["swept"], "the trash was not swept within 60 s"
     assert m["fds_left_over"] <= 0, f"{m['fds_left_over']} descriptors left open after closing"
     assert m["children_left"] == []
-    alive = [pid for pid, start in m["inits"] if registry.process_alive(pid, start)]
+    alive = [pid for pid, start in m["inits"] if live.process_alive(pid, start)]
     assert alive == [], f"{len(alive)} nsbox-init processes still alive"
     assert len(set(m["ids"])) == N
     layers, run = layer_store.layers_dir(), dirs.runtime_dir()
     assert [i for i in m["ids"] if (layers / i).exists()] == []
-    assert [i for i in m["ids"] if (run / i).exists() or registry.read(i) is not None] == []
+    assert [i for i in m["ids"] if (run / i).exists() or live.read(i) is not None] == []
     pool = layers / layer_store.REUSE
     assert not pool.exists() or len(os.listdir(pool)) <= layer_store.REUSE_MAX

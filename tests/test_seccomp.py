@@ -1,4 +1,4 @@
-"""The seccomp deny-list (csrc/seccomp.c), exercised for real.
+"""The seccomp deny-list (csrc/init/seccomp.c), exercised for real.
 
 tests/seccomp_probe.c is linked statically with the filter, as setup.py
 links the init, and makes every denied call (with harmless arguments) and
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from nsbox import native
+from nsbox.create import zygote
 
 from . import components
 
@@ -79,9 +79,9 @@ def _installed_from() -> Path | None:
 def source_dir() -> Path:
     """The checkout's csrc/ directory."""
     for root in (os.environ.get("NSBOX_SOURCE_DIR"), TESTS.parent, _installed_from()):
-        if root and (Path(root) / "csrc" / "seccomp.c").is_file():
+        if root and (Path(root) / "csrc" / "init" / "seccomp.c").is_file():
             return Path(root) / "csrc"
-    pytest.skip("nsbox's C sources (csrc/seccomp.c) are not reachable from here; set NSBOX_SOURCE_DIR")
+    pytest.skip("nsbox's C sources (csrc/init/seccomp.c) are not reachable from here; set NSBOX_SOURCE_DIR")
 
 
 def native_cc() -> list[str]:
@@ -90,11 +90,11 @@ def native_cc() -> list[str]:
 
 
 def compile_probe(dest: Path, cc: list[str] | None = None) -> Path:
-    """Links tests/seccomp_probe.c with csrc/seccomp.c, statically, as setup.py builds the init."""
+    """Links tests/seccomp_probe.c with csrc/init/seccomp.c, statically, as setup.py builds the init."""
     csrc = source_dir()
     cc = cc or native_cc()
     cmd = [*cc, "-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror", "-static", f"-I{csrc}", "-o", str(dest),
-           str(TESTS / "seccomp_probe.c"), str(csrc / "seccomp.c")]
+           str(TESTS / "seccomp_probe.c"), str(csrc / "init" / "seccomp.c")]
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr}"
     return dest
@@ -308,7 +308,7 @@ EPERM, ENOSYS = 1, 38
 TIOCSTI, TIOCLINUX, TCGETS = 0x5412, 0x541C, 0x5401
 CLONE_NEWUSER, CLONE_NEWNET, CLONE_VM, CLONE_FS = 0x10000000, 0x40000000, 0x100, 0x200
 CLONE_NEWNS = 0x20000
-FD_USERNS, FD_MNTNS = native.lib.NSBOX_FD_USERNS, native.lib.NSBOX_FD_MNTNS
+FD_USERNS, FD_MNTNS = zygote.lib.NSBOX_FD_USERNS, zygote.lib.NSBOX_FD_MNTNS
 # Filter entries by syscall name (libseccomp names), and numbers libseccomp
 # 2.5 does not know yet (calls added since have one number everywhere).
 DENIED_NAMES = ["keyctl", "add_key", "request_key", "bpf", "perf_event_open", "userfaultfd", "io_uring_setup",
@@ -410,34 +410,34 @@ def test_filter_program_per_architecture(arch: str, tmp_path: Path) -> None:
         assert prog.singled_out(native) == expected
         for name in DENIED_NAMES:
             if name in present:
-                assert prog.run(native, present[name]) == eperm, name
+                assert prog.run(zygote, present[name]) == eperm, name
         for name in NAMESPACE_NAMES:
             if name in present:
-                assert prog.run(native, present[name]) == (RET_ALLOW if nested else eperm), name
+                assert prog.run(zygote, present[name]) == (RET_ALLOW if nested else eperm), name
         for name in ALLOWED_NAMES:
-            assert prog.run(native, present[name]) == RET_ALLOW, name
-        assert prog.run(native, present["clone3"]) == (RET_ALLOW if nested else enosys)
+            assert prog.run(zygote, present[name]) == RET_ALLOW, name
+        assert prog.run(zygote, present["clone3"]) == (RET_ALLOW if nested else enosys)
         for call in ("clone", "unshare"):
-            assert prog.run(native, present[call], (CLONE_NEWUSER,)) == (RET_ALLOW if nested else eperm)
-            assert prog.run(native, present[call], (CLONE_NEWNET | 1 << 32,)) == (RET_ALLOW if nested else eperm)
-            assert prog.run(native, present[call], (CLONE_VM | CLONE_FS,)) == RET_ALLOW
+            assert prog.run(zygote, present[call], (CLONE_NEWUSER,)) == (RET_ALLOW if nested else eperm)
+            assert prog.run(zygote, present[call], (CLONE_NEWNET | 1 << 32,)) == (RET_ALLOW if nested else eperm)
+            assert prog.run(zygote, present[call], (CLONE_VM | CLONE_FS,)) == RET_ALLOW
         ioctl = present["ioctl"]
         for cmd in (TIOCSTI, TIOCLINUX, TIOCSTI | 1 << 32, TIOCSTI | 0xFFFF_FFFF << 32):
-            assert prog.run(native, ioctl, (0, cmd)) == eperm, hex(cmd)
-        assert prog.run(native, ioctl, (0, TCGETS)) == RET_ALLOW
+            assert prog.run(zygote, ioctl, (0, cmd)) == eperm, hex(cmd)
+        assert prog.run(zygote, ioctl, (0, TCGETS)) == RET_ALLOW
         # The init's two setns calls; the kernel reads fd and type as int.
         setns = present["setns"]
         for args in ((FD_USERNS, CLONE_NEWUSER), (FD_MNTNS, CLONE_NEWNS), (FD_MNTNS | 1 << 32, CLONE_NEWNS)):
-            assert prog.run(native, setns, args) == (eperm if mode == "default" else RET_ALLOW), args
+            assert prog.run(zygote, setns, args) == (eperm if mode == "default" else RET_ALLOW), args
         for args in ((FD_USERNS, CLONE_NEWNS), (FD_MNTNS, CLONE_NEWUSER), (FD_MNTNS, 0), (FD_USERNS, 0),
                      (7, CLONE_NEWUSER), (0, CLONE_NEWNS), (FD_USERNS, CLONE_NEWUSER | CLONE_NEWNS)):
-            assert prog.run(native, setns, args) == (RET_ALLOW if nested else eperm), args
+            assert prog.run(zygote, setns, args) == (RET_ALLOW if nested else eperm), args
         # Another ABI's numbers mean other calls: the process is killed.
         assert prog.run(foreign, 0) == RET_KILL_PROCESS
         assert prog.run(foreign, present["read"]) == RET_KILL_PROCESS
         if arch == "x86_64":
-            assert prog.run(native, 0x40000000 | present["read"]) == RET_KILL_PROCESS
-            assert prog.run(native, 0x40000000 + 512) == RET_KILL_PROCESS
+            assert prog.run(zygote, 0x40000000 | present["read"]) == RET_KILL_PROCESS
+            assert prog.run(zygote, 0x40000000 + 512) == RET_KILL_PROCESS
 
 
 def test_install_reports_errors_instead_of_failing_silently(probe_binary: Path) -> None:

@@ -26,9 +26,10 @@ import anyio
 import pytest
 
 import nsbox
-from nsbox import native, registry
-from nsbox.inspect_provider import NsboxSandboxEnvironment
-from nsbox.rootfs import Bind
+from nsbox.create import zygote
+from nsbox.host import live
+from nsbox.inspect.provider import NsboxSandboxEnvironment
+from nsbox.plan.rootfs import Bind
 
 from . import components
 from .test_manage import Terminal
@@ -89,7 +90,7 @@ async def test_connection_never_runs_planted_code_on_the_operators_terminal(tmp_
         # namespace with more capabilities.
         ran = (await sb.read_file("/tmp/planted-ran")).split()
         assert ran[:2] == reference.stdout.split(), (ran, reference.stdout)
-        nested = os.readlink(f"/proc/{sb.pid}/fd/{native.lib.NSBOX_FD_USERNS}")
+        nested = os.readlink(f"/proc/{sb.pid}/fd/{zygote.lib.NSBOX_FD_USERNS}")
         assert ran[0] == nested
     finally:
         await NsboxSandboxEnvironment.sample_cleanup("attack", None, envs, False)
@@ -290,7 +291,7 @@ async def test_a_helper_stuck_in_the_kernel_does_not_stall_pid1(tmp_path: Path) 
     # The lifeline still works: the init and everything of the sandbox,
     # the helper once its file system is gone, have exited.
     with anyio.fail_after(10):
-        while registry.process_start_time(init) is not None:  # None: gone, or a zombie
+        while live.process_start_time(init) is not None:  # None: gone, or a zombie
             await anyio.sleep(0.05)
 
 

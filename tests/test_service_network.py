@@ -144,7 +144,7 @@ def test_nothing_is_left_after_the_owner_is_killed(kind: str) -> None:
 async def test_nsbox_yaml_sandboxes_share_a_network_per_sample(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """nsbox.yaml: sandboxes naming `network: net:NAME` get a service
     network per sample, by their names in the file; samples do not share it."""
-    from nsbox.inspect_provider import NsboxSandboxEnvironment as Env
+    from nsbox.inspect.provider import NsboxSandboxEnvironment as Env
 
     config = tmp_path / "nsbox.yaml"
     config.write_text("sandboxes:\n  default: {network: 'net:lan'}\n"

@@ -1,4 +1,4 @@
-"""The services of one sample (nsbox/services.py), on real sandboxes:
+"""The services of one sample (nsbox/compose/services.py), on real sandboxes:
 dependency order, the shared network by service name, healthchecks,
 completion, and failures that leave nothing behind."""
 
@@ -11,8 +11,15 @@ import psutil
 import pytest
 
 import nsbox
-from nsbox import registry
-from nsbox.services import Healthcheck, ServiceSpec, Services, ServicesError, compose_deadline, start_order
+from nsbox.host import live
+from nsbox.compose.services import (
+    Healthcheck,
+    ServiceSpec,
+    Services,
+    ServicesError,
+    compose_deadline,
+    start_order,
+)
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -23,7 +30,7 @@ GET = "import urllib.request as u; print(u.urlopen('http://{}:8000/', timeout=5)
 
 def _leftovers(before: set[str]) -> set[str]:
     """This process's sandboxes made since `before` (others may run tests as the same user)."""
-    return {i.id for i in registry.entries() if i.owner_pid == os.getpid()} - before
+    return {i.id for i in live.entries() if i.owner_pid == os.getpid()} - before
 
 
 def _spec(**kw: object) -> nsbox.SandboxSpec:
@@ -52,7 +59,7 @@ async def test_dependent_waits_for_health_and_reaches_by_name() -> None:
 
 
 async def test_completed_successfully_and_failure() -> None:
-    before = {i.id for i in registry.entries()}
+    before = {i.id for i in live.entries()}
     ok = Services([ServiceSpec("default", _spec(), command=["true"], depends_on={"setup": "service_completed_successfully"}),
                    ServiceSpec("setup", _spec(), command=["sh", "-c", "sleep 0.2; exit 0"])])
     await ok.start()
@@ -65,7 +72,7 @@ async def test_completed_successfully_and_failure() -> None:
 
 
 async def test_unhealthy_fails_in_time_and_leaves_nothing() -> None:
-    before = {i.id for i in registry.entries()}
+    before = {i.id for i in live.entries()}
     children = {p.pid for p in psutil.Process().children()}
     check = Healthcheck.from_test(["CMD", "false"], interval=0.2, retries=2)
     services = Services([ServiceSpec("default", _spec(), depends_on={"db": "service_healthy"}),
@@ -119,7 +126,7 @@ async def test_start_waits_for_every_healthcheck_not_only_service_healthy() -> N
 
 
 async def test_a_service_nobody_depends_on_must_get_healthy() -> None:
-    before = {i.id for i in registry.entries()}
+    before = {i.id for i in live.entries()}
     children = {p.pid for p in psutil.Process().children()}
     check = Healthcheck.from_test(["CMD-SHELL", "echo not yet; exit 1"], interval=0.2, retries=2)
     services = Services([ServiceSpec("default", _spec(), command=["sleep", "infinity"]),
@@ -131,7 +138,7 @@ async def test_a_service_nobody_depends_on_must_get_healthy() -> None:
 
 
 async def test_a_main_process_that_exits_fails_the_sample() -> None:
-    before = {i.id for i in registry.entries()}
+    before = {i.id for i in live.entries()}
     crash = ["sh", "-c", "echo cannot listen >&2; exit 4"]
     # The sample takes a second to come up (its default service's probe):
     # the crash is seen at its own check or at the end, however loaded the
@@ -168,7 +175,7 @@ def test_compose_deadline_is_inspects() -> None:
 
 KEEP = """
 import anyio, json
-from nsbox.services import ServiceSpec, Services
+from nsbox.compose.services import ServiceSpec, Services
 import nsbox
 
 async def main():
@@ -195,7 +202,7 @@ def test_a_kept_samples_main_processes_outlive_its_process() -> None:
     ids = json.loads(r.stdout)
     try:
         for sandbox_id in ids.values():
-            info = registry.read(sandbox_id)
+            info = live.read(sandbox_id)
             assert info is not None and info.init_alive
             names = [p.name() for p in psutil.Process(info.init_pid).children(recursive=True)]
             assert "sleep" in names, (sandbox_id, names)
@@ -203,6 +210,6 @@ def test_a_kept_samples_main_processes_outlive_its_process() -> None:
         from nsbox import manage
 
         for sandbox_id in ids.values():
-            info = registry.read(sandbox_id)
+            info = live.read(sandbox_id)
             if info is not None:
                 manage.remove(info, force=True)

@@ -2,7 +2,7 @@
 to the programs it runs.
 
 The zygote (csrc/create/) lives as long as its owner and parses every
-request with nsbox_spec_unpack (csrc/spec.c). A malformed, truncated or
+request with nsbox_spec_unpack (csrc/common/clone_request.c). A malformed, truncated or
 oversized request must be refused (an EINVAL reply, or silence when no
 socket came to reply on), and must never crash or hang it or leave memory
 or descriptors behind. Besides: failed system calls in the sandbox's first
@@ -39,11 +39,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import nsbox
-from nsbox import native
-from nsbox import steps as nsteps
-from nsbox.native import ffi, lib
+from nsbox.create import zygote
+from nsbox.plan import steps as nsteps
+from nsbox.create.zygote import ffi, lib
 
-# --- the wire format of csrc/spec.c -------------------------------------------------
+# --- the wire format of csrc/common/clone_request.c -------------------------------------------------
 
 # struct header and struct wire_step, field by field.
 HEADER = struct.Struct("=10Ii9IQ")
@@ -57,8 +57,8 @@ NONE = 0xFFFFFFFF  # the offset of a NULL string
 MAGIC = 0x6E73626F
 STRING_FIELDS = ("lock_uid_map", "lock_gid_map", "uid_map", "gid_map", "newuidmap", "newgidmap")
 
-NAMESPACES = (native.CLONE_NEWNS | native.CLONE_NEWCGROUP | native.CLONE_NEWUTS | native.CLONE_NEWIPC
-              | native.CLONE_NEWUSER | native.CLONE_NEWPID | native.CLONE_NEWNET)
+NAMESPACES = (zygote.CLONE_NEWNS | zygote.CLONE_NEWCGROUP | zygote.CLONE_NEWUTS | zygote.CLONE_NEWIPC
+              | zygote.CLONE_NEWUSER | zygote.CLONE_NEWPID | zygote.CLONE_NEWNET)
 # clone flags that would make the child share the zygote's memory, files or
 # root, make the zygote wait for it, or need pointers the spec cannot give.
 FOREIGN_CLONE_FLAGS = {
@@ -73,20 +73,20 @@ GID_MAP = f"0 {os.getgid()} 1\n"
 DIRECT_MAPS: tuple[str, str, str | None, str | None, bool] = (UID_MAP, GID_MAP, None, None, True)
 
 
-def pack(*, steps: Sequence[nsteps.Step] | None = None, clone_flags: int = native.CLONE_NEWUSER | native.CLONE_NEWNS,
+def pack(*, steps: Sequence[nsteps.Step] | None = None, clone_flags: int = zygote.CLONE_NEWUSER | zygote.CLONE_NEWNS,
          argv: Sequence[str] = ("nsbox-init", "box"), envp: Sequence[str] = ("A=b",),
          keep_fds: Sequence[int] = (5, 6, -1, -1), has_exec: bool = True, keep_stdio: bool = False,
          new_session: bool = True, lock_maps: tuple[str, str] | None = ("0 0 1\n", "0 0 1\n"), lock_slot: int = 2,
          idmaps: tuple[str, str, str | None, str | None, bool] = DIRECT_MAPS, has_go: bool = False,
          host_go: bool = False) -> bytes:
-    """A spec as nsbox/native.py packs it (the memfd's bytes)."""
+    """A spec as nsbox/create/zygote.py packs it (the memfd's bytes)."""
     if steps is None:
         steps = [
             nsteps.mkdir("/a"), nsteps.hostname("box"), nsteps.become_root(),
             nsteps.mount("tmpfs", "/t", "tmpfs", {"MS_NOSUID"}, "size=1m", "mount /t"),
             nsteps.tree_clone("/usr", 0, "clone /usr", recursive=True, readonly=True),
         ]
-    memfd = native._pack(steps, clone_flags, argv, envp, keep_fds, has_exec, keep_stdio, new_session, lock_maps,
+    memfd = zygote._pack(steps, clone_flags, argv, envp, keep_fds, has_exec, keep_stdio, new_session, lock_maps,
                          lock_slot, idmaps, has_go, host_go)
     try:
         return os.pread(memfd, os.fstat(memfd).st_size, 0)
@@ -214,9 +214,9 @@ def test_a_packed_spec_round_trips() -> None:
         assert [ffi.string(spec.argv[i]) for i in range(2)] == [b"nsbox-init", b"box"]
         assert ffi.string(spec.envp[0]) == b"A=b" and spec.envp[1] == ffi.NULL
         assert spec.nsteps == 5 and ffi.string(spec.steps[1].a) == b"box" and spec.steps[1].b == ffi.NULL
-        assert spec.steps[3].flags == native.MS_NOSUID
-        assert spec.steps[4].attr_set == native.MOUNT_ATTR_RDONLY and spec.steps[4].flags == native.AT_RECURSIVE
-        assert spec.clone_flags == native.CLONE_NEWUSER | native.CLONE_NEWNS
+        assert spec.steps[3].flags == zygote.MS_NOSUID
+        assert spec.steps[4].attr_set == zygote.MOUNT_ATTR_RDONLY and spec.steps[4].flags == zygote.AT_RECURSIVE
+        assert spec.clone_flags == zygote.CLONE_NEWUSER | zygote.CLONE_NEWNS
         assert list(spec.keep_fds) == [0, 0, -1, -1] and spec.nkeep == 4 and spec.exec_fd == 0
         assert spec.lock_slot == 2 and ffi.string(spec.lock_uid_map) == b"0 0 1\n"
         assert ffi.string(spec.uid_map) == UID_MAP.encode() and spec.newuidmap == ffi.NULL
@@ -460,13 +460,13 @@ def mutants(rng: random.Random, count: int) -> Iterator[bytes]:
 
 @pytest.mark.timeout(60)
 def test_unpack_under_a_memory_checker(tmp_path: Path) -> None:
-    if not (CSRC / "spec.c").is_file():
+    if not (CSRC / "common" / "clone_request.c").is_file():
         pytest.skip("needs the C sources (csrc/)")
     harness = tmp_path / "harness"
     cc = os.environ.get("CC") or "cc"
     build = subprocess.run(
         [*cc.split(), "-std=gnu11", "-g", "-O1", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
-         "-fno-sanitize-recover=all", f"-I{CSRC}", os.fspath(HARNESS), os.fspath(CSRC / "spec.c"), "-o",
+         "-fno-sanitize-recover=all", f"-I{CSRC}", os.fspath(HARNESS), os.fspath(CSRC / "common" / "clone_request.c"), "-o",
          os.fspath(harness)], capture_output=True, text=True)
     if build.returncode != 0:
         pytest.skip(f"cannot build with sanitizers: {build.stderr.strip()[-300:]}")
@@ -501,11 +501,11 @@ def answer(ours: socket.socket, timeout: float = 10) -> tuple[int, int, int, int
     """The zygote's reply on ours, or None if it closed it without one."""
     if not select.select([ours], [], [], timeout)[0]:
         raise TimeoutError("the zygote did not answer")
-    data, fds, _, _ = socket.recv_fds(ours, native.REPLY.size + lib.NSBOX_ZYGOTE_MSG_MAX, 4)
+    data, fds, _, _ = socket.recv_fds(ours, zygote.REPLY.size + lib.NSBOX_ZYGOTE_MSG_MAX, 4)
     for fd in fds:
         os.close(fd)
     assert not fds, "a refusal carries no descriptor"
-    return native.REPLY.unpack_from(data) if data else None
+    return zygote.REPLY.unpack_from(data) if data else None
 
 
 REFUSAL = (-1, errno.EINVAL, lib.NSBOX_ZYGOTE_REQUEST, 0)
@@ -599,8 +599,8 @@ def malformed_request(zsock: socket.socket, rng: random.Random, good: bytes, lea
 
 @pytest.mark.timeout(60)
 async def test_the_zygote_survives_malformed_requests() -> None:
-    zsock = native._zygote_socket()
-    pid = native.zygote_pid()
+    zsock = zygote._zygote_socket()
+    pid = zygote.zygote_pid()
     assert pid is not None
     rng = random.Random(20240611)
     good, leaky = pack(), leaky_spec()
@@ -612,13 +612,13 @@ async def test_the_zygote_survives_malformed_requests() -> None:
     for _ in range(2000):
         malformed_request(zsock, rng, good, leaky)
     assert request(zsock, []) == REFUSAL
-    assert native.zygote_pid() == pid
+    assert zygote.zygote_pid() == pid
     assert idle_fds(pid) == ["0", "1", "2", "3"]
     assert vm_kib(pid, "VmData") - data < 1024
     assert vm_kib(pid, "VmRSS") - rss < 1024
     async with nsbox.Sandbox() as sb:
         assert (await sb.exec(["true"])).returncode == 0
-    assert native.zygote_pid() == pid
+    assert zygote.zygote_pid() == pid
 
 
 # A zygote of our own, optionally under a seccomp filter.
@@ -666,7 +666,7 @@ def own_zygote(rules: dict[str, int] | None = None) -> Iterator[tuple[socket.soc
             proc = subprocess.Popen(
                 [sys.executable, "-I", "-c", WRAPPER, str(theirs.fileno()), str(status_w), str(arch),
                  json.dumps([(numbers[name], action) for name, action in (rules or {}).items()]),
-                 os.fsdecode(native.CREATE_HELPER)],
+                 os.fsdecode(zygote.CREATE_HELPER)],
                 pass_fds=[theirs.fileno(), status_w], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     finally:
         os.close(status_w)
@@ -694,7 +694,7 @@ def spawn_true(zsock: socket.socket, *, idmaps: tuple[str, str, str | None, str 
     err_r, err_w = os.pipe2(os.O_CLOEXEC)
     memfd = -1
     try:
-        memfd = native._pack([], native.CLONE_NEWUSER, ["/bin/true"], [], [], False, True, new_session, None, 0,
+        memfd = zygote._pack([], zygote.CLONE_NEWUSER, ["/bin/true"], [], [], False, True, new_session, None, 0,
                              idmaps)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         go_r, go_w = os.pipe2(os.O_CLOEXEC)
@@ -708,8 +708,8 @@ def spawn_true(zsock: socket.socket, *, idmaps: tuple[str, str, str | None, str 
                 if not select.select([ours], [], [], 10)[0]:
                     raise TimeoutError("the zygote did not answer")
                 try:
-                    pid, pidfd = native.read_spawn_reply(ours)
-                except native.IdMapError as e:
+                    pid, pidfd = zygote.read_spawn_reply(ours)
+                except zygote.IdMapError as e:
                     os.waitpid(int(e.filename), 0)  # killed by the zygote; ours to reap
                     raise
                 try:
@@ -760,7 +760,7 @@ def test_a_failed_wait_for_the_map_helper_is_an_error() -> None:
     # pass for the helper's success).
     helpers = (UID_MAP, GID_MAP, "/bin/true", "/bin/true", False)
     with own_zygote({"wait4": SECCOMP_RET_ERRNO | errno.ECHILD}) as (zsock, _):
-        with pytest.raises(native.IdMapError) as e:
+        with pytest.raises(zygote.IdMapError) as e:
             spawn_true(zsock, idmaps=helpers)
     assert e.value.errno == errno.ECHILD
 
@@ -813,8 +813,8 @@ def test_the_zygote_inherits_nothing_but_its_socket() -> None:
     r, w = os.pipe()
     os.set_inheritable(r, True)
     try:
-        native._zygote_socket(restart=True)
-        pid = native.zygote_pid()
+        zygote._zygote_socket(restart=True)
+        pid = zygote.zygote_pid()
         assert pid is not None
         assert idle_fds(pid) == ["0", "1", "2", "3"]
     finally:
@@ -848,8 +848,8 @@ def test_the_map_helper_gets_no_descriptor_of_the_zygote(tmp_path: Path) -> None
     helper.chmod(0o755)
     err_r, err_w = os.pipe2(os.O_CLOEXEC)
     try:
-        with pytest.raises(native.IdMapError) as e:
-            native.spawn(clone_flags=native.CLONE_NEWUSER, steps=[], error_fd=err_w, keep_fds=[], exec_fd=-1,
+        with pytest.raises(zygote.IdMapError) as e:
+            zygote.spawn(clone_flags=zygote.CLONE_NEWUSER, steps=[], error_fd=err_w, keep_fds=[], exec_fd=-1,
                          idmaps=(UID_MAP, GID_MAP, os.fspath(helper), os.fspath(helper), False),
                          argv=["/bin/true"], envp=[], keep_stdio=True, new_session=False)
         os.waitpid(int(e.value.filename), 0)
@@ -875,13 +875,13 @@ CONSTANTS = ["CLONE_NEWNS", "CLONE_NEWCGROUP", "CLONE_NEWUTS", "CLONE_NEWIPC", "
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("name", CONSTANTS)
 def test_kernel_constants_come_from_the_c_headers(name: str) -> None:
-    assert getattr(native, name) == getattr(lib, name)
+    assert getattr(zygote, name) == getattr(lib, name)
 
 
 @pytest.mark.timeout(60)
 def test_kernel_constants_agree_with_pythons() -> None:
-    assert (native.MS_RDONLY, native.MS_NOSUID, native.MS_NODEV, native.MS_NOEXEC) == (
+    assert (zygote.MS_RDONLY, zygote.MS_NOSUID, zygote.MS_NODEV, zygote.MS_NOEXEC) == (
         os.ST_RDONLY, os.ST_NOSUID, os.ST_NODEV, os.ST_NOEXEC)
     for name in ("CLONE_NEWNS", "CLONE_NEWUSER", "CLONE_NEWPID", "CLONE_NEWNET"):
         if hasattr(os, name):  # Python 3.12
-            assert getattr(native, name) == getattr(os, name)
+            assert getattr(zygote, name) == getattr(os, name)

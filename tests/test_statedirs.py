@@ -1,4 +1,4 @@
-"""State directories (nsbox/dirs.py): nobody but you and root may be able
+"""State directories (nsbox/host/dirs.py): nobody but you and root may be able
 to swap a directory on the way to them, at the first use or later.
 
 The attacker is another local user. As root (and in the root run of
@@ -24,7 +24,7 @@ from typing import Callable
 
 import pytest
 
-from nsbox import dirs
+from nsbox.host import dirs
 from nsbox.errors import NsboxError
 
 pytestmark = pytest.mark.timeout(60)

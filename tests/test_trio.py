@@ -22,7 +22,7 @@ import inspect
 import pytest
 import trio
 
-from nsbox.fdwait import Poller
+from nsbox.init.fdwait import Poller
 
 from . import test_capture, test_exec, test_files, test_lifecycle
 from .test_files import host_secret  # noqa: F401  (a fixture of test_files' tests)

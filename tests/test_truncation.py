@@ -11,13 +11,13 @@ import anyio
 import pytest
 
 import nsbox
-from nsbox.client import ExecResult
+from nsbox.init.client import ExecResult
 
 from .test_cli import nsbox as run_cli
 from .test_manage import detached
 
 LIMIT = 1000
-PROVIDER_LOGGER = "nsbox.inspect_provider"
+PROVIDER_LOGGER = "nsbox.inspect.provider"
 
 
 @pytest.fixture
@@ -58,7 +58,7 @@ async def test_counts_are_bytes_not_characters(sandbox: nsbox.Sandbox, small_lim
 
 
 async def _sample(name: str) -> tuple[Any, Any, dict[str, Any]]:
-    from nsbox.inspect_provider import NsboxConfig, NsboxSandboxEnvironment
+    from nsbox.inspect.provider import NsboxConfig, NsboxSandboxEnvironment
 
     cfg = NsboxConfig()
     return cfg, NsboxSandboxEnvironment, await NsboxSandboxEnvironment.sample_init("truncation", cfg,

@@ -93,9 +93,9 @@ async def test_a_symlink_mount_point_is_resolved_in_the_image(context: Path, tmp
     """/evil is `../../../../etc` in the image: what is copied is the image's
     /etc, never the host's (a service cannot mount there: nsbox refuses
     symlink mount points, so seed() is called directly)."""
-    from nsbox.inspect_compose import prepare
-    from nsbox.layers import give
-    from nsbox.volumes import seed
+    from nsbox.inspect.compose import prepare
+    from nsbox.host.layers import give
+    from nsbox.compose.volumes import seed
 
     (tmp_path / "compose.yaml").write_text(_compose(context))
     task = await prepare(str(tmp_path / "compose.yaml"))
@@ -110,12 +110,12 @@ async def test_a_symlink_mount_point_is_resolved_in_the_image(context: Path, tmp
     import nsbox
     async with nsbox.Sandbox(image=image.id) as box:
         assert names == sorted((await sh(box, "ls -A /etc")).split())
-    from nsbox.removal import remove_layer
+    from nsbox.host.removal import remove_layer
     remove_layer(volume, MODE)
 
 
 async def test_named_and_anonymous_volumes_hold_the_images_files(context: Path, tmp_path: Path) -> None:
-    from nsbox.inspect_compose import prepare, start_sample
+    from nsbox.inspect.compose import prepare, start_sample
 
     (tmp_path / "compose.yaml").write_text(_compose(context))
     task = await prepare(str(tmp_path / "compose.yaml"))
@@ -166,10 +166,10 @@ async def test_seeding_keeps_links_and_is_bounded(tmp_path: Path, monkeypatch: p
     """An image's hardlinked files cost the volume no more than they cost
     the image, and the image bounds cap what seeding writes (a hostile
     image could otherwise fill the host's disk through a volume)."""
-    from nsbox.build import build_image
-    from nsbox.layers import give
+    from nsbox.dockerfile import build_image
+    from nsbox.host.layers import give
     from nsbox.storage import Store
-    from nsbox.volumes import seed
+    from nsbox.compose.volumes import seed
 
     ctx = tmp_path / "ctx"
     ctx.mkdir()
@@ -193,7 +193,7 @@ async def test_seeding_keeps_links_and_is_bounded(tmp_path: Path, monkeypatch: p
         with pytest.raises(Exception, match="more than the image bounds allow .*NSBOX_IMAGE_LIMITS"):
             await seed(image, [("/d", other)])
     finally:
-        from nsbox.removal import remove_layer
+        from nsbox.host.removal import remove_layer
         for d in (volume, tmp_path / "vol2"):
             if d.exists():
                 remove_layer(d, MODE)
@@ -204,7 +204,7 @@ def test_seeding_keeps_holes(tmp_path: Path) -> None:
     sparse) is copied with its holes: a 1 GiB file of 8 KiB of data stays
     8 KiB on disk. The copier runs here, outside its sandbox, on a layer
     the test makes, so that its own rules are what is tested."""
-    from nsbox.volumes import SEEDER
+    from nsbox.compose.volumes import SEEDER
 
     layer = tmp_path / "layer"
     (layer / "d").mkdir(parents=True)

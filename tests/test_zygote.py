@@ -17,7 +17,9 @@ import psutil
 import pytest
 
 import nsbox
-from nsbox import idmap, native, steps
+from nsbox.host import idmap
+from nsbox.create import zygote
+from nsbox.plan import steps
 
 
 def alive(pid: int) -> bool:
@@ -33,7 +35,7 @@ async def test_sandboxes_are_children_of_this_process() -> None:
         with open(f"/proc/{sb.pid}/stat") as f:
             ppid = int(f.read().split(")")[-1].split()[1])
         assert ppid == os.getpid()
-        assert native.zygote_pid() not in (None, sb.pid)
+        assert zygote.zygote_pid() not in (None, sb.pid)
 
 
 async def test_a_dead_zygote_is_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -42,23 +44,23 @@ async def test_a_dead_zygote_is_replaced(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv("NSBOX_HOLDER", "0")
     async with nsbox.Sandbox():
         pass
-    old = native.zygote_pid()
+    old = zygote.zygote_pid()
     assert old is not None
     os.kill(old, signal.SIGKILL)
     os.waitpid(old, 0)
     async with nsbox.Sandbox() as sb:
         assert (await sb.exec(["echo", "ok"])).stdout == "ok\n"
-    assert native.zygote_pid() not in (None, old)
+    assert zygote.zygote_pid() not in (None, old)
 
 
 FORKED = textwrap.dedent("""
     import anyio, json, os, nsbox
-    from nsbox import native
+    from nsbox.create import zygote
     async def make():
         sb = await nsbox.Sandbox.create()
         return sb
     anyio.run(make)  # this process now has a zygote (the sandbox dies with the loop's end)
-    parent_zygote = native.zygote_pid()
+    parent_zygote = zygote.zygote_pid()
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -66,7 +68,7 @@ FORKED = textwrap.dedent("""
             async with nsbox.Sandbox() as sb:
                 ppid = int(open(f"/proc/{sb.pid}/stat").read().split(")")[-1].split()[1])
                 out = (await sb.exec(["echo", "hi"])).stdout
-            return {"ppid": ppid, "me": os.getpid(), "zygote": native.zygote_pid(), "out": out}
+            return {"ppid": ppid, "me": os.getpid(), "zygote": zygote.zygote_pid(), "out": out}
         os.write(w, json.dumps(anyio.run(child)).encode())
         os._exit(0)
     os.close(w)
@@ -89,11 +91,11 @@ def test_a_forked_child_gets_its_own_zygote() -> None:
 
 OWNER_EXITS = textwrap.dedent("""
     import anyio, nsbox
-    from nsbox import native
+    from nsbox.create import zygote
     async def main():
         async with nsbox.Sandbox() as sb:
             await sb.exec(["true"])
-        print(native.zygote_pid(), flush=True)
+        print(zygote.zygote_pid(), flush=True)
     anyio.run(main)
 """)
 
@@ -119,15 +121,15 @@ async def test_id_map_failure_is_a_clear_error(mode: str, monkeypatch: pytest.Mo
     # when it writes a holder's maps (the holder is then not used) and when
     # it writes a sandbox's.
     monkeypatch.setattr(idmap, "_find", lambda tool: "/bin/false")
-    monkeypatch.setattr(native, "_holders", {})
-    monkeypatch.setattr(native, "_holder_failed", set())
+    monkeypatch.setattr(zygote, "_holders", {})
+    monkeypatch.setattr(zygote, "_holder_failed", set())
     children = {c.pid for c in psutil.Process().children()}
-    before = set(os.listdir(nsbox.dirs.runtime_dir()))
+    before = set(os.listdir(nsbox.host.dirs.runtime_dir()))
     with pytest.raises(nsbox.SandboxSetupError, match="id maps"):
         await nsbox.Sandbox().start()
-    assert set(os.listdir(nsbox.dirs.runtime_dir())) == before
-    assert native._holders == {} and len(native._holder_failed) == 1
-    assert {c.pid for c in psutil.Process().children()} - children <= {native.zygote_pid()}
+    assert set(os.listdir(nsbox.host.dirs.runtime_dir())) == before
+    assert zygote._holders == {} and len(zygote._holder_failed) == 1
+    assert {c.pid for c in psutil.Process().children()} - children <= {zygote.zygote_pid()}
 
 
 
@@ -139,8 +141,8 @@ def _spawn_true(go: bool, host_go: bool = False) -> tuple[int, int, socket.socke
     err_r, err_w = os.pipe2(os.O_CLOEXEC)
     go_r, go_w = os.pipe2(os.O_CLOEXEC)
     try:
-        sock = native.request_spawn(
-            clone_flags=native.CLONE_NEWUSER, steps=[steps.become_root()], idmaps=idmap.detect().how_to_write(),
+        sock = zygote.request_spawn(
+            clone_flags=zygote.CLONE_NEWUSER, steps=[steps.become_root()], idmaps=idmap.detect().how_to_write(),
             error_fd=err_w, sync_fd=go_r, keep_fds=[], exec_fd=-1, argv=["true"], envp=["PATH=/usr/bin:/bin"],
             keep_stdio=False, new_session=False, go_fd=go_w if go else -1, host_go=host_go)
     finally:
@@ -160,10 +162,10 @@ def test_the_zygote_sends_the_go_when_given_the_pipe(go: bool) -> None:
         ran = bool(select.select([err_r], [], [], 3)[0])  # EOF on the error pipe: the exec happened
         assert ran == go
         if not go:
-            native.go(go_w)
+            zygote.go(go_w)
             assert select.select([err_r], [], [], 5)[0]
         assert os.read(err_r, 64) == b""  # no failure report
-        pid, pidfd = native.read_spawn_reply(sock)
+        pid, pidfd = zygote.read_spawn_reply(sock)
         os.close(pidfd)
         assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
     finally:
@@ -182,11 +184,11 @@ def test_with_host_go_the_child_waits_for_both(host_goes: bool) -> None:
     child exits, reporting the missing go, without running anything."""
     err_r, go_w, sock = _spawn_true(True, host_go=True)
     try:
-        pid, pidfd = native.read_spawn_reply(sock)  # the zygote has sent its go
+        pid, pidfd = zygote.read_spawn_reply(sock)  # the zygote has sent its go
         os.close(pidfd)
         assert not select.select([err_r], [], [], 1)[0], "the child ran without the host's go"
         if host_goes:
-            native.go(go_w)
+            zygote.go(go_w)
         else:
             os.close(go_w)
             go_w = -1
@@ -197,7 +199,7 @@ def test_with_host_go_the_child_waits_for_both(host_goes: bool) -> None:
             assert report == b"" and status == 0
         else:
             step, err = struct.unpack("=ii", report[:8])
-            assert step == native.lib.NSBOX_SETUP_SYNC and status != 0
+            assert step == zygote.lib.NSBOX_SETUP_SYNC and status != 0
     finally:
         sock.close()
         os.close(err_r)

@@ -23,7 +23,7 @@
 #include <unistd.h>
 
 #include "create/zygote.h"
-#include "fdpass.h"
+#include "common/fdpass.h"
 
 /* Older C libraries lack the new mount API; the kernel has had it since 5.2
  * (mount_setattr since 5.12). */
@@ -190,7 +190,7 @@ static int run_step(const struct nsbox_step *s, int *slots)
 
     case NSBOX_STEP_BECOME_ROOT:
         /* Until now the child kept its creator's credentials (see plan() in
-         * nsbox/rootfs.py): host paths were looked up as the invoking user.
+         * nsbox/plan/rootfs.py): host paths were looked up as the invoking user.
          * From here on every id (real, saved, filesystem) is the
          * namespace's root, so what we create belongs to sandbox root. */
         if (setresgid(0, 0, 0) < 0 || setresuid(0, 0, 0) < 0)

@@ -28,7 +28,7 @@
 #endif
 
 #include "create/zygote.h"
-#include "fdpass.h"
+#include "common/fdpass.h"
 
 /*
  * Runs newuidmap or newgidmap: `helper PID inside outside count ...`, the

@@ -31,11 +31,11 @@
 #include <unistd.h>
 
 #include "create/zygote.h"
-#include "fdpass.h"
+#include "common/fdpass.h"
 
 /* The pid of the process `pidfd` refers to, as the /proc we see numbers it:
  * where the host's /proc is masked, the sandbox's /proc is a bind of it
- * (nsbox/procmask.py), which numbers processes in an outer PID namespace.
+ * (nsbox/plan/procmask.py), which numbers processes in an outer PID namespace.
  * A pidfd's fdinfo gives the pid in the namespace of that procfs. */
 static pid_t proc_pid(int pidfd, pid_t pid)
 {

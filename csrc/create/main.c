@@ -41,7 +41,7 @@
 #include <unistd.h>
 
 #include "create/zygote.h"
-#include "fdpass.h"
+#include "common/fdpass.h"
 
 /* Best effort, and without waiting: the reply socket is fresh and the reply
  * small, so a socket with no room (or no socket at all) means the owner

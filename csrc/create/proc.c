@@ -22,7 +22,7 @@
 #include <unistd.h>
 
 #include "create/zygote.h"
-#include "fdpass.h"
+#include "common/fdpass.h"
 
 /* Appends the decimal digits of v at p; returns the end. (snprintf would do
  * as well: the zygote is a single-threaded static program, and the children

@@ -13,7 +13,7 @@
 
 #include <sys/types.h>
 
-#include "create.h"
+#include "common/create.h"
 
 /* child.c: runs in the cloned child; never returns. */
 void __attribute__((noreturn)) child(const struct nsbox_spec *spec);

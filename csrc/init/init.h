@@ -19,7 +19,7 @@
 #include <stdint.h>
 #include <sys/types.h>
 
-#include "protocol.h"
+#include "common/protocol.h"
 
 struct request {
     struct nsbox_request h;

@@ -42,10 +42,10 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "fdpass.h"
+#include "common/fdpass.h"
 #include "init/init.h"
 #include "init/rawsys.h"
-#include "seccomp.h"
+#include "init/seccomp.h"
 
 /* A forked child we answer for: a command started by EXEC whose exit has
  * not been reported yet, or the helper serving an OPEN. */

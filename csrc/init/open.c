@@ -12,7 +12,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include "fdpass.h"
+#include "common/fdpass.h"
 #include "init/init.h"
 
 /* mkdir -p of every parent of `path`, resolved inside our root. */

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..rootfs import Bind
+from ..plan.rootfs import Bind
 from ..spec import SandboxSpec
 from .errors import ComposeError
 from .hostpaths import HostPaths

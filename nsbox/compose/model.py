@@ -90,7 +90,7 @@ class Service:
     cpus: float | None = None
     pids_limit: int | None = None
     disk: int | None = None  # storage_opt.size
-    gpus: str | None = None  # nsbox/gpu.py's form: "all", "N", "device=ID,ID"
+    gpus: str | None = None  # nsbox/plan/gpu.py's form: "all", "N", "device=ID,ID"
     cap_add: list[str] = field(default_factory=list)  # upper case, without CAP_
     cap_drop: list[str] = field(default_factory=list)
     privileged: bool = False

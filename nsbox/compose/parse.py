@@ -15,7 +15,7 @@ import shlex
 from pathlib import Path
 from typing import Any, Mapping
 
-from .. import gpu
+from ..plan import gpu
 from ..spec import parse_size
 from .errors import ComposeError
 from .hostpaths import HostPaths
@@ -438,7 +438,7 @@ def _limits(r: Reader, s: Service, raw: dict[str, Any]) -> None:
 
 
 def _gpus(r: Reader, raw: dict[str, Any], environment: dict[str, str]) -> str | None:
-    """The one GPU request (nsbox/gpu.py's form) of gpus:, runtime: nvidia
+    """The one GPU request (nsbox/plan/gpu.py's form) of gpus:, runtime: nvidia
     and deploy.resources.reservations.devices; support.py refused the rest."""
     from .support import is_gpu_device
 

@@ -45,7 +45,7 @@ from typing import Any, Sequence
 
 import anyio
 
-from ..idmap import IdMap
+from ..host.idmap import IdMap
 from . import usernet
 from .client import NetError, NetHelper, Namespaces, helper
 from .hosts import check_name, render_hosts

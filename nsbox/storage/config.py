@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import NsboxError
-from ..idmap import IdMap
+from ..host.idmap import IdMap
 from .oci import MAX_LAYERS, check_digest
 
 

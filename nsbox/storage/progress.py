@@ -7,7 +7,7 @@ import sys
 import time
 from typing import TextIO
 
-log = logging.getLogger("nsbox.images")
+log = logging.getLogger("nsbox.storage.tarball")
 REDRAW = 0.1  # seconds between redraws
 
 

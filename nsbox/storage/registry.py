@@ -29,7 +29,7 @@ from typing import Any
 import anyio
 import httpx
 
-from .. import idmap
+from ..host import idmap
 from ..errors import NsboxError
 from . import oci
 from .config import ImageConfig

@@ -43,8 +43,8 @@ from typing import IO, Any, Literal
 import anyio
 import anyio.abc
 
-from .. import idmap
-from ..dirs import data_dir
+from ..host import idmap
+from ..host.dirs import data_dir
 from ..errors import NsboxError
 from . import oci
 from .apply import ApplyReport, CorruptLayer, Exceeded, Unpacker
@@ -572,7 +572,7 @@ def _flatten(e: BaseException) -> list[BaseException]:
 
 def _remove(path: Path, mapping: idmap.IdMap | None) -> None:
     """Deletes a layer directory whatever sandbox users own in it."""
-    from ..removal import remove_layer, remove_tree
+    from ..host.removal import remove_layer, remove_tree
 
     try:
         if mapping is not None:

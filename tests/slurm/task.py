@@ -42,8 +42,8 @@ def scripted_model() -> Model:
 @scorer(metrics=[accuracy()])
 def ran_in_nsbox():
     async def score(state: TaskState, target: Target) -> Score:
-        from nsbox import dirs, idmap
-        from nsbox.inspect_provider import NsboxSandboxEnvironment
+        from nsbox.host import dirs, idmap
+        from nsbox.inspect.provider import NsboxSandboxEnvironment
 
         try:
             written = (await sandbox().read_file(PROOF)).strip()

@@ -1,0 +1,1 @@
+"""The nsbox command line: every click command, and nothing else imports click."""

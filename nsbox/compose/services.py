@@ -1,0 +1,396 @@
+"""The services of one compose sample, running: one sandbox per service.
+
+- Order: dependencies first (depends_on), else the project's order, whose
+  first service is the default one.
+- Network: the first sandbox created owns the sample's network namespace
+  (network "none", "nat" or "host"); every other one joins it (network
+  "container:ID", nsbox/plan/plan.py). So the services of a sample reach each
+  other by name on 127.0.0.1, as the containers of a pod do, and samples
+  never see each other: each sample has its own namespace. Two services
+  of one sample cannot listen on the same port.
+- Each service's main process (its command, or the image's
+  Entrypoint/Cmd) runs in the background, as a container's does, and
+  outlives this process where the sample is kept; nsbox's init is PID 1
+  and reaps. Until the sample is up, the init reports its exit.
+- depends_on conditions: service_started (the sandbox runs),
+  service_healthy (its healthcheck passed), service_completed_successfully
+  (its main process exited 0).
+- Ready, as `docker compose up --wait` leaves a sample: start() returns
+  once every service with a healthcheck (its own or its image's) passed
+  it, and every other one's main process runs (or exited 0, which
+  Inspect accepts). A service whose main process exits before it is
+  healthy, or exits with another status, or whose probes keep failing,
+  fails start() naming it and what its last probe said (or its exit
+  status). Waiting has one deadline for the whole sample.
+"""
+
+from __future__ import annotations
+
+import functools
+import shlex
+import signal
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, Mapping, Sequence
+
+import anyio
+
+from ..init.client import Channel
+from ..errors import NsboxError
+from ..plan import netmodes
+from ..init import protocol, streaming
+from ..sandbox import Sandbox
+from ..spec import SandboxSpec
+
+# Docker's healthcheck defaults (seconds).
+INTERVAL, TIMEOUT, RETRIES = 30.0, 30.0, 3
+# How often a probe runs while a dependent waits: Docker waits a whole
+# interval before the first probe; a sample should come up in milliseconds.
+FAST_PROBE = 0.1
+WAIT_LIMIT = 300.0  # default deadline for every dependency of a sample
+# Inspect's docker provider gives `compose up --wait` this long without
+# healthchecks, and this much beyond the longest healthcheck schedule.
+COMPOSE_WAIT, COMPOSE_STARTUP_ALLOWANCE = 600.0, 60.0
+# What the host keeps of an awaited main process's output: the tail an error quotes.
+MAIN_OUTPUT_LIMIT = 64 * 1024
+
+
+class ServicesError(NsboxError):
+    pass
+
+
+class Watched:
+    """A main process started detached (it outlives this process, as a kept
+    sample's services must), whose exit the init reports on `chan` while
+    the sample comes up."""
+
+    def __init__(self, chan: Channel) -> None:
+        self.chan = chan
+        self._code: int | None = None
+
+    @property
+    def returncode(self) -> int | None:
+        """Its exit status, once it exited (128+N for signal N)."""
+        if self._code is None and self.chan.fileno() >= 0:
+            replies, closed = self.chan.read_replies()
+            for reply in replies:
+                if reply.kind == protocol.REPLY_EXIT:
+                    self._code = reply.code
+            if closed and self._code is None:
+                self._code = 128 + signal.SIGKILL  # the sandbox went away under it
+        return self._code
+
+    def close(self) -> None:
+        self.chan.close()  # the command runs on
+
+
+@dataclass(frozen=True)
+class Healthcheck:
+    test: list[str]  # argv to run
+    interval: float = INTERVAL
+    timeout: float = TIMEOUT
+    retries: int = RETRIES
+    start_period: float = 0.0
+
+    @classmethod
+    def from_test(cls, test: Sequence[str] | str, **timing: float) -> "Healthcheck | None":
+        """From Docker's forms: ["CMD", arg...], ["CMD-SHELL", "cmd"], a bare
+        string (shell), or ["NONE"] (None: no healthcheck)."""
+        if isinstance(test, str):
+            return cls(["/bin/sh", "-c", test], **timing)  # type: ignore[arg-type]
+        test = list(test)
+        if not test or test[0] == "NONE":
+            return None
+        if test[0] == "CMD":
+            return cls(test[1:], **timing)  # type: ignore[arg-type]
+        if test[0] == "CMD-SHELL":
+            return cls(["/bin/sh", "-c", " ".join(test[1:])], **timing)  # type: ignore[arg-type]
+        raise ServicesError(f"healthcheck test must start with CMD, CMD-SHELL or NONE, not {test[0]!r}")
+
+    @classmethod
+    def from_image(cls, doc: Mapping[str, object] | None) -> "Healthcheck | None":
+        """From an image config's Healthcheck (durations in nanoseconds)."""
+        if not doc or not doc.get("Test"):
+            return None
+        ns = 1e-9
+
+        def seconds(key: str, default: float) -> float:
+            value = doc.get(key)
+            return float(value) * ns if isinstance(value, (int, float)) and value > 0 else default
+
+        retries = doc.get("Retries")
+        return cls.from_test(doc["Test"], interval=seconds("Interval", INTERVAL),  # type: ignore[arg-type]
+                             timeout=seconds("Timeout", TIMEOUT),
+                             retries=int(retries) if isinstance(retries, int) and retries > 0 else RETRIES,
+                             start_period=seconds("StartPeriod", 0.0))
+
+    def schedule(self) -> float:
+        """The longest a healthcheck can take to decide, as Inspect's docker
+        provider reckons it (a probe that starts inside the start period is
+        not counted, so one more `timeout` follows it)."""
+        grace = self.timeout if self.start_period > 0 else 0.0
+        return self.start_period + grace + self.retries * (self.interval + self.timeout)
+
+
+def compose_deadline(checks: Sequence[Healthcheck]) -> float:
+    """How long a sample may take to come up: what Inspect's docker provider
+    gives `docker compose up --wait` for these healthchecks (the compose
+    file's own; an image's do not count there)."""
+    return COMPOSE_STARTUP_ALLOWANCE + max(c.schedule() for c in checks) if checks else COMPOSE_WAIT
+
+
+@dataclass
+class ServiceSpec:
+    """One service, as the runtime needs it."""
+
+    name: str
+    spec: SandboxSpec
+    command: list[str] | None = None  # None: the image's Entrypoint/Cmd
+    depends_on: dict[str, str] = field(default_factory=dict)  # name -> condition
+    healthcheck: Healthcheck | None = None  # None: the image's, if any
+    no_healthcheck: bool = False  # not even the image's (compose's `disable: true`)
+    names: list[str] = field(default_factory=list)  # what it answers to besides its name (aliases)
+
+
+def start_order(services: Sequence[ServiceSpec]) -> list[ServiceSpec]:
+    """Dependencies first; otherwise the given order. A cycle or an unknown
+    dependency is an error naming it."""
+    by_name = {s.name: s for s in services}
+    for s in services:
+        for dep in s.depends_on:
+            if dep not in by_name:
+                raise ServicesError(f"service {s.name} depends on {dep}, which is not a service of this project")
+    done: list[ServiceSpec] = []
+    placed: set[str] = set()
+    while len(done) < len(services):
+        ready = [s for s in services if s.name not in placed and all(d in placed for d in s.depends_on)]
+        if not ready:
+            cycle = sorted(s.name for s in services if s.name not in placed)
+            raise ServicesError(f"services depend on each other in a cycle: {', '.join(cycle)}")
+        done.append(ready[0])
+        placed.add(ready[0].name)
+    return done
+
+
+class Services:
+    """The running sandboxes of one sample; `await start()`, then `close()`."""
+
+    def __init__(self, services: Sequence[ServiceSpec], *, network: str = "none",
+                 wait_limit: float = WAIT_LIMIT) -> None:
+        self.order = start_order(services)
+        self.network = network
+        self.wait_limit = wait_limit
+        self.sandboxes: dict[str, Sandbox] = {}
+        self._healthy: set[str] = set()
+        # Main processes: with their output where a service waits for their exit.
+        self._main: dict[str, "streaming.Process | Watched"] = {}
+        self._given = [s.name for s in services]
+
+    def _hosts(self) -> dict[str, str]:
+        return {n: "127.0.0.1" for s in self.order for n in (s.name, *s.names)}
+
+    async def start(self) -> dict[str, Sandbox]:
+        """Creates every service's sandbox; on failure closes those made and raises.
+
+        The first service's sandbox owns the shared namespaces, so it comes
+        first; the others' are then created at once, while the commands
+        start in dependency order, each once its own sandbox exists and
+        its dependencies' conditions hold (as compose creates containers
+        before it starts them in order)."""
+        try:
+            deadline = anyio.current_time() + self.wait_limit
+            first, *rest = self.order
+            await self._create(first)
+            created = {s.name: anyio.Event() for s in rest}
+            failed: list[Exception] = []
+
+            async def create(service: ServiceSpec) -> None:
+                await self._create(service)
+                created[service.name].set()
+
+            async def commands() -> None:
+                for service in self.order:
+                    if service.name in created:
+                        await created[service.name].wait()
+                    for dep, condition in service.depends_on.items():
+                        await self._wait_for(dep, condition, deadline)
+                    await self._run_command(service)
+                for service in self.order:  # then every service must get ready, at once
+                    tg.start_soon(guarded, functools.partial(self._wait_ready, service.name, deadline))
+
+            async def guarded(work: Callable[[], Awaitable[None]]) -> None:
+                # The first failure is raised as itself, not in a group.
+                try:
+                    await work()
+                except Exception as e:
+                    failed.append(e)
+                    tg.cancel_scope.cancel()
+
+            async with anyio.create_task_group() as tg:
+                for service in rest:
+                    tg.start_soon(guarded, functools.partial(create, service))
+                tg.start_soon(guarded, commands)
+            if failed:
+                raise failed[0]
+            # A main process that exited while the others got ready (after
+            # its own check) fails the sample too: until start() returns.
+            for name, process in self._main.items():
+                if process.returncode not in (None, 0):
+                    raise ServicesError(await self._exited(name, process))
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self.close()
+            raise
+        self._stop_watching()
+        # The project's order (the default service first), as Inspect wants it.
+        return {name: self.sandboxes[name] for name in self._given}
+
+    async def _create(self, service: ServiceSpec) -> None:
+        spec = service.spec
+        owner = next(iter(self.sandboxes.values()), None)
+        hosts = {**self._hosts(), **spec.hosts}
+        if self.network == "host":
+            spec = spec.replace(network="host", hosts=hosts, ports=())
+        elif owner is None:
+            # Every service's ports are ports of the one shared namespace:
+            # the owner publishes them all.
+            ports = tuple(p for s in self.order for p in s.spec.ports)
+            # So is the host's loopback: open if any service asks for it.
+            loopback = self.network == "nat" and any(netmodes.host_loopback(s.spec) for s in self.order)
+            spec = spec.replace(network=self.network, hosts=hosts, ports=ports,
+                                host_loopback=spec.host_loopback or loopback)
+        else:
+            spec = spec.replace(network=f"container:{owner.id}", hosts=hosts, ports=())
+        sb = Sandbox(spec=spec)
+        try:
+            await sb.start()
+        except NsboxError as e:
+            await sb.close()
+            raise ServicesError(f"service {service.name}: {e}") from None
+        self.sandboxes[service.name] = sb
+
+    async def _run_command(self, service: ServiceSpec) -> None:
+        sb = self.sandboxes[service.name]
+        command = service.command if service.command is not None else sb.image_command()
+        if not command:
+            return
+        awaited = any(s.depends_on.get(service.name) == "service_completed_successfully" for s in self.order)
+        try:
+            if awaited:  # its exit status and output are wanted
+                self._main[service.name] = await sb.start_process(command, output_limit=MAIN_OUTPUT_LIMIT)
+            else:  # on its own, but watched until the sample is up
+                chan = await sb.spawn(command, watch=True)
+                assert chan is not None
+                self._main[service.name] = Watched(chan)
+        except (NsboxError, OSError) as e:
+            raise ServicesError(f"service {service.name}: its command {shlex.join(command)} "
+                                f"could not start: {e}") from None
+
+    def _service(self, name: str) -> ServiceSpec:
+        return next(s for s in self.order if s.name == name)
+
+    async def _wait_for(self, name: str, condition: str, deadline: float) -> None:
+        if condition == "service_started":
+            return
+        sb = self.sandboxes[name]
+        if condition == "service_completed_successfully":
+            await self._wait_completed(name, sb, deadline)
+        elif condition == "service_healthy":
+            await self._wait_healthy(name, sb, deadline)
+        else:
+            raise ServicesError(f"depends_on {name}: unknown condition {condition!r}")
+
+    async def _wait_completed(self, name: str, sb: Sandbox, deadline: float) -> None:
+        process = self._main.get(name)
+        if process is None:
+            raise ServicesError(f"service {name} has no command to complete (depends_on: "
+                                f"service_completed_successfully)")
+        assert isinstance(process, streaming.Process)  # started so (_run_command)
+        result = None
+        with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
+            result = await process.wait()
+        if result is None:
+            raise ServicesError(f"service {name} did not complete within {self.wait_limit:g}s "
+                                f"(depends_on: service_completed_successfully)")
+        if not result.success:
+            tail = (result.stderr or result.stdout).strip()[-200:]
+            raise ServicesError(f"service {name} did not complete successfully (exit status "
+                                f"{result.returncode}){': ' + tail if tail else ''}")
+
+    def _healthcheck(self, name: str) -> Healthcheck | None:
+        """The service's healthcheck: its own, else its image's."""
+        service = self._service(name)
+        check = service.healthcheck
+        image = self.sandboxes[name].image
+        if check is None and image is not None and not service.no_healthcheck:
+            check = Healthcheck.from_image(image.config.healthcheck)
+        return check
+
+    async def _wait_ready(self, name: str, deadline: float) -> None:
+        """As `docker compose up --wait`: healthy if it has a healthcheck,
+        else its main process runs (or exited 0)."""
+        if self._healthcheck(name) is not None:
+            await self._wait_healthy(name, self.sandboxes[name], deadline)
+            return
+        process = self._main.get(name)
+        if process is not None and process.returncode not in (None, 0):
+            raise ServicesError(await self._exited(name, process))
+
+    async def _exited(self, name: str, process: "streaming.Process | Watched") -> str:
+        """What a failure says of a service whose main process exited."""
+        result = None
+        if isinstance(process, streaming.Process):
+            with anyio.move_on_after(1):
+                result = await process.wait()
+        tail = (result.stderr or result.stdout).strip()[-200:] if result is not None else ""
+        return f"service {name} exited with status {process.returncode}{': ' + tail if tail else ''}"
+
+    async def _wait_healthy(self, name: str, sb: Sandbox, deadline: float) -> None:
+        if name in self._healthy:
+            return
+        check = self._healthcheck(name)
+        process = self._main.get(name)
+        if check is None:
+            raise ServicesError(f"service {name} has no healthcheck, but another service depends on it with "
+                                f"condition service_healthy")
+        # Healthy at the first passing probe; unhealthy once the start
+        # period and `retries` intervals passed without one (Docker's worst
+        # case), or at the sample's deadline. Probes run often meanwhile.
+        started = anyio.current_time()
+        last, delay = "", FAST_PROBE
+        give_up = min(deadline, started + check.start_period + check.retries * check.interval)
+        while True:
+            try:
+                r = await sb.exec(check.test, timeout=check.timeout)
+                if r.success:
+                    self._healthy.add(name)
+                    return
+                last = f"exit status {r.returncode}: {(r.stderr or r.stdout).strip()[-200:]}"
+            except TimeoutError:
+                last = f"the probe timed out after {check.timeout:g}s"
+            except NsboxError as e:
+                last = str(e)
+            if process is not None and process.returncode is not None:  # it will never be healthy
+                raise ServicesError(f"{await self._exited(name, process)} before it was healthy "
+                                    f"(last probe: {last})")
+            now = anyio.current_time()
+            if now >= give_up:
+                raise ServicesError(f"service {name} is unhealthy after {now - started:.1f}s: "
+                                    f"{shlex.join(check.test)} failed ({last})")
+            await anyio.sleep(min(delay, give_up - now))
+            delay = min(delay * 1.5, max(check.interval, FAST_PROBE))
+
+    def _stop_watching(self) -> None:
+        """The sample is up (or going): the detached main processes run on, unwatched."""
+        for name, process in list(self._main.items()):
+            if isinstance(process, Watched):
+                process.close()
+                del self._main[name]
+
+    async def close(self) -> None:
+        """Closes every sandbox: the joiners first, the network's owner last."""
+        self._stop_watching()
+        for name in reversed(list(self.sandboxes)):
+            sb = self.sandboxes.pop(name)
+            with anyio.CancelScope(shield=True):
+                await sb.close()
+

@@ -1,0 +1,1 @@
+"""From a plan to a running init: the Python side of csrc/create/."""

@@ -1,0 +1,208 @@
+"""Launching a sandbox: its plan carried out through the zygote, up to a
+running init.
+
+1. The zygote (nsbox/create/zygote.py) clones the first process into the plan's
+   namespaces and writes its id maps; the process waits.
+2. The host runs the plan's hooks (cgroup) while it waits, then writes the
+   "go" byte. A plan without hooks has the zygote write it right after the
+   maps, so that the setup does not wait for the host to wake up. Host work
+   the setup needs (`before_go`: the writable layer) is done while the
+   zygote clones; the process then waits for the host's go too.
+3. The process runs its steps and execs nsbox-init, which finds its control
+   connection, its listening socket and the locked namespaces at fds 3-6
+   (NSBOX_FD_* in csrc/common/protocol.h). A failed step is reported on the error
+   pipe, whose EOF without a report means the init runs.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import anyio
+
+from ..init import fdwait
+from . import hostcheck, zygote
+from ..errors import NsboxError, SandboxSetupError
+from ..plan.plan import ParentHook, Plan
+
+
+@dataclass
+class Launched:
+    """What launch() leaves to its caller, who owns all of it."""
+
+    pid: int = 0
+    pidfd: int = -1
+    ctl: socket.socket | None = None  # the control connection, also the lifeline
+    cleanups: list[Callable[[], None]] = field(default_factory=list)  # the plan's, for after the init exits
+
+
+async def launch(plan: Plan, launched: Launched, *, sandbox_id: str, socket_path: Path, layer: Path,
+                 on_cloned: Callable[[], None] | None = None, before_go: Callable[[], None] | None = None) -> None:
+    """Creates the sandbox `plan` describes; fills `launched` as it goes, so
+    that a caller can tear down what exists whatever fails. `on_cloned` runs
+    once the pid is known, while the setup steps run; `before_go` once the
+    zygote has the request, before the setup steps run (if it fails, the
+    process exits without running them)."""
+    launched.cleanups.extend(plan.cleanups)  # whatever fails from here, the caller runs them
+    err_r, err_w = os.pipe2(os.O_CLOEXEC)
+    go_r, go_w = os.pipe2(os.O_CLOEXEC)
+    zygote_goes = not plan.hooks  # right after the maps, without waiting for us
+    failed: BaseException | None = None
+    sub: zygote.SubZygote | None = None  # ours to close
+    via: zygote.SubZygote | zygote.Holder | None = None
+    try:
+        try:
+            if plan.join is not None:
+                try:
+                    via = sub = zygote.SubZygote(*plan.join)
+                except OSError as e:
+                    raise SandboxSetupError(f"cannot join the other sandbox's network: {e.strerror}") from None
+            elif plan.userns is not None:
+                try:
+                    via = sub = zygote.JoinedHolder(plan.userns)
+                except OSError as e:
+                    raise SandboxSetupError(f"cannot enter the network's user namespace: {e.strerror}") from None
+            elif "CLONE_NEWUSER" in plan.namespaces:
+                # Subuid and single modes: a holder saves writing maps with
+                # newuidmap per sandbox (None as real root).
+                via = zygote.holder(plan.idmap)
+            reply = _request(plan, launched, sandbox_id, socket_path, err_w, go_r, via,
+                             go_w if zygote_goes else -1, host_go=zygote_goes and before_go is not None)
+        finally:
+            os.close(err_w)
+            os.close(go_r)
+        if before_go is not None:
+            try:
+                before_go()
+            except BaseException as e:
+                failed = e  # raised once the reply has said which process to reap
+                os.close(go_w)  # the process sees EOF instead of its go and exits
+                go_w = -1
+            else:
+                if zygote_goes:  # else after the hooks
+                    zygote.go(go_w)
+        with reply:
+            await fdwait.readable(reply.fileno())
+            try:
+                launched.pid, launched.pidfd = zygote.read_spawn_reply(reply)
+            except zygote.IdMapError as e:
+                launched.pid = int(e.filename)  # killed by the zygote; the caller reaps it
+                raise SandboxSetupError(
+                    f"writing the id maps of the sandbox failed: {e.message or e.strerror}",
+                    hint="check your /etc/subuid and /etc/subgid entries, or use id_mapping='single'",
+                ) from None
+            except OSError as e:
+                raise hostcheck.clone_failed(e.errno) from None
+            finally:
+                if sub is not None:
+                    sub.close()  # one sandbox per sub-zygote: it exits at EOF
+        if failed is not None:
+            raise failed
+        if plan.hooks:
+            await plan.run_hooks(launched.pid)
+            zygote.go(go_w)
+        if on_cloned is not None:
+            on_cloned()
+        report = await _setup_alongside(plan.alongside, launched.pid, err_r)
+    finally:
+        if go_w >= 0:
+            os.close(go_w)
+        os.close(err_r)
+        if sub is not None:
+            sub.close()
+    if report:
+        step, err = struct.unpack("=ii", report[:8])
+        raise setup_error(plan, step, err, layer)
+
+
+async def _setup_alongside(hooks: list[ParentHook], pid: int, err_r: int) -> bytes:
+    """Waits for the child's setup report while `hooks` run; a failed step
+    is reported first, else a failed hook is raised."""
+    if not hooks:
+        await fdwait.readable(err_r)
+        return os.read(err_r, 64)
+    failed: list[Exception] = []
+
+    async def run(hook: ParentHook) -> None:
+        try:
+            await hook(pid)
+        except Exception as e:  # not cancellation: that ends the task group
+            failed.append(e)
+
+    async with anyio.create_task_group() as tg:
+        for hook in hooks:
+            tg.start_soon(run, hook)
+        await anyio.wait_readable(err_r)
+        report = os.read(err_r, 64)
+    if not report and failed:
+        raise failed[0]
+    return report
+
+
+def _request(plan: Plan, launched: Launched, sandbox_id: str, socket_path: Path, err_w: int,
+             go_r: int, via: zygote.SubZygote | zygote.Holder | None, go_w: int, host_go: bool) -> socket.socket:
+    launched.ctl, ctl_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    init_fd = -1
+    try:
+        try:
+            listener.bind(os.fspath(socket_path))
+        except OSError as e:
+            raise SandboxSetupError(f"cannot create the sandbox's socket {socket_path}: {e.strerror}",
+                                    hint="set NSBOX_STATE_DIR to a shorter path") from None
+        listener.listen(64)
+        init_fd = os.open(zygote.INIT_BINARY, os.O_RDONLY | os.O_CLOEXEC)
+        idmaps = plan.idmap.how_to_write()
+        if isinstance(via, zygote.Holder):
+            # Nested in the holder's namespace, which has the owner's maps:
+            # every id maps to itself, written by the holder.
+            idmaps = (*plan.idmap.nested_identity(), None, None, idmaps[4])
+        assert plan.sandbox_id == sandbox_id
+        shape = dict(
+            clone_flags=zygote.clone_flags(plan.namespaces), idmaps=idmaps,
+            # fds 3..6 of the init: control, listener, and the locked user
+            # and mount namespaces (NSBOX_FD_*).
+            keep_fds=[ctl_child.fileno(), listener.fileno(), -1, -1], exec_fd=init_fd, envp=[], keep_stdio=False,
+            new_session=True, lock_maps=plan.idmap.nested_identity(), lock_slot=zygote.lib.NSBOX_FD_USERNS - 3,
+            go_fd=go_w, host_go=host_go,
+        )
+
+        def argv(p: Plan) -> list[str]:
+            return ["nsbox-init", p.sandbox_id, *p.init_args]
+
+        # A plan copied from a template is packed once per shape (which
+        # descriptors, not their numbers).
+        key = tuple((k, tuple(fd >= 0 for fd in val) if k == "keep_fds" else val >= 0 if k.endswith("_fd") else
+                     tuple(val) if isinstance(val, list) else val) for k, val in shape.items())
+        packed = plan.packed(key, lambda p: zygote.pack_spec(steps=p.steps(), argv=argv(p), **shape))  # type: ignore[arg-type]
+        return zygote.request_spawn(steps=[] if packed is not None else plan.steps(), argv=argv(plan), error_fd=err_w,
+                                    sync_fd=go_r, via=via, packed=packed, **shape)  # type: ignore[arg-type]
+    finally:
+        if init_fd >= 0:
+            os.close(init_fd)
+        ctl_child.close()
+        listener.close()
+
+
+def setup_error(plan: Plan, step: int, err: int, layer: Path) -> NsboxError:
+    """The error for a setup step (or stage) the child reported failed."""
+    steps = plan.steps()
+    if 0 <= step < len(steps):
+        return hostcheck.step_failed(steps[step], err, os.fspath(layer))
+    stage = {
+        zygote.lib.NSBOX_SETUP_SYNC: "waiting for the host's go",
+        zygote.lib.NSBOX_SETUP_FDS: "arranging descriptors",
+        zygote.lib.NSBOX_SETUP_EXEC: "starting nsbox-init",
+        zygote.lib.NSBOX_SETUP_LOCK: "creating the nested namespaces that lock the mounts",
+        zygote.lib.NSBOX_SETUP_SESSION: "starting a session",
+        zygote.lib.NSBOX_SETUP_SIGNALS: "blocking signals during the setup",
+    }.get(step, f"step {step}")
+    hint = hostcheck.userns_hint() if err in (errno.EPERM, errno.EACCES) else None
+    return SandboxSetupError(f"sandbox setup failed: {stage}: {os.strerror(err)}", hint)
+

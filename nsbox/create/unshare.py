@@ -1,0 +1,53 @@
+"""Running a host program inside a user namespace with a sandbox's id map.
+
+Files that sandbox users other than root create in a writable layer belong
+to subordinate ids on the host, which the invoking user cannot delete or
+chown directly; inside a user namespace with the same mapping they are
+ordinary files of ordinary users. This is what `podman unshare` does.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import subprocess
+from typing import Sequence
+
+from . import zygote
+from ..plan import steps
+from ..errors import NsboxError
+from ..host.idmap import IdMap
+
+
+def run_in_userns(mapping: IdMap, argv: Sequence[str], *, check: bool = True) -> int:
+    """Runs `argv` (found through the host's PATH) as root of a new user
+    namespace; returns its exit status. The host's filesystem stays visible."""
+    err_r, err_w = os.pipe()
+    try:
+        try:
+            pid, pidfd = zygote.spawn(
+                clone_flags=zygote.CLONE_NEWUSER, steps=[steps.become_root()], idmaps=mapping.how_to_write(), error_fd=err_w,
+                keep_fds=[], exec_fd=-1, argv=list(argv), envp=[f"{k}={v}" for k, v in os.environ.items()],
+                keep_stdio=True, new_session=False,
+            )
+        except zygote.IdMapError as e:
+            os.waitpid(int(e.filename), 0)
+            raise NsboxError(f"running {argv[0]} in a user namespace failed: {e.message or e.strerror}") from None
+        except OSError as e:
+            from .hostcheck import clone_failed
+            raise clone_failed(e.errno) from None
+        finally:
+            os.close(err_w)
+        if pidfd >= 0:
+            os.close(pidfd)
+        report = os.read(err_r, 64)
+    finally:
+        os.close(err_r)
+    _, status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    if report:
+        _, err = struct.unpack("=ii", report[:8])
+        raise NsboxError(f"running {argv[0]} in a user namespace failed: {os.strerror(err)}")
+    if check and code != 0:
+        raise subprocess.CalledProcessError(code, list(argv))
+    return code

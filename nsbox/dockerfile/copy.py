@@ -1,0 +1,163 @@
+"""COPY and ADD: which files go where, as Docker decides it, written as
+one layer tar (layer.py).
+
+- Sources: build-context paths and globs (.dockerignore applied; context.py),
+  another stage's or image's files (`--from`, read from its layer blobs;
+  fsview.py), heredocs (`COPY <<EOF /path`), and for ADD a URL (downloaded)
+  or a local tar archive (extracted, whatever its compression).
+- Destination: relative to WORKDIR; a directory if it ends in `/`, if
+  there are several sources, or if the image already has a directory
+  there; symlinks in it resolve inside the image.
+- Owners: root unless `--chown` (names from the image's /etc/passwd and
+  /etc/group); context files keep their mode and mtime unless `--chmod`;
+  `--from` files keep their owners too.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import posixpath
+import stat
+import tarfile
+import urllib.parse
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..init import users
+from .context import GLOB, Context, Source
+from .fsview import View, copy_data, norm
+from .layer import LayerWriter
+from .parse import Instruction
+
+
+@dataclass
+class Plan:
+    """What one COPY/ADD takes, resolved before the cache is asked."""
+
+    ins: Instruction
+    sources: list[str]  # expanded source arguments
+    dest: str  # absolute, in the image
+    owner: tuple[int, int] | None
+    mode: int | None
+    context: list[Source] = field(default_factory=list)
+    urls: list[str] = field(default_factory=list)
+
+
+def plan(ins: Instruction, expand: Callable[[str], str], workdir: str, ctx: Context | None) -> Plan:
+    words = [w if w.startswith("<<") and ins.heredocs else expand(w) for w in ins.args]
+    if len(words) < 2:
+        raise ins.error(f"{ins.cmd} needs a source and a destination")
+    *sources, dest = words
+    dest_abs = posixpath.join(workdir or "/", dest) + ("/" if dest.endswith("/") or dest in (".", "..") else "")
+    mode = None
+    if chmod := ins.flags.get("chmod"):
+        try:
+            mode = int(chmod, 8)
+        except ValueError:
+            raise ins.error(f"--chmod takes an octal mode, not {chmod!r}") from None
+    p = Plan(ins, sources, dest_abs, None, mode)
+    if len(sources) > 1 and not dest_abs.endswith("/"):
+        raise ins.error(f"with more than one source, the destination must be a directory ending in /: {dest}")
+    if ins.cmd == "ADD":
+        p.urls = [s for s in sources if urllib.parse.urlparse(s).scheme in ("http", "https")]
+    if "from" not in ins.flags and ctx is not None:
+        local = [s for s in sources if s not in p.urls and not (s.startswith("<<") and ins.heredocs)]
+        try:
+            p.context = ctx.sources(local) if local else []
+        except Exception as e:
+            raise ins.error(str(getattr(e, "message", e))) from None
+    return p
+
+
+def owner_of(ins: Instruction, chown: str, view: View) -> tuple[int, int]:
+    """`--chown=USER[:GROUP]` as ids of the image's own users."""
+    user, _, group = chown.partition(":")
+    passwd = (view.read("/etc/passwd") or b"").decode(errors="replace")
+    groups = (view.read("/etc/group") or b"").decode(errors="replace")
+    found = users.lookup(f"{user}:{group}" if group else user, passwd, groups)
+    if found is None:
+        raise ins.error(f"--chown={chown}: no such user or group in the image's /etc/passwd or /etc/group")
+    return found.uid, (found.gid if group or not user.isdigit() else found.uid)
+
+
+def _target(view: View, dest: str, name: str, into_dir: bool) -> str:
+    """Where a source named `name` lands."""
+    if into_dir:
+        return posixpath.join(view.resolve(dest), name)
+    parent, base = posixpath.split(dest.rstrip("/"))
+    return posixpath.join(view.resolve(parent), base)
+
+
+def write_context(p: Plan, ctx: Context, view: View, out: LayerWriter) -> None:
+    globbed = any(GLOB.search(s) for s in p.sources)
+    into_dir = p.dest.endswith("/") or globbed or view.is_dir(view.resolve(p.dest))
+    for src in p.context:
+        if src.is_dir:
+            base = view.resolve(p.dest)
+            for rel in ctx.files_below(src):
+                out.add_context_file(posixpath.join(base, rel), ctx, posixpath.join(src.real, rel), owner=p.owner,
+                                     mode=p.mode)
+        else:
+            out.add_context_file(_target(view, p.dest, posixpath.basename(src.rel), into_dir), ctx, src.real,
+                                 owner=p.owner, mode=p.mode)
+    for h in p.ins.heredocs:
+        out.add_bytes(_target(view, p.dest, h.name, into_dir or len(p.ins.heredocs) > 1), h.content.encode(),
+                      owner=p.owner, mode=p.mode or 0o644)
+
+
+def write_from(p: Plan, src_view: View, view: View, out: LayerWriter) -> None:
+    """COPY --from: members of another image's layers."""
+    into_dir = p.dest.endswith("/") or view.is_dir(view.resolve(p.dest))
+    wanted: dict[Path, dict[str, list[str]]] = {}
+    targets: dict[Path, set[str]] = {}
+    for pattern in p.sources:
+        clean = norm(pattern)
+        if GLOB.search(clean):
+            depth = clean.count("/")
+            hits = [k for k in sorted(src_view.entries) if k.count("/") == depth and fnmatch.fnmatchcase(k, clean)]
+            into_dir = True
+        else:
+            hits = [src_view.resolve(clean)]
+        for path in hits:
+            entry = src_view.get(path)
+            if entry is None and path:
+                raise p.ins.error(f"{pattern} does not exist in the --from={p.ins.flags['from']} image")
+            if path == "" or entry.info.isdir():  # type: ignore[union-attr]
+                base = view.resolve(p.dest)
+                members = [(k, posixpath.join(base, k[len(path):].lstrip("/"))) for k in src_view.below(path)]
+            else:
+                members = [(path, _target(view, p.dest, posixpath.basename(path), into_dir))]
+            for name, dest in members:
+                e = src_view.entries[name]
+                if e.info.isreg() or e.info.islnk():
+                    wanted.setdefault(e.blob, {}).setdefault(name, []).append(dest)
+                    if e.info.islnk():
+                        targets.setdefault(e.blob, set()).add(norm(e.info.linkname))
+                else:  # directories, symlinks: no data; written first, parents before children
+                    out.add(dest, e.info, owner=p.owner, mode=p.mode)
+    copy_data(wanted, targets, lambda dest, info, data: out.add(dest, info, data, owner=p.owner, mode=p.mode))
+
+
+def is_archive(ctx: Context, src: Source) -> bool:
+    if not stat.S_ISREG(ctx.lstat(src.real).st_mode):
+        return False  # a FIFO, say: copied as COPY would
+    with ctx.open(src.real) as f:
+        try:
+            with tarfile.open(fileobj=f, mode="r:*") as tf:
+                return tf.next() is not None
+        except (tarfile.TarError, OSError, EOFError):
+            return False
+
+
+def write_archive(p: Plan, ctx: Context, src: Source, view: View, out: LayerWriter) -> None:
+    """ADD of a local tar: its members under the destination directory."""
+    base = view.resolve(p.dest)
+    with ctx.open(src.real) as f, tarfile.open(fileobj=f, mode="r:*") as tf:
+        for m in tf:
+            name = norm(m.name)
+            if not name or posixpath.basename(name).startswith(".wh.") or m.ischr() or m.isblk():
+                continue
+            if m.islnk():
+                m.linkname = posixpath.join(base, norm(m.linkname))
+            out.add(posixpath.join(base, name), m, tf.extractfile(m) if m.isreg() else None, owner=p.owner)

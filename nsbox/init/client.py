@@ -1,0 +1,350 @@
+"""InitClient: the one speaker of the init's protocol (csrc/common/protocol.h).
+
+A sandbox's init listens on a control connection. Every request that starts
+something (a command, a helper that opens a file) carries a *channel*: one
+end of a fresh socketpair on which the init answers (STARTED, FAIL, EXIT or
+FD records), to which the host writes a signal number to signal the
+command's process tree, and whose early close kills that tree. This module
+owns that exchange: encoding requests, passing descriptors, reading replies,
+and turning the init's answers into results or exceptions, in one place.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import struct
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import anyio
+
+from . import protocol
+from .._native import ffi, lib
+from ..errors import NsboxError, SandboxUnavailable, UserUnsupported
+from .fdwait import PollerPool
+
+# PATH of every command that sets none: protocol.h's, the init's too.
+DEFAULT_PATH: str = ffi.string(lib.nsbox_default_path()).decode()
+# Longest wait for the init to say a command started, or to open a file:
+# nothing the sandbox does may keep a host call waiting forever.
+START_TIMEOUT = 30.0
+OPEN_TIMEOUT = 30.0
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    """The result of Sandbox.exec: as Inspect's ExecResult, plus how many
+    bytes of each stream front-truncation dropped (0: the whole output is
+    there; otherwise `stdout`/`stderr` hold the last N bytes, N being the
+    output limit of nsbox.init.output_limits)."""
+
+    success: bool
+    returncode: int
+    stdout: str
+    stderr: str
+    stdout_truncated: int = 0
+    stderr_truncated: int = 0
+
+    @property
+    def truncated(self) -> bool:
+        """Whether either stream lost bytes to the output limit."""
+        return bool(self.stdout_truncated or self.stderr_truncated)
+
+
+@dataclass(frozen=True)
+class Command:
+    """A command for the init to start: everything already resolved."""
+
+    argv: Sequence[str]
+    env: Mapping[str, str]
+    cwd: str
+    creds: protocol.Creds
+
+
+class Channel:
+    """One request's channel, host side (non-blocking)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        if sock.getblocking():
+            sock.setblocking(False)
+        self._buf = bytearray()
+        self._pending: list[protocol.Reply] = []  # read with an earlier one that next_reply() returned
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def read_replies(self) -> tuple[list[protocol.Reply], bool]:
+        """The replies that arrived, and whether the init closed the channel."""
+        out, self._pending = self._pending, []
+        while True:
+            try:
+                data = self.sock.recv(4096)
+            except BlockingIOError:
+                return out, False
+            except ConnectionResetError:
+                data = b""
+            if not data:
+                return out, True
+            self._buf += data
+            out += protocol.parse_replies(self._buf)
+
+    async def next_reply(self, timeout: float) -> protocol.Reply | None:
+        """The first reply, or None if the channel closed before one came;
+        TimeoutError after `timeout` seconds."""
+        if self._pending:
+            return self._pending.pop(0)
+        with anyio.fail_after(timeout):
+            while True:
+                await anyio.wait_readable(self.sock)
+                replies, closed = self.read_replies()
+                if replies:
+                    self._pending = replies[1:]  # a quick command's EXIT comes with its STARTED
+                    return replies[0]
+                if closed:
+                    return None
+
+    def signal(self, sig: int) -> None:
+        try:
+            self.sock.send(protocol.SIGNAL.pack(sig))
+        except OSError:
+            pass  # the init is gone or the command already reported
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class InitClient:
+    """The control connection to one sandbox's init."""
+
+    def __init__(self, ctl: socket.socket, sandbox_id: str) -> None:
+        self.ctl = ctl
+        self.ctl.setblocking(False)
+        self.sandbox_id = sandbox_id
+        # anyio lets one task at a time wait on a socket: senders that find
+        # the connection full take turns, as do control exchanges.
+        self._room_wait = anyio.Lock()
+        self._control_turn = anyio.Lock()
+        self.pollers = PollerPool()  # for this sandbox's execs
+
+    @classmethod
+    def connect(cls, path: str, sandbox_id: str) -> "InitClient":
+        """A connection to the listening socket of a sandbox another process
+        created (it is no lifeline)."""
+        ctl = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            ctl.connect(path)
+        except BaseException:
+            ctl.close()
+            raise
+        return cls(ctl, sandbox_id)
+
+    def close(self) -> None:
+        self.ctl.close()
+        self.pollers.close()
+
+    def _gone(self) -> SandboxUnavailable:
+        return SandboxUnavailable(f"sandbox {self.sandbox_id} is not running (its init has exited)")
+
+    async def send(self, message: bytes, fds: Sequence[int]) -> None:
+        while True:
+            try:
+                protocol.send(self.ctl, message, fds)
+                return
+            except BlockingIOError:
+                async with self._room_wait:
+                    await anyio.wait_writable(self.ctl)
+            except OSError as e:
+                if e.errno in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.EBADF):
+                    raise self._gone() from None
+                raise
+
+    async def _request(self, message: bytes, memfd: int | None, fds: Sequence[int],
+                       channel: tuple[socket.socket, socket.socket] | None = None) -> Channel:
+        """Sends a request with a fresh channel (or `channel`: ours, and the
+        end the init gets) in front of `fds`; the init holds its own copies
+        of the descriptors once this returns."""
+        chan, chan_child = channel or socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            await self.send(message, [chan_child.fileno(), *fds, *([memfd] if memfd is not None else [])])
+        except BaseException:
+            chan.close()
+            raise
+        finally:
+            chan_child.close()
+            if memfd is not None:
+                os.close(memfd)
+        return Channel(chan)
+
+    async def start(self, cmd: Command, stdio: tuple[int, int, int], *, flags: int = 0,
+                    channel: tuple[socket.socket, socket.socket] | None = None) -> Channel:
+        """Asks the init to start `cmd` with these descriptors as its
+        stdin, stdout and stderr; replies arrive on the returned channel."""
+        strings = [os.fsencode(cmd.cwd), *map(os.fsencode, cmd.argv),
+                   *(os.fsencode(f"{k}={v}") for k, v in cmd.env.items())]
+        message, memfd = protocol.encode(protocol.OP_EXEC, cmd.creds, strings, argc=len(cmd.argv),
+                                         envc=len(cmd.env), flags=flags)
+        return await self._request(message, memfd, stdio, channel)
+
+    async def spawn(self, cmd: Command, devnull: int, *, watch: bool = False) -> Channel | None:
+        """Starts `cmd` detached, its stdio on /dev/null: it runs on its own
+        and a later exit is not reported. Returns once it runs. With
+        `watch`, returns its channel, on which the init reports its exit
+        while the channel is open (closing it does not kill the command)."""
+        chan = await self.start(cmd, (devnull, devnull, devnull), flags=protocol.F_DETACHED)
+        kept = False
+        try:
+            try:
+                reply = await chan.next_reply(START_TIMEOUT)
+            except TimeoutError:
+                raise NsboxError(f"the sandbox did not start {cmd.argv[0]!r} within {START_TIMEOUT:g}s") from None
+            if reply is None:
+                raise SandboxUnavailable(f"sandbox {self.sandbox_id} stopped while starting {cmd.argv[0]!r}")
+            if reply.kind == protocol.REPLY_FAIL:
+                raise NsboxError(failed_start(reply, cmd.argv[0], cmd.cwd).stderr.strip())
+            kept = watch
+            return chan if watch else None
+        finally:
+            if not kept:
+                chan.close()  # detached: the command does not die with it
+
+    async def open(self, creds: protocol.Creds, path: str, open_flags: int, *, mode: int = 0o666,
+                   mkdirs: bool = False, regular: bool = True) -> tuple[int, bool]:
+        """Opens `path` (absolute, inside the sandbox) as `creds`; returns the
+        descriptor and whether it is a directory.
+
+        With `regular`, only a regular file or a directory is opened: the
+        bytes of anything else (a FIFO, a socket, a device) are the
+        sandbox's to withhold. Raises OSError subclasses naming the path;
+        TimeoutError (an OSError) if the sandbox does not answer in time.
+        """
+        flags = (protocol.F_MKDIRS if mkdirs else 0) | (protocol.F_REGULAR if regular else 0)
+        message, memfd = protocol.encode(protocol.OP_OPEN, creds, [os.fsencode(path)], flags=flags,
+                                         open_flags=open_flags, mode=mode)
+        chan = await self._request(message, memfd, [])
+        data = b""
+        received: list[int] = []
+        try:
+            # Closing the channel on expiry makes the init kill the helper.
+            with anyio.move_on_after(OPEN_TIMEOUT) as waited:
+                while len(data) < protocol.REPLY.size:
+                    await anyio.wait_readable(chan.sock)
+                    try:
+                        chunk, fds_in, _, _ = socket.recv_fds(chan.sock, protocol.REPLY.size - len(data), 1)
+                    except BlockingIOError:
+                        continue
+                    received += fds_in
+                    if not chunk:
+                        break
+                    data += chunk
+        finally:
+            chan.close()
+        if waited.cancelled_caught or len(data) < protocol.REPLY.size:
+            for fd in received:
+                os.close(fd)
+            if waited.cancelled_caught:
+                raise TimeoutError(errno.ETIMEDOUT, f"the sandbox did not open the file within {OPEN_TIMEOUT:g}s",
+                                   path)
+            raise SandboxUnavailable(f"sandbox {self.sandbox_id} stopped while opening {path}")
+        reply = protocol.Reply(*protocol.REPLY.unpack(data))
+        if reply.kind == protocol.REPLY_FD and received:
+            return received[0], reply.code == 1
+        for fd in received:
+            os.close(fd)
+        raise open_failure(reply, path, regular)
+
+    async def _control(self, op: int) -> bytes:
+        """A request answered on the control connection itself."""
+        async with self._control_turn:
+            await self.send(protocol.REQUEST.pack(op, *[0] * 9), [])
+            with anyio.fail_after(START_TIMEOUT):
+                while True:
+                    await anyio.wait_readable(self.ctl)
+                    try:
+                        data = self.ctl.recv(protocol.STATUS.size)
+                    except BlockingIOError:
+                        continue
+                    if not data:
+                        raise self._gone()
+                    return data
+
+    async def status(self) -> dict[str, int]:
+        """The init's counters (execs served, commands running) and whether
+        commands start in a child sharing its memory (see csrc/init/main.c)."""
+        return _status(await self._control(protocol.OP_STATUS))
+
+    async def detach(self) -> None:
+        """The control connection stops being the sandbox's lifeline."""
+        await self._control(protocol.OP_DETACH)
+
+    def shutdown(self) -> None:
+        """Asks the init to kill everything and exit (best effort, no wait)."""
+        try:
+            protocol.send(self.ctl, protocol.REQUEST.pack(protocol.OP_SHUTDOWN, *[0] * 9), [])
+        except OSError:
+            pass
+
+
+def query_status(path: str, timeout: float = 1.0) -> dict[str, int] | None:
+    """The counters of the init listening on the socket at `path`, from a
+    process that does not own it (`nsbox ps`); None if it does not answer."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+            s.settimeout(timeout)
+            s.connect(path)
+            s.send(protocol.REQUEST.pack(protocol.OP_STATUS, *[0] * 9))
+            return _status(s.recv(protocol.STATUS.size))
+    except (OSError, ValueError, struct.error):
+        return None
+
+
+def _status(data: bytes) -> dict[str, int]:
+    _, running, execs, detached, flags = protocol.STATUS.unpack(data)
+    return {"running": running, "execs": execs, "detached": detached,
+            "shared_spawn": int(bool(flags & protocol.STATUS_SHARED_SPAWN))}
+
+
+_OPEN_STAGES = {
+    protocol.STAGE_MKDIRS: "creating its parent directories failed",
+    protocol.STAGE_CREDS: "switching to the sandbox user failed",
+    protocol.STAGE_SPAWN: "the sandbox could not fork",
+    protocol.STAGE_REQUEST: "the sandbox rejected the request",
+    protocol.STAGE_HELPER: "a process inside the sandbox stopped or killed nsbox's helper",
+}
+
+
+def open_failure(reply: protocol.Reply, path: str, regular: bool) -> OSError:
+    """The exception for an OPEN the init refused."""
+    err = reply.err or errno.EIO
+    if reply.stage == protocol.STAGE_OPEN and err == errno.EINVAL and regular:
+        return OSError(errno.EINVAL, "Not a regular file", path)
+    words = _OPEN_STAGES.get(reply.stage)
+    return OSError(err, os.strerror(err) + (f" ({words})" if words else ""), path)
+
+
+def failed_start(failure: protocol.Reply, command: str, workdir: str) -> ExecResult:
+    """The result (or exception) for a command the init could not start."""
+    err = failure.err
+    reason = os.strerror(err)
+    if failure.stage == protocol.STAGE_EXEC:
+        if err == errno.EACCES:
+            raise PermissionError(err, f"{reason}: cannot execute", command)
+        if err in (errno.ENOENT, errno.ENOTDIR):
+            text = "command not found" if "/" not in command else reason
+            return ExecResult(False, 127, "", f"nsbox: {command}: {text}\n")
+        return ExecResult(False, 126, "", f"nsbox: {command}: {reason}\n")
+    if failure.stage == protocol.STAGE_CWD:
+        if err == errno.EACCES:
+            raise PermissionError(err, f"{reason}: cannot change to the working directory", workdir)
+        return ExecResult(False, 126, "", f"nsbox: cannot change to the working directory {workdir}: {reason}\n")
+    if failure.stage == protocol.STAGE_CREDS:
+        raise UserUnsupported(f"switching to the requested user failed: {reason}")
+    if failure.stage == protocol.STAGE_HELPER:
+        if err == errno.ETIMEDOUT:
+            raise NsboxError(f"nsbox's helper starting {command!r} was stuck (in the kernel, on a file system "
+                             f"that does not answer, say) and was killed")
+        raise NsboxError(f"a process inside the sandbox stopped or killed nsbox's helper while it was "
+                         f"starting {command!r}; the helper was killed")
+    raise NsboxError(f"the sandbox could not start {command!r}: {reason}")

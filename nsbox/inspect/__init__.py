@@ -1,0 +1,1 @@
+"""nsbox as an Inspect AI sandbox provider (the `nsbox` entry point)."""

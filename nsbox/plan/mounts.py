@@ -1,0 +1,134 @@
+"""The filesystem contributor of a sandbox's plan (see nsbox/plan/plan.py): the
+root filesystem, binds, a fresh /proc, a minimal /dev and a tmpfs /tmp.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+from . import procmask, steps as s
+from .plan import Phase, Plan
+
+if TYPE_CHECKING:
+    from .rootfs import Bind, Rootfs
+
+# The options every overlay of a sandbox gets besides its directories (see
+# overlay()); `nsbox doctor` probes with them too.
+OVERLAY_OPTIONS = "userxattr,volatile"
+
+# Host device nodes the sandbox gets, bind-mounted into a fresh /dev.
+DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+NOSUID_NODEV = ("MS_NOSUID", "MS_NODEV")
+
+
+def contribute(plan: Plan, rootfs: Rootfs, layer: Path, mount_dir: Path, binds: Sequence[Bind]) -> None:
+    """The root is mounted on mount_dir/root, a directory of sandbox root's
+    (see nsbox/host/layers.py mount_point())."""
+    # Nothing we mount may propagate back to the host's mount namespace.
+    plan.add(Phase.HOST, s.mount(None, "/", None, ("MS_REC", "MS_PRIVATE"), None, "make all mounts private"))
+    # Device nodes cannot be created in a user namespace: take the host's.
+    for dev in DEVICES:
+        plan.add(Phase.HOST, s.tree_clone(f"/dev/{dev}", plan.slot(f"/dev/{dev}"), f"take the host's /dev/{dev}"))
+    for i, bind in enumerate(binds):
+        plan.add(Phase.HOST, s.tree_clone(bind.source, plan.slot(f"bind{i}"), f"take a copy of {bind.source}",
+                                          recursive=True, readonly=bind.readonly))
+    # Crossing into the root once it is mounted needs a path through a
+    # directory sandbox root may search: mount_dir is its own.
+    plan.root = f"{plan.host_dir(mount_dir)}/root"
+    rootfs.contribute(plan, layer)
+    # The kernel mounts a new procfs only while a fully visible one exists
+    # in the namespace, so /proc is mounted before the host's goes away.
+    proc = f"{plan.root}/proc"
+    plan.add(Phase.MOUNT, s.mkdir(proc, 0o555))
+    procmask.mount_proc(plan, proc)  # or, where the host's /proc is masked, a bind of it
+    # From here on every path is inside the sandbox: a symlink in the root
+    # filesystem can only lead somewhere else inside it.
+    # A build's RUN keeps the image's own /tmp (nsbox/dockerfile/run.py), as docker build does.
+    _dev_tmp(plan, tmpfs_tmp=getattr(rootfs, "tmpfs_tmp", True))
+    for i, bind in enumerate(binds):
+        _attach_bind(plan, bind, plan.slot(f"bind{i}"))
+
+
+def _dev_tmp(plan: Plan, tmpfs_tmp: bool = True) -> None:
+    # Under a limit, few inodes too: empty files take no blocks but memory.
+    dev = "mode=755,size=1m" + (",nr_inodes=1024" if plan.writable else "")
+    plan.add(Phase.INSIDE, s.mkdir("/dev"),
+             s.mount("tmpfs", "/dev", "tmpfs", ("MS_NOSUID", "MS_NOEXEC"), dev, "mount a tmpfs on /dev"))
+    for dev in DEVICES:
+        plan.add(Phase.INSIDE, s.mkfile(f"/dev/{dev}"),
+                 s.tree_attach(plan.slot(f"/dev/{dev}"), f"/dev/{dev}", f"attach /dev/{dev}"))
+    # A private devpts instance; group tty (5) owns ptys when it is mapped.
+    pts = "newinstance,ptmxmode=0666,mode=620" + (",gid=5" if plan.idmap.size > 5 else "")
+    plan.add(
+        Phase.INSIDE,
+        s.mkdir("/dev/pts"),
+        s.mount("devpts", "/dev/pts", "devpts", ("MS_NOSUID", "MS_NOEXEC"), pts, "mount a private devpts"),
+        s.symlink("pts/ptmx", "/dev/ptmx"),
+        s.mkdir("/dev/shm"),
+        s.symlink("/proc/self/fd", "/dev/fd"),
+        s.symlink("/proc/self/fd/0", "/dev/stdin"),
+        s.symlink("/proc/self/fd/1", "/dev/stdout"),
+        s.symlink("/proc/self/fd/2", "/dev/stderr"),
+    )
+    plan.tmpfs("/dev/shm", 0o1777, "mount a tmpfs on /dev/shm")
+    if tmpfs_tmp:
+        plan.add(Phase.INSIDE, s.mkdir("/tmp"))
+        plan.tmpfs("/tmp", 0o1777, "mount a tmpfs on /tmp")
+
+
+def _attach_bind(plan: Plan, bind: Bind, slot: int) -> None:
+    """Creates the mount point (and missing parents) and attaches the bind."""
+    parts = bind.target.strip("/").split("/")
+    for i in range(1, len(parts)):
+        plan.add(Phase.INSIDE, s.mkdir("/" + "/".join(parts[:i])))
+    target = "/" + "/".join(parts)
+    plan.add(Phase.INSIDE, s.mkdir(target) if Path(bind.source).is_dir() else s.mkfile(target),
+             s.tree_attach(slot, target, f"attach {bind.source} at {target}"))
+
+
+def overlay(plan: Plan, lowers: Sequence[Path], upper: Path, work: Path, target: str, what: str) -> None:
+    """An overlayfs on `target` (MOUNT phase), its layers named through
+    plan.host_dir. userxattr: overlayfs mounted inside a user namespace
+    must keep its metadata in user.* xattrs; without it directory renames
+    fail with EIO. volatile: a sandbox's writable layer does not outlive a
+    host crash, so nothing it writes needs syncing; without it every
+    unmount (every sandbox's end) syncs the whole host filesystem of the
+    upper layer, flush included, and fsync inside the sandbox waits for
+    the disk. The kernel then refuses to mount the same work dir again
+    until the marker it leaves there is gone (layers.set_aside_work)."""
+    if plan.writable is None or not plan.writable.layers:
+        upper_dir, work_dir = plan.host_dir(upper), plan.host_dir(work)
+    else:
+        # The upper layer is on a size-capped tmpfs (nsbox/plan/resources.py);
+        # what prepare() wrote into the layer directory is the top lower one.
+        if any(upper.iterdir()):
+            lowers = [upper, *lowers]
+        upper_dir, work_dir = f"{plan.writable.path}/{upper.name}", f"{plan.writable.path}/{work.name}"
+        plan.add(Phase.MOUNT, s.mkdir(upper_dir), s.mkdir(work_dir))
+    _mount_overlay(plan, lowers, upper_dir, work_dir, target, what)
+
+
+def memory_overlay(plan: Plan, lowers: Sequence[Path], name: str, target: str, what: str) -> None:
+    """An overlayfs on `target` (MOUNT phase) as overlay() makes, but with
+    its upper layer in memory: on the size-capped tmpfs of a limit,
+    else on a tmpfs mounted on `target` itself, which the overlay then
+    covers, so that nothing but the overlay reaches it. It ends with the
+    sandbox's mount namespace: no work dir on a disk to make and delete."""
+    if plan.writable is not None:
+        base = f"{plan.writable.path}/{name}"
+        plan.add(Phase.MOUNT, s.mkdir(base))
+    else:
+        base = target
+        plan.add(Phase.MOUNT, s.mount("tmpfs", target, "tmpfs", NOSUID_NODEV, "mode=755",
+                                      f"mount a tmpfs for the upper layer of {target}"))
+    upper, work = f"{base}/upper", f"{base}/work"
+    plan.add(Phase.MOUNT, s.mkdir(upper), s.mkdir(work))
+    _mount_overlay(plan, lowers, upper, work, target, what)
+
+
+def _mount_overlay(plan: Plan, lowers: Sequence[Path], upper: str, work: str, target: str, what: str) -> None:
+    """The mount step of overlay() and memory_overlay(): `upper` and `work`
+    as the child names them then, the lower layers through plan.host_dir."""
+    data = f"lowerdir={':'.join(plan.host_dir(p) for p in lowers)},upperdir={upper},workdir={work},{OVERLAY_OPTIONS}"
+    plan.add(Phase.MOUNT, s.mount("overlay", target, "overlay", (), data, what))
