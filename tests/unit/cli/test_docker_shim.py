@@ -18,7 +18,6 @@ import pytest
 from nsbox.cli import docker_shim
 from nsbox.storage import Store
 
-from tests.imagekit import Registry, busybox_oci, push, registry  # noqa: F401 (fixtures)
 from tests.host.test_build import _base
 
 pytestmark = pytest.mark.timeout(300)
@@ -88,21 +87,6 @@ def test_image_inspect_answers_as_docker_does(docker: Path) -> None:
     r = run(docker, "image", "inspect", ref, "nsbox-test/absent:1")
     assert r.returncode == 1 and "Error: No such image: nsbox-test/absent:1" in r.stderr
     assert json.loads(r.stdout)[0]["Id"] == rec.id  # what was found is still printed, as Docker does
-
-
-def test_build_and_pull_go_to_the_store(docker: Path, tmp_path: Path, registry: Registry,  # noqa: F811
-                                        busybox_oci: Path) -> None:  # noqa: F811
-    ctx = tmp_path / "ctx"
-    ctx.mkdir()
-    (ctx / "Dockerfile").write_text(f"FROM {_base('busybox')}\nRUN echo built > /built\n")
-    r = run(docker, "build", "-q", "-t", "localhost/nsbox-shim-built:1", str(ctx))
-    assert r.returncode == 0, r.stderr
-    assert Store().lookup("localhost/nsbox-shim-built:1").id == r.stdout.strip()
-    push(f"oci:{busybox_oci}:plain", registry, "shim/busybox:1")
-    r = run(docker, "pull", "-q", f"{registry.host}/shim/busybox:1")
-    assert r.returncode == 0, r.stderr
-    r = run(docker, "image", "inspect", "-f", "{{.Id}}", f"{registry.host}/shim/busybox:1")
-    assert r.stdout.strip() == Store().lookup(f"{registry.host}/shim/busybox:1").id
 
 
 @pytest.mark.parametrize("args, what", [

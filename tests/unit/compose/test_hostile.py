@@ -19,10 +19,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import nsbox
 from nsbox.compose import ComposeError, load_project, service_spec
 ENV = "NSBOX_COMPOSE_PATHS"  # the opt-in (nsbox/compose/hostpaths.py)
-from nsbox.plan.rootfs import Bind
 
 SECRET = "AKIAsentinelSECRET0123"
 OUTSIDE = "outside-7f3a"  # unique names: an open of either shows in the audit log
@@ -99,36 +97,6 @@ def refused(path: Path, match: str = "outside the project directory") -> str:
     assert SECRET not in message
     assert not touched_outside(opened), opened
     return message
-
-
-# -- the finding: root-only host files into a sandbox ---------------------------
-
-
-async def test_env_file_cannot_copy_a_host_file_the_sandbox_may_not_read(
-        tmp_path: Path, proj: Path, secret: Path, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = compose(proj, """
-        services:
-          default:
-            image: alpine
-            env_file: ../{outside}/{creds}
-        """, outside=OUTSIDE, creds=CREDENTIALS)
-    message = refused(path)
-    assert ENV in message and str(secret) in message
-    # What the refusal keeps: the sandbox itself cannot read the file as
-    # root (sandbox root is not host root), and in the other modes it is
-    # your own file, readable by sandbox root, which is why the policy is
-    # the same in every mode.
-    os.chmod(tmp_path, 0o755)
-    async with nsbox.Sandbox(mounts=[Bind(str(secret.parent), "/outside", readonly=True)]) as sb:
-        r = await sb.exec(["cat", f"/outside/{CREDENTIALS}"])
-    if mode == "root":
-        assert os.getuid() == 0 and not r.success and "Permission denied" in r.stderr, (r.stdout, r.stderr)
-    else:
-        assert r.success and SECRET in r.stdout, r.stderr
-    # The operator's explicit opt-in, from nsbox's own environment.
-    monkeypatch.setenv(ENV, str(secret.parent))
-    env = load_project(path, environ={}).services["default"].environment
-    assert env == {"AWS_SECRET_ACCESS_KEY": SECRET}
 
 
 @pytest.mark.parametrize("service, top", [
@@ -431,4 +399,3 @@ def test_fuzz_strategy_reaches_the_reader(fuzz_dir: Path) -> None:
 
     run()
     assert outcomes["loaded"] > 0 and outcomes["outside"] > 0, outcomes
-

@@ -1,0 +1,39 @@
+"""The Inspect provider's lifecycle on real sandboxes, without a model."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from nsbox.host import dirs, idmap
+from nsbox.inspect.provider import NsboxConfig, NsboxSandboxEnvironment
+
+from tests.conftest import fixture_tar
+
+
+async def test_tarball_rootfs_and_named_sandboxes(tmp_path: Path) -> None:
+    tarball = fixture_tar("busybox")
+    cfg = NsboxConfig(rootfs=str(tarball), sandboxes={"default": {}, "second": {"rootfs": "host", "user": "root"}})
+    await NsboxSandboxEnvironment.task_init("startup", cfg)
+    envs = await NsboxSandboxEnvironment.sample_init("provider", cfg, {"__sample_id__": "7"})
+    try:
+        assert list(envs) == ["default", "second"]  # the default one first
+        busybox = await envs["default"].exec(["sh", "-c", "readlink /bin/sh"])
+        assert busybox.stdout.strip().endswith("busybox")
+        host = await envs["second"].exec(["python3", "-c", "print(1)"])
+        assert host.stdout == "1\n"
+        # The two are separate sandboxes.
+        await envs["default"].write_file("/tmp/only-here", "x")
+        assert not (await envs["second"].exec(["test", "-e", "/tmp/only-here"])).success
+    finally:
+        await NsboxSandboxEnvironment.sample_cleanup("provider", cfg, envs, False)
+        await NsboxSandboxEnvironment.task_cleanup("shutdown", cfg, True)
+    # The tarball was unpacked once, under its content hash and id mapping,
+    # and a later task reuses it.
+    digest = hashlib.sha256(tarball.read_bytes()).hexdigest()[:24]
+    image = dirs.data_dir() / "images" / f"{digest}-{idmap.detect().key}"
+    assert (image / "bin" / "busybox").is_file()
+    stamp = image.stat().st_mtime_ns
+    NsboxSandboxEnvironment._rootfs.clear()
+    await NsboxSandboxEnvironment.task_init("startup", cfg)
+    assert image.stat().st_mtime_ns == stamp
