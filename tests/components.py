@@ -68,7 +68,7 @@ def _fixture(name: str) -> Callable[[], bool]:
 
 def _slurm() -> bool:
     """A node of a SLURM cluster answers; as root, tests/slurm/setup.sh can
-    start one when SLURM is installed (test_slurm.py runs it)."""
+    start one when SLURM is installed (tests/host/test_slurm.py runs it)."""
     if os.geteuid() == 0:
         return all(which(n) for n in ("slurmctld", "slurmd", "munged", "sbatch"))
     if not which("sinfo"):

@@ -1,5 +1,5 @@
 /*
- * seccomp_probe.c - drives csrc/init/seccomp.c for tests/test_seccomp.py, which
+ * seccomp_probe.c - drives csrc/init/seccomp.c for tests/host/test_seccomp.py, which
  * builds it statically with the filter, as setup.py builds the init.
  *
  *   seccomp_probe [--userns] [--nnp] MODE             run every probe, print "name result"

@@ -1,6 +1,6 @@
 /*
  * spec_fuzz_harness.c - nsbox_spec_unpack (csrc/common/clone_request.c) on arbitrary input,
- * for a memory checker to watch: tests/test_spec_fuzz.py builds it with
+ * for a memory checker to watch: tests/host/test_spec_fuzz.py builds it with
  * -fsanitize=address,undefined and feeds it mutated specs, so a read past
  * the buffer or a leak is caught even where it would not crash.
  *

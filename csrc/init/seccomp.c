@@ -34,7 +34,7 @@
  * can re-enter its own mount namespace (which resets its root directory
  * to the sandbox's, as chroot(".") tricks already could) and nothing else.
  * It cannot create a namespace to enter (denied below), nor open the
- * init's (/proc/1 is not dumpable). tests/test_holder.py shows the kernel
+ * init's (/proc/1 is not dumpable). tests/host/test_holder.py shows the kernel
  * refusing the other sandboxes' and the holder's namespaces even to an
  * unfiltered sandbox root.
  *

@@ -1,5 +1,5 @@
 #!/bin/bash
-# One SLURM array task of tests/test_slurm.py: one offline Inspect eval
+# One SLURM array task of tests/host/test_slurm.py: one offline Inspect eval
 # with --sandbox nsbox.
 #
 #   sbatch --array=0-2 job.sh VENV TASK_FILE OUT_DIR

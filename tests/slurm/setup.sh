@@ -1,5 +1,5 @@
 #!/bin/bash
-# A single-node SLURM cluster on this machine, for tests/test_slurm.py.
+# A single-node SLURM cluster on this machine, for tests/host/test_slurm.py.
 #
 # Run as root. Idempotent: a second run leaves a working cluster alone and
 # only (re)starts what is missing. Needs Debian's `slurm-wlm` and `munge`

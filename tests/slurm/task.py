@@ -1,4 +1,4 @@
-"""The Inspect task each SLURM array task runs (tests/test_slurm.py).
+"""The Inspect task each SLURM array task runs (tests/host/test_slurm.py).
 
     inspect eval task.py --sandbox nsbox
 
