@@ -7,6 +7,7 @@ named ones and the sample's service networks.
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import os
 import sys
@@ -15,19 +16,33 @@ from typing import Any, Literal
 
 import anyio
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ModelWrapValidatorHandler,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from inspect_ai.util import SandboxEnvironmentConfigType
 
-from ..errors import NsboxError
+from ..errors import NsboxError, SandboxSetupError
 from ..host import dirs
 from ..host.idmap import detect as detect_idmap
 from ..plan import gpu
-from ..spec import NET, NETWORK_NAME, parse_size
+from ..plan.rootfs import Bind
+from ..spec import NET, NETWORKS, SandboxSpec, parse_size
 from ..storage.tarball import import_tarball
 from .compose import is_docker_config
 
 CONFIG_FILES = ["nsbox.yaml", "nsbox.yml"]
+
+# Set while NsboxConfig validates its `sandboxes` entries, which are checked
+# as sandboxes only once merged with the top-level settings.
+_ENTRIES: contextvars.ContextVar[bool] = contextvars.ContextVar("nsbox_config_entries", default=False)
 
 
 class SandboxSettings(BaseModel):
@@ -61,6 +76,11 @@ class SandboxSettings(BaseModel):
     """The proxy mode's allowlist: "example.com", "*.example.org", "host:443", "*"."""
     network_aliases: tuple[str, ...] = ()
     """On a service network: other names the sandbox answers to (besides its name in `sandboxes`)."""
+    hostname: str | None = None
+    """The sandbox's host name (default: its name in `sandboxes` on a service
+    network, which it keeps answering to, else its id)."""
+    hosts: dict[str, str] = {}
+    """Extra /etc/hosts entries, NAME: ADDRESS ("host-gateway": the host's loopback)."""
     ports: tuple[str, ...] = ()
     """Published ports, "[IP:]HOSTPORT:PORT", on 127.0.0.1 unless IP is given."""
     mounts: tuple[str, ...] = ()
@@ -85,6 +105,8 @@ class SandboxSettings(BaseModel):
     gpus: int | str | None = None
     """NVIDIA GPUs to pass through: "all", a number, or "device=0,1"."""
 
+    # Normalised here (as SandboxSpec does) so that equal settings compare
+    # and hash equal: Inspect keys its sandboxes by configuration.
     @field_validator("gpus")
     @classmethod
     def _gpus(cls, v: int | str | None) -> str | None:
@@ -95,37 +117,32 @@ class SandboxSettings(BaseModel):
     def _size(cls, v: int | str | None, info: ValidationInfo) -> int | None:
         return None if v is None else parse_size(v, info.field_name or "size")
 
-    @model_validator(mode="after")
-    def _rootfs_or_image(self) -> "SandboxSettings":
-        if self.image is not None and self.rootfs != "host":
-            raise ValueError("give either rootfs or image, not both")
-        return self
-
     @field_validator("network")
     @classmethod
     def _network(cls, v: str) -> str:
-        # net:NAME: a network name, short enough for the sample's suffix (_sample_network).
-        name = v[len(NET):]
-        if v not in ("none", "host", "nat", "proxy") and not (
-                v.startswith(NET) and NETWORK_NAME.fullmatch(name) and len(name) <= 41):
-            raise ValueError(f"Input should be 'none', 'host', 'nat', 'proxy' or 'net:NAME', not {v!r}")
+        # The modes this door offers, said as it offers them: SandboxSpec's
+        # but container:ID, with a NAME short enough for the sample's suffix
+        # (_sample_network); the NAME's syntax is SandboxSpec's (below).
+        if not (v in NETWORKS or (v.startswith(NET) and len(v) - len(NET) <= 41)):
+            raise ValueError(f"Input should be {', '.join(map(repr, NETWORKS))} or 'net:NAME', not {v!r}")
         return v
 
-    @field_validator("workdir")
-    @classmethod
-    def _absolute_workdir(cls, v: str | None) -> str | None:
-        if v is not None and not v.startswith("/"):
-            raise ValueError("must be an absolute path inside the sandbox")
-        return v
+    @model_validator(mode="after")
+    def _valid_sandbox(self) -> "SandboxSettings":
+        # The rules are SandboxSpec's: make one. An entry of `sandboxes` is
+        # checked once merged with the top-level settings (NsboxConfig).
+        if not _ENTRIES.get():
+            try:
+                self.spec(mounts=())
+                for mount in self.mounts:
+                    _bind(mount)
+            except ValueError as e:
+                raise _located(self, e) from None
+        return self
 
-    @field_validator("mounts")
-    @classmethod
-    def _mount_syntax(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        for m in v:
-            parts = m.split(":")
-            if not (len(parts) == 2 or (len(parts) == 3 and parts[2] in ("ro", "rw"))) or not all(parts[:2]):
-                raise ValueError(f"{m!r} is not SOURCE:TARGET[:ro]")
-        return v
+    def spec(self, **changes: Any) -> SandboxSpec:
+        """The SandboxSpec of these settings; `changes` replace or add fields."""
+        return SandboxSpec(**{**{name: getattr(self, name) for name in SandboxSettings.model_fields}, **changes})
 
     def __hash__(self) -> int:  # Inspect keeps configs in sets; dict fields are not hashable
         return hash(self.model_dump_json())
@@ -160,16 +177,76 @@ class NsboxConfig(SandboxSettings):
     """Service networks of each sample, by the NAME sandboxes give as
     `network: net:NAME` (one not listed here is internal)."""
 
+    @model_validator(mode="wrap")
+    @classmethod
+    def _valid_sandboxes(cls, data: Any, handler: ModelWrapValidatorHandler["NsboxConfig"]) -> "NsboxConfig":
+        # An entry of `sandboxes` states only what it overrides, so neither it
+        # nor the top level alone is a sandbox: each sandbox is checked merged.
+        token = _ENTRIES.set(True)
+        try:
+            config = handler(data)
+        finally:
+            _ENTRIES.reset(token)
+        for name, entry in (config.sandboxes or {"default": None}).items():
+            try:
+                config._merged(entry)
+            except ValidationError as e:
+                raise _in_entry(e, name, entry) from None
+        return config
+
     def settings(self) -> list[tuple[str, SandboxSettings]]:
         """Each sandbox of a sample, by name, the default one first."""
-        base = self.model_dump(include=set(SandboxSettings.model_fields))
         if not self.sandboxes:
-            return [("default", SandboxSettings(**base))]
-        return [(name, SandboxSettings(**{**base, **spec.model_dump(exclude_unset=True)}))
-                for name, spec in self.sandboxes.items()]
+            return [("default", self._merged(None))]
+        return [(name, self._merged(entry)) for name, entry in self.sandboxes.items()]
+
+    def _merged(self, entry: SandboxSettings | None) -> SandboxSettings:
+        """The top-level settings, with what `entry` states over them."""
+        base = self.model_dump(include=set(SandboxSettings.model_fields))
+        return SandboxSettings(**{**base, **(entry.model_dump(exclude_unset=True) if entry is not None else {})})
 
     def __hash__(self) -> int:
         return hash(self.model_dump_json())
+
+
+def _bind(mount: str) -> None:
+    """Bind.parse's checks of `mount`, but for its source's existence: a
+    relative source is not resolved yet, and a missing one is refused when
+    the sandbox starts."""
+    try:
+        Bind.parse(mount)
+    except SandboxSetupError:
+        pass
+
+
+def _located(settings: SandboxSettings, e: ValueError) -> ValidationError:
+    """SandboxSpec's error `e`, as pydantic's: at the field whose value alone
+    raises it, else at the sandbox (a rule between fields, as rootfs-or-image)."""
+    message = str(e)
+    for name in SandboxSettings.model_fields:
+        try:
+            SandboxSpec(**{name: getattr(settings, name)})
+        except (ValueError, SandboxSetupError) as alone:
+            if str(alone) == message:
+                return _error(type(settings).__name__, (name,), getattr(settings, name), message)
+    return _error(type(settings).__name__, (), None, message)
+
+
+def _in_entry(e: ValidationError, name: str, entry: SandboxSettings | None) -> ValidationError:
+    """A merged sandbox's errors, at `sandboxes.NAME` where the entry states
+    the field (or they are between fields), else at the top-level field."""
+    errors = []
+    for err in e.errors():
+        loc = err["loc"]
+        if entry is not None and (not loc or loc[0] in entry.model_fields_set):
+            loc = ("sandboxes", name, *loc)
+        errors.append({"type": err["type"], "loc": loc, "input": err["input"], "ctx": err.get("ctx", {})})
+    return ValidationError.from_exception_data("NsboxConfig", errors)  # type: ignore[arg-type]
+
+
+def _error(title: str, loc: tuple[str, ...], value: Any, message: str) -> ValidationError:
+    return ValidationError.from_exception_data(
+        title, [{"type": "value_error", "loc": loc, "input": value, "ctx": {"error": message}}])
 
 
 def config_key(config: SandboxEnvironmentConfigType | None) -> Any:

@@ -34,9 +34,8 @@ from inspect_ai.util import (
 from .. import manage
 from ..init.output_limits import exec_output_limit, human_size
 from ..network import Network
-from ..plan.rootfs import Bind
 from ..sandbox import Sandbox
-from ..spec import NET, SandboxSpec
+from ..spec import NET
 from .compose import (
     COMPOSE_FILES,
     DOCKERFILES,
@@ -77,6 +76,16 @@ async def _sample_network(cfg: NsboxConfig, value: str, networks: dict[str, Netw
         networks[name] = await Network(f"{name}-{secrets.token_hex(4)}", internal=settings.internal,
                                        host_access=settings.host_access, id_mapping=cfg.id_mapping).start()
     return networks[name]
+
+
+def _known_by(name: str, settings: SandboxSettings) -> dict[str, Any]:
+    """On a service network, the other members know a sandbox by its name in
+    the configuration: its hostname, else one of its aliases."""
+    if settings.hostname is None:
+        return {"hostname": name}
+    if name != settings.hostname and name not in settings.network_aliases:
+        return {"network_aliases": (*settings.network_aliases, name)}
+    return {}
 
 
 @contextlib.asynccontextmanager
@@ -191,21 +200,12 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
             pass
 
     @classmethod
-    def _make(cls, cfg: NsboxConfig, settings: SandboxSettings, label: str, hostname: str | None = None) -> Sandbox:
+    def _make(cls, cfg: NsboxConfig, settings: SandboxSettings, label: str) -> Sandbox:
         rootfs = cls._rootfs.get((settings.rootfs, cfg.id_mapping), settings.rootfs)
         pulled = (settings.image, settings.platform) in cls._pulled
-        return Sandbox(spec=SandboxSpec(
-            rootfs=rootfs, image=settings.image, pull="missing" if pulled else settings.pull,
-            platform=settings.platform, user=settings.user, workdir=settings.workdir, env=settings.env,
-            network=settings.network, host_loopback=settings.host_loopback, allow=settings.allow, ports=settings.ports,
-            network_aliases=settings.network_aliases, output_limit_mode=cfg.output_limit_mode, id_mapping=cfg.id_mapping,
-            timeout=settings.timeout, mounts=tuple(Bind.parse(m) for m in settings.mounts), label=label,
-            nested_userns=settings.nested_userns, privileged=settings.privileged,
-            memory=settings.memory, hostname=hostname,  # type: ignore[arg-type]
-            pids_limit=settings.pids_limit, cpus=settings.cpus, disk=settings.disk,  # type: ignore[arg-type]
-            strict_limits=settings.strict_limits, gpus=settings.gpus,
-            origin="inspect",
-        ))
+        return Sandbox(spec=settings.spec(
+            rootfs=rootfs, pull="missing" if pulled else settings.pull, output_limit_mode=cfg.output_limit_mode,
+            id_mapping=cfg.id_mapping, label=label, origin="inspect"))
 
     @classmethod
     async def sample_init(cls, task_name: str, config: SandboxEnvironmentConfigType | None,
@@ -222,12 +222,12 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
                 key = (spec.rootfs, cfg.id_mapping)
                 if key not in cls._rootfs:  # sample_init without task_init (tests, tools)
                     cls._rootfs[key] = await resolve_rootfs(spec.rootfs, cfg.id_mapping)
-                on_net = spec.network.startswith(NET)
-                if on_net:  # known to the other members by its name in the configuration
-                    spec = spec.model_copy(update={"network": (await _sample_network(cfg, spec.network, networks))
-                                                   .spec_value})
+                if spec.network.startswith(NET):
+                    spec = spec.model_copy(update={
+                        "network": (await _sample_network(cfg, spec.network, networks)).spec_value,
+                        **_known_by(name, spec)})
                 label = f"{task_name} sample {sample} ({name})" if sample != "" else f"{task_name} ({name})"
-                sb = cls._make(cfg, spec, label, hostname=name if on_net else None)
+                sb = cls._make(cfg, spec, label)
                 await sb.start()
                 created[name] = cls(sb, cfg)
                 created[name]._networks = list(networks.values())
