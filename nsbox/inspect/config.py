@@ -122,7 +122,7 @@ class SandboxSettings(BaseModel):
     def _network(cls, v: str) -> str:
         # The modes this door offers, said as it offers them: SandboxSpec's
         # but container:ID, with a NAME short enough for the sample's suffix
-        # (_sample_network); the NAME's syntax is SandboxSpec's (below).
+        # (provider._sample_network); the NAME's syntax is SandboxSpec's (below).
         if not (v in NETWORKS or (v.startswith(NET) and len(v) - len(NET) <= 41)):
             raise ValueError(f"Input should be {', '.join(map(repr, NETWORKS))} or 'net:NAME', not {v!r}")
         return v
