@@ -1,7 +1,9 @@
 """Running one command in a sandbox and waiting for it: exec.
 
 The command's streams, stdin, timeout and exit are the pump's
-(nsbox/init/pump.py), its output collected in capture.py's sinks.
+(nsbox/init/pump.py), its output collected in capture.py's sinks; what the
+outcome means to the caller (a result, or the exception the contract
+names) is result()'s.
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ import os
 from dataclasses import dataclass
 
 from . import execfds, protocol
+from ..errors import CommandTimeout, OutputLimitExceeded, SandboxUnavailable
 from .capture import Sink
-from .client import Command, InitClient
+from .client import Command, ExecResult, InitClient, failed_start
+from .output_limits import human_size
 from .pump import Pump
 
 
@@ -26,6 +30,24 @@ class Outcome:
     timed_out: bool = False
     overflowed: bool = False  # a stream passed the limit in "raise" mode
     channel_lost: bool = False  # the channel closed without an exit report
+
+    def result(self, command: Command, sandbox_id: str, timeout: float | None, limit: int, stdout: str,
+               stderr: str) -> ExecResult:
+        """What the outcome means to the caller: a result, or the exception
+        the contract names. `stdout`/`stderr` are the collected text."""
+        name = command.argv[0]
+        if self.channel_lost:
+            raise SandboxUnavailable(f"sandbox {sandbox_id} stopped while running {name!r}")
+        if self.timed_out:
+            raise CommandTimeout(f"command timed out after {timeout:g}s: {name}", stdout, stderr)
+        if self.overflowed:
+            raise OutputLimitExceeded(
+                f"The sandbox output stream limit of {human_size(limit)} was exceeded.", limit, stdout, stderr)
+        if self.failure is not None:
+            return failed_start(self.failure, name, command.cwd)
+        assert self.returncode is not None
+        return ExecResult(self.returncode == 0, self.returncode, stdout, stderr,
+                          self.stdout.dropped, self.stderr.dropped)
 
 
 async def run(
