@@ -11,6 +11,23 @@ from nsbox.inspect.provider import NsboxConfig, NsboxSandboxEnvironment
 from tests.conftest import fixture_tar
 
 
+async def test_hostname_and_hosts_from_nsbox_yaml(tmp_path: Path) -> None:
+    config = tmp_path / "nsbox.yaml"
+    config.write_text("hostname: lab-box\nhosts: {db.example: 10.1.2.3, cache: '::1'}\n"
+                      "sandboxes:\n  default: {}\n  other: {hostname: other-box, hosts: {}}\n")
+    envs = await NsboxSandboxEnvironment.sample_init("names", str(config), {"__sample_id__": "1"})
+    try:
+        r = await envs["default"].exec(["hostname"])
+        assert r.stdout == "lab-box\n", r
+        hosts = [line.split() for line in (await envs["default"].read_file("/etc/hosts")).splitlines()]
+        assert ["10.1.2.3", "db.example"] in hosts and ["::1", "cache"] in hosts, hosts
+        r = await envs["other"].exec(["hostname"])
+        assert r.stdout == "other-box\n", r
+        assert "db.example" not in await envs["other"].read_file("/etc/hosts")
+    finally:
+        await NsboxSandboxEnvironment.sample_cleanup("names", str(config), envs, False)
+
+
 async def test_tarball_rootfs_and_named_sandboxes(tmp_path: Path) -> None:
     tarball = fixture_tar("busybox")
     cfg = NsboxConfig(rootfs=str(tarball), sandboxes={"default": {}, "second": {"rootfs": "host", "user": "root"}})

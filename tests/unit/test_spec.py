@@ -47,7 +47,7 @@ def test_spec_api_yaml_cli_agree() -> None:
     opts = {k: v for k, v in ctx.params.items() if k not in ("command", "timeout", "detach")}
     assert main.make_sandbox(**opts).spec.strict_limits
     cfg = NsboxConfig.model_validate({"memory": "64m", "strict_limits": True})
-    (name, settings), = cfg.specs()
+    (name, settings), = cfg.settings()
     assert NsboxSandboxEnvironment._make(cfg, settings, "t").spec.strict_limits
     for bad in ({"memory": "1m"}, {"pids_limit": 0}, {"cpus": 0}, {"disk": "lots"}, {"strict_limits": "yes"}):
         with pytest.raises(ValueError):

@@ -43,6 +43,32 @@ def test_invalid_configuration_names_the_field(tmp_path: Path) -> None:
         NsboxConfig(network="wifi")  # type: ignore[arg-type]
 
 
+def test_settings_are_checked_as_sandbox_specs(tmp_path: Path) -> None:
+    """SandboxSpec's rules, at the field that breaks them; an entry of
+    `sandboxes` is checked merged with the top-level settings."""
+    bad = tmp_path / "nsbox.yaml"
+    for text, where, says in [
+            ("hostname: 'two words'\n", "  hostname:", "hostname must be"),
+            ("hosts: {db: not-an-address}\n", "  hosts:", "not-an-address"),
+            ("memory: 1k\n", "  memory:", "at least 6m"),
+            ("network: container:abc\n", "  network:", "'net:NAME'"),
+            ("image: alpine\nrootfs: /srv/root\n", "  (top):", "either rootfs or image"),
+            ("sandboxes:\n  web: {workdir: rel}\n", "  sandboxes.web.workdir:", "absolute path"),
+            ("rootfs: /srv/root\nsandboxes:\n  web: {image: alpine}\n", "  sandboxes.web:", "either rootfs or image"),
+            ("workdir: rel\nsandboxes:\n  web: {}\n", "  workdir:", "absolute path")]:
+        bad.write_text(text)
+        with pytest.raises(NsboxError) as e:
+            load_config(str(bad))
+        assert where in str(e.value) and says in str(e.value), (text, str(e.value))
+    # What an entry leaves out comes from the top level: allow needs the
+    # proxy mode, which the top level sets.
+    cfg = NsboxConfig(network="proxy", sandboxes={"web": {"allow": ["example.com"]}, "db": {"network": "none"}})
+    assert [(name, s.network, s.allow) for name, s in cfg.settings()] == [
+        ("web", "proxy", ("example.com",)), ("db", "none", ())]
+    with pytest.raises(ValidationError, match="allow applies to the proxy network mode"):
+        NsboxConfig(network="proxy", allow=["example.com"], sandboxes={"web": {"network": "none"}})
+
+
 def test_default_concurrency_is_sane() -> None:
     # No default limit (as `local`): Inspect would delay each sample by up to 1 s.
     assert NsboxSandboxEnvironment.default_concurrency() is None
