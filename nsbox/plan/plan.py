@@ -171,7 +171,7 @@ class Plan:
         copy = Plan(self.idmap, self.root, set(self.namespaces), init_args=list(self.init_args),
                     sandbox_id=swap(self.sandbox_id) or "")
         for phase, marked in self._marked_steps(tuple(texts)).items():
-            found = copy._steps[phase] = list(self._steps[phase])  # the same Step objects: see native._pack
+            found = copy._steps[phase] = list(self._steps[phase])  # the same Step objects: see zygote._step_row
             for i in marked:
                 found[i] = step(found[i])
         copy._host_dirs = [swap(d) or "" for d in self._host_dirs]
@@ -179,11 +179,11 @@ class Plan:
         return copy
 
     def packed(self, key: object, pack: Callable[["Plan"], bytes]) -> bytes | None:
-        """The packed spec of a lazy copy: its template's, packed once per
+        """The packed clone request of a lazy copy: its template's, packed once per
         `key` (what else `pack` puts in it) with the marks in it, then each
         mark replaced in the bytes. None where that cannot be done: not a
         lazy copy, or a replacement not as long as its mark (offsets in
-        the spec would move). Then pack the copy itself.
+        the request would move). Then pack the copy itself.
 
         Checked once per key: the template packed with other marks of the
         same length must be the same bytes with those marks."""
