@@ -1,8 +1,8 @@
 /*
  * create.h - the interface of the zygote (csrc/create/), as cffi sees it.
  *
- * Python (nsbox/plan/rootfs.py) composes a sandbox as a list of steps; the C
- * side only carries them out, in order, in a freshly cloned child. Keeping
+ * Python (nsbox/plan/: Plan and its contributors) composes a sandbox as a
+ * list of steps; the C side only carries them out, in order, in a freshly cloned child. Keeping
  * the policy in Python keeps this file small and the order of operations
  * readable in one place.
  */
@@ -27,8 +27,8 @@ enum nsbox_step_kind {
 
 /* Host directories looked up before NSBOX_STEP_BECOME_ROOT are held open at
  * NSBOX_PATH_FD_BASE + slot, so later steps name them /proc/self/fd/N (see
- * plan() in nsbox/plan/rootfs.py). They are close-on-exec and closed after the
- * steps; nothing else the child opens reaches this range. */
+ * Plan.host_dir in nsbox/plan/plan.py). They are close-on-exec and closed
+ * after the steps; nothing else the child opens reaches this range. */
 #define NSBOX_PATH_FD_BASE 200
 #define NSBOX_PATH_FDS 512
 

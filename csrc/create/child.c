@@ -189,9 +189,9 @@ static int run_step(const struct nsbox_step *s, int *slots)
     }
 
     case NSBOX_STEP_BECOME_ROOT:
-        /* Until now the child kept its creator's credentials (see plan() in
-         * nsbox/plan/rootfs.py): host paths were looked up as the invoking user.
-         * From here on every id (real, saved, filesystem) is the
+        /* Until now the child kept its creator's credentials (see
+         * Plan.host_dir in nsbox/plan/plan.py): host paths were looked up
+         * as the invoking user. From here on every id (real, saved, filesystem) is the
          * namespace's root, so what we create belongs to sandbox root. */
         if (setresgid(0, 0, 0) < 0 || setresuid(0, 0, 0) < 0)
             return -1;

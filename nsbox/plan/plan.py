@@ -4,9 +4,15 @@ of its init, and what the host does meanwhile.
 Each concern contributes to the plan on its own (in the style of nsjail's
 modules): namespaces to clone, setup steps for the child, and hooks the host
 runs between clone and the "go" byte, while the child waits. The id maps
-are written there (by the zygote); attaching a network or a cgroup belongs
-there too. Contributors: mounts (nsbox/plan/mounts.py: the root filesystem,
-binds, /dev, /proc), ids, hostname and network (below).
+are written there (by the zygote, from the plan's IdMap); attaching a
+network or a cgroup belongs there too. Contributors: resources
+(nsbox/plan/resources.py: cgroup, rlimits, a sized tmpfs for the writable
+layer); mounts (nsbox/plan/mounts.py with rootfs.py: the root filesystem,
+binds, /dev, /proc, /tmp; the binds include the GPUs' of gpu.py); procmask
+(nsbox/plan/procmask.py: masked and read-only /proc paths); and, below,
+the hostname, the network namespace (what the nat and proxy modes and
+published ports add is nsbox/plan/netmodes.py), the init's seccomp flags
+and a privileged sandbox's /sys.
 
 Steps run in phases, in this order:
 
