@@ -31,7 +31,7 @@ def run_in_userns(mapping: IdMap, argv: Sequence[str], *, check: bool = True) ->
                 keep_stdio=True, new_session=False,
             )
         except zygote.IdMapError as e:
-            os.waitpid(int(e.filename), 0)
+            os.waitpid(e.pid, 0)
             raise NsboxError(f"running {argv[0]} in a user namespace failed: {e.message or e.strerror}") from None
         except OSError as e:
             from .hostcheck import clone_failed
