@@ -44,7 +44,7 @@ from .errors import (
 from .create.launch import Launched, launch
 from .init.output_limits import exec_output_limit, human_size
 from .manage import collect_in_background, describe
-from .spec import NET, Network, OutputLimitMode, SandboxSpec
+from .spec import NET, Bind, Network, OutputLimitMode, SandboxSpec
 
 if TYPE_CHECKING:
     from .init import streaming
@@ -113,7 +113,7 @@ class Sandbox:
         output_limit_mode: OutputLimitMode = "truncate",
         id_mapping: idmap.Requested = "auto",
         timeout: float | None = None,
-        mounts: Sequence[rootfs_mod.Bind] = (),
+        mounts: Sequence[Bind] = (),
         label: str = "",
         nested_userns: bool = False,
         privileged: bool = False,

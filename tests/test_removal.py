@@ -146,7 +146,7 @@ async def test_files_of_other_sandbox_users(tmp_path: Path, mode: str) -> None:
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o777)
-    async with nsbox.Sandbox(mounts=[nsbox.plan.rootfs.Bind(os.fspath(shared), "/shared")]) as sb:
+    async with nsbox.Sandbox(mounts=[nsbox.spec.Bind(os.fspath(shared), "/shared")]) as sb:
         r = await sb.exec(["perl", "-e", DEEP_TREE, "/shared/tree", str(DEPTH)], user="nobody", cwd="/")
         assert r.success, r.stderr
         mapping = sb.idmap

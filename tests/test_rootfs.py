@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import nsbox
-from nsbox.plan.rootfs import Bind
+from nsbox.spec import Bind
 
 from .conftest import MODE
 

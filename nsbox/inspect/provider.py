@@ -42,7 +42,6 @@ from inspect_ai.util import (
 )
 
 from ..host import dirs
-from ..plan import gpu
 from .. import manage
 from ..errors import NsboxError, OutputLimitExceeded, SandboxUnavailable, UserUnsupported
 from ..host.idmap import detect as detect_idmap
@@ -62,10 +61,9 @@ from .compose import (
 from ..storage.tarball import import_tarball
 from ..init.output_limits import exec_output_limit, human_size
 from ..network import Network
-from ..plan.rootfs import Bind
 from ..sandbox import Sandbox
 from ..init.streaming import Exit, Output, Process, decoder
-from ..spec import NET, NETWORK_NAME, SandboxSpec, parse_size
+from ..spec import NET, NETWORK_NAME, Bind, SandboxSpec, normalize_gpus, parse_size
 
 CONFIG_FILES = ["nsbox.yaml", "nsbox.yml"]
 
@@ -130,7 +128,7 @@ class SandboxSettings(BaseModel):
     @field_validator("gpus")
     @classmethod
     def _gpus(cls, v: int | str | None) -> str | None:
-        return gpu.normalize(v)
+        return normalize_gpus(v)
 
     @field_validator("memory", "disk")
     @classmethod

@@ -11,7 +11,8 @@ from . import procmask, steps as s
 from .plan import Phase, Plan
 
 if TYPE_CHECKING:
-    from .rootfs import Bind, Rootfs
+    from ..spec import Bind
+    from .rootfs import Rootfs
 
 # The options every overlay of a sandbox gets besides its directories (see
 # overlay()); `nsbox doctor` probes with them too.

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import os
-import posixpath
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -241,34 +240,6 @@ class ImageRootfs(DirectoryRootfs):
 
 
 Rootfs = HostRootfs | DirectoryRootfs
-
-
-@dataclass(frozen=True)
-class Bind:
-    """A host file or directory made visible inside the sandbox at `target`."""
-
-    source: str
-    target: str
-    readonly: bool = False
-
-    def __post_init__(self) -> None:
-        if not posixpath.isabs(self.target) or posixpath.normpath(self.target) in ("/", "//"):
-            raise ValueError(f"bind target must be an absolute path below /, not {self.target!r}")
-        if posixpath.normpath(self.target) != self.target.rstrip("/"):
-            raise ValueError(f"bind target must be a normalized path, not {self.target!r}")
-        if not os.path.exists(self.source):
-            raise SandboxSetupError(f"bind source {self.source} does not exist")
-
-    @classmethod
-    def parse(cls, spec: str) -> "Bind":
-        """SOURCE:TARGET[:ro|:rw], as in `nsbox run -v`."""
-        parts = spec.split(":")
-        mode = "rw"
-        if len(parts) == 3 and parts[2] in ("ro", "rw"):
-            mode = parts.pop()
-        if len(parts) != 2 or not parts[0] or not parts[1]:
-            raise ValueError(f"expected SOURCE:TARGET[:ro], got {spec!r}")
-        return cls(os.path.abspath(os.path.expanduser(parts[0])), parts[1], readonly=mode == "ro")
 
 
 def resolve(rootfs: str | os.PathLike[str] | None) -> Rootfs:

@@ -21,7 +21,7 @@ from typing import Callable
 from ..host import idmap
 from ..errors import NsboxError
 from ..host.removal import remove_layer
-from ..plan.rootfs import Bind
+from ..spec import Bind
 from ..sandbox import Sandbox
 
 
