@@ -35,7 +35,7 @@ import click
 from ..create import hostcheck
 from ..errors import HostPrerequisiteError
 from ..host.layers import etc_upper_in_memory
-from ..plan.mounts import OVERLAY_OPTIONS
+from ..plan.overlay import OVERLAY_OPTIONS
 
 Status = Literal["pass", "warn", "fail"]
 MIN_KERNEL = (5, 12)
@@ -171,7 +171,7 @@ if os.fork() == 0:
     work = sys.argv[1]
     r = libc.mount(b"proc", (work + "/proc").encode(), b"proc", ctypes.c_ulong(MS_NOSUID | MS_NODEV | MS_NOEXEC), None)
     res["proc"] = "ok" if r == 0 else name(ctypes.get_errno())
-    # argv[2]: the options nsbox mounts its overlays with (nsbox/plan/mounts.py).
+    # argv[2]: the options nsbox mounts its overlays with (nsbox/plan/overlay.py).
     opts = "lowerdir=%s/lower,upperdir=%s/upper,workdir=%s/work,%s" % (work, work, work, sys.argv[2])
     r = libc.mount(b"overlay", (work + "/merged").encode(), b"overlay", ctypes.c_ulong(0), opts.encode())
     if r != 0:

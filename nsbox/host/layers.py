@@ -141,7 +141,7 @@ def layer_dirs(kind: str) -> tuple[str, ...]:
 @functools.cache
 def etc_upper_in_memory() -> bool:
     """Whether the host-composed root keeps /etc's upper layer on a tmpfs
-    (nsbox/plan/mounts.py memory_overlay()) rather than in the layer directory:
+    (nsbox/plan/overlay.py memory_overlay()) rather than in the layer directory:
     where tmpfs keeps user.* xattrs (Linux 6.6), which overlayfs needs
     under userxattr to delete or rename directories of a lower layer. On
     a disk, each new sandbox costs overlayfs a work dir made and deleted

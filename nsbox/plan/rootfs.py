@@ -13,7 +13,8 @@ Two kinds of root:
 
 Either way the writable layer lives in the sandbox's layer directory on the
 host (nsbox/host/layers.py). Each kind contributes its mounts to the sandbox's
-plan (nsbox/plan/plan.py, nsbox/plan/mounts.py).
+plan (nsbox/plan/plan.py, nsbox/plan/mounts.py), its overlays through
+nsbox/plan/overlay.py.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from ..host.layers import (
     untouched_layer,
     write_file,
 )
-from .mounts import memory_overlay, overlay
+from .overlay import memory_overlay, overlay
 from .plan import Phase, Plan
 
 # Top-level names that are links into /usr on a merged-usr host.
