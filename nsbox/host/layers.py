@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from .dirs import data_dir
+from .probe import kernel_version
 from .removal import grant, remove_tree, sweep_later
 
 
@@ -146,11 +147,8 @@ def etc_upper_in_memory() -> bool:
     under userxattr to delete or rename directories of a lower layer. On
     a disk, each new sandbox costs overlayfs a work dir made and deleted
     and its feature probes; on a tmpfs, nothing that outlives it."""
-    try:
-        major, minor = (int(part) for part in os.uname().release.split(".")[:2])
-    except ValueError:
-        return False
-    if (major, minor) < (6, 6):
+    version = kernel_version()
+    if version is None or version < (6, 6):
         return False
     # The release says tmpfs can; a kernel built without tmpfs xattrs
     # cannot. /dev/shm is a tmpfs almost everywhere: ask it.
