@@ -41,6 +41,7 @@ from .errors import (
     SandboxUnavailable,
     UserUnsupported,
 )
+from .create import unshare
 from .create.launch import Launched, launch
 from .init.output_limits import exec_output_limit, human_size
 from .manage import collect_in_background, describe
@@ -884,7 +885,7 @@ def _release_layer(sandbox_id: str, layer: Path, rootfs: rootfs_mod.Rootfs, mapp
     if removal.remove_untouched_layer(layer):
         return
     try:
-        removal.remove_layer(layer, mapping)
+        unshare.remove_layer(layer, mapping)
     except (OSError, NsboxError) as e:
         print(f"nsbox: could not delete the writable layer of sandbox {sandbox_id} ({layer}): {describe(e)}; "
               "`nsbox gc` tries again", file=sys.stderr)

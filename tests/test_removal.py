@@ -23,7 +23,9 @@ from nsbox.cli import main
 from nsbox.host import idmap, layers, live, removal
 from nsbox import manage
 from nsbox.errors import NsboxError
-from nsbox.host.removal import RemovalError, remove_layer, remove_tree
+from nsbox.create import unshare
+from nsbox.create.unshare import remove_layer
+from nsbox.host.removal import RemovalError, remove_tree
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -179,7 +181,7 @@ async def test_a_layer_that_cannot_be_deleted_after_close_is_reported(
     def refuse(layer: Path, mapping: object) -> None:
         raise RemovalError("rm -rf in the sandbox's user namespace failed (exit status 1)")
 
-    monkeypatch.setattr(removal, "remove_layer", refuse)
+    monkeypatch.setattr(unshare, "remove_layer", refuse)
     boxes = [await nsbox.Sandbox.create() for _ in range(2)]
     kept = []
     for sb in boxes:

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import NsboxError
-from .idmap import IdMap
 
 _OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -47,8 +46,9 @@ def remove_tree(path: str | os.PathLike[str]) -> None:
     permission are granted it first (overlayfs leaves a mode-000 work dir).
 
     Raises PermissionError when files owned by other users remain (sandbox
-    users other than root, in subuid mode): remove_layer() then deletes
-    them from inside a user namespace. A missing `path` is not an error.
+    users other than root, in subuid mode): remove_layer()
+    (nsbox/create/unshare.py) then deletes them from inside a user
+    namespace. A missing `path` is not an error.
     """
     parent, name = os.path.split(os.path.abspath(path))
     if not name:
@@ -282,25 +282,6 @@ os.register_at_fork(after_in_child=_sweeper._after_fork)
 sweep_later = _sweeper.poke
 release_later = _sweeper.later
 wait_swept = _sweeper.wait
-
-
-def remove_layer(layer: Path, mapping: IdMap | None) -> None:
-    """Deletes a layer directory, from inside a user namespace with the
-    sandbox's mapping when other sandbox users own files in it."""
-    try:
-        remove_tree(layer)
-    except PermissionError:
-        if mapping is None or mapping.mode != "subuid":
-            raise
-        # GNU rm walks trees of any depth relative to directory descriptors.
-        # Its complaints (one line per entry) would flood our caller's
-        # stderr: the caller reports the failure in one line instead.
-        argv = ["sh", "-c", 'exec rm -rf -- "$1" 2>/dev/null', "rm", os.fspath(layer)]
-        from ..create.unshare import run_in_userns  # needs the compiled extension; only here
-
-        status = run_in_userns(mapping, argv, check=False)
-        if status != 0:
-            raise RemovalError(f"rm -rf in the sandbox's user namespace failed (exit status {status})") from None
 
 
 # What prepare() leaves in a layer the sandbox never wrote to, once

@@ -20,7 +20,7 @@ from typing import Callable
 
 from ..host import idmap
 from ..errors import NsboxError
-from ..host.removal import remove_layer
+from ..create.unshare import remove_layer
 from ..spec import Bind
 from ..sandbox import Sandbox
 
