@@ -882,7 +882,7 @@ def _release_layer(sandbox_id: str, layer: Path, rootfs: rootfs_mod.Rootfs, mapp
     aside = layers.set_aside_work(layer)
     if aside and rootfs.release_layer(layer, mapping.host_root):
         return
-    if removal.remove_untouched_layer(layer):
+    if layers.remove_untouched_layer(layer):
         return
     try:
         unshare.remove_layer(layer, mapping)

@@ -282,27 +282,3 @@ os.register_at_fork(after_in_child=_sweeper._after_fork)
 sweep_later = _sweeper.poke
 release_later = _sweeper.later
 wait_swept = _sweeper.wait
-
-
-# What prepare() leaves in a layer the sandbox never wrote to, once
-# layers.set_aside_work() has taken overlayfs's work out, deepest first, for
-# every kind of layer (nsbox/host/layers.py): the files, then the directories.
-_UNTOUCHED_FILES = ("etc-upper/hosts", "etc-upper/hostname", "etc/hosts", "etc/hostname")
-_UNTOUCHED = (*_UNTOUCHED_FILES, "upper", "work", "etc-upper", "etc-work", "etc", "")
-
-
-def remove_untouched_layer(layer: Path) -> bool:
-    """Deletes `layer` if it holds only what a new sandbox has (a handful of
-    syscalls, no directory walk); False if the sandbox wrote to it."""
-    for rel in _UNTOUCHED:
-        path = os.path.join(layer, rel) if rel else os.fspath(layer)
-        try:
-            if rel in _UNTOUCHED_FILES:
-                os.unlink(path)
-            else:
-                os.rmdir(path)
-        except FileNotFoundError:
-            pass
-        except OSError:
-            return False  # not empty: the sandbox wrote something
-    return True

@@ -31,6 +31,8 @@ from ..errors import SandboxSetupError
 from ..host.dirs import cache_dir
 from ..host.layers import (
     DIR_LAYER,
+    ETC_DIRS,
+    ETC_FILES,
     HOST_LAYER,
     HOST_MEMORY_ETC_LAYER,
     cached_dir,
@@ -81,7 +83,7 @@ class HostRootfs:
     @classmethod
     def etc_dir(cls, layer: Path) -> Path:
         """Where the sandbox's own /etc files go in its layer."""
-        return layer / ("etc" if cls.layer_kind() == HOST_MEMORY_ETC_LAYER else "etc-upper")
+        return layer / ETC_DIRS[cls.layer_kind()]
 
     def prepare(self, layer: Path, hostname: str, owner: tuple[int, int]) -> None:
         # A disk filesystem charges ~0.1 ms per directory created or
@@ -92,8 +94,9 @@ class HostRootfs:
             for name in layer_dirs(kind):
                 (layer / name).mkdir()
                 give(layer / name, owner)
-        for fname, text in (("hostname", f"{hostname}\n"), ("hosts", _hosts(hostname))):
-            write_file(self.etc_dir(layer) / fname, text, owner)
+        texts = {"hostname": f"{hostname}\n", "hosts": _hosts(hostname)}
+        for fname in ETC_FILES:
+            write_file(self.etc_dir(layer) / fname, texts[fname], owner)
 
     def release_layer(self, layer: Path, owner: tuple[int, int]) -> bool:
         """Keeps `layer` for the next sandbox if it is exactly as a new one
@@ -189,7 +192,7 @@ class DirectoryRootfs:
         if reuse_layer(layer, owner, DIR_LAYER):
             return
         layer.mkdir(mode=0o700)
-        for name in ("upper", "work"):
+        for name in layer_dirs(DIR_LAYER):
             (layer / name).mkdir()
             give(layer / name, owner)
 
