@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import nsbox
 from nsbox.compose import ComposeError, load_project, service_spec
 ENV = "NSBOX_COMPOSE_PATHS"  # the opt-in (nsbox/compose/hostpaths.py)
-from nsbox.plan.rootfs import Bind
+from nsbox.spec import Bind
 
 SECRET = "AKIAsentinelSECRET0123"
 OUTSIDE = "outside-7f3a"  # unique names: an open of either shows in the audit log

@@ -17,7 +17,7 @@ sys.modules["nsbox._native"] = None  # importing it now fails
 from pathlib import Path
 from nsbox.host import idmap
 from nsbox.plan import mounts, plan, rootfs, steps
-from nsbox.plan.rootfs import Bind
+from nsbox.spec import Bind
 mapping = idmap.detect()  # this user's: the cached layers the plan names are built for it
 out = {}
 for name, root in (("host", rootfs.HostRootfs()), ("dir", rootfs.DirectoryRootfs(Path("/srv/image")))):
@@ -106,7 +106,7 @@ async def test_a_plan_from_the_cache_is_the_plan_built_for_the_sandbox(tmp_path)
         assert sb._layer is not None and any(st.a == f"{sb._layer}/upper" for st in copied.steps())
         assert (await sb.exec(["hostname"])).stdout == "named\n"
         # Another input, another plan: a bind, or the /proc masks switched off.
-        bound = nsbox.Sandbox(mounts=[nsbox.plan.rootfs.Bind(str(tmp_path), "/mnt/t")])
+        bound = nsbox.Sandbox(mounts=[nsbox.spec.Bind(str(tmp_path), "/mnt/t")])
         bound.idmap, bound._layer, bound._rundir, bound.id, bound.hostname = (
             sb.idmap, sb._layer, sb._rundir, sb.id, sb.hostname)
         assert any(st.b == "/mnt/t" for st in plan_of(bound).steps())
