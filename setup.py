@@ -17,7 +17,8 @@ ROOT = Path(__file__).parent.resolve()
 # The static programs nsbox runs: the sandbox's PID 1, and the helper that
 # creates a sandbox's namespaces.
 PROGRAMS = {
-    "nsbox-init": ["init/main.c", "init/child.c", "init/spawn.c", "init/open.c", "init/kill.c", "init/seccomp.c"],
+    "nsbox-init": ["init/main.c", "init/child.c", "init/spawn.c", "init/open.c", "init/kill.c", "init/reply.c",
+                   "init/seccomp.c"],
     "nsbox-create": ["create/main.c", "create/child.c", "create/idmap.c", "create/lock.c", "create/proc.c",
                      "common/clone_request.c"],
 }

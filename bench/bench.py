@@ -36,7 +36,7 @@ from typing import Any, Awaitable, Callable
 import anyio
 
 import nsbox
-from nsbox.host.removal import remove_layer
+from nsbox.create.unshare import remove_layer
 
 try:
     from inspect_ai.util._sandbox.local import LocalSandboxEnvironment

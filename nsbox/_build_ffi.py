@@ -1,4 +1,5 @@
-"""cffi build script for nsbox._native: nsbox_spawn() (csrc/pyext/spawn.c, csrc/common/clone_request.c).
+"""cffi build script for nsbox._native: starting the zygote and packing its
+clone requests (csrc/pyext/spawn.c, csrc/common/clone_request.c).
 
 The C headers are the single source of truth for the structures and constants
 shared with Python; the cdef below is read from them, dropping the
@@ -35,9 +36,10 @@ def header_for_cdef(name: str) -> str:
     return "\n".join(kept)
 
 
-# Kernel flags that Python puts into a spec, with the values the C compiler
-# finds in the system headers (cffi's "#define NAME ..."), the headers
-# csrc/create/ is compiled with: nsbox/create/zygote.py copies none of them.
+# Kernel flags that Python puts into a clone request, with the values the C
+# compiler finds in the system headers (cffi's "#define NAME ..."), the
+# headers csrc/create/ is compiled with: nsbox/create/zygote.py copies none
+# of them.
 KERNEL_CONSTANTS = [
     # <linux/sched.h>: the namespaces of clone3
     "CLONE_NEWNS", "CLONE_NEWCGROUP", "CLONE_NEWUTS", "CLONE_NEWIPC", "CLONE_NEWUSER", "CLONE_NEWPID",

@@ -1,4 +1,4 @@
-# Types of the C extension built from csrc/text.c.
+# Types of the C extension built from csrc/pyext/text.c.
 
 class TextBuffer:
     def __init__(self, size: int) -> None: ...

@@ -28,7 +28,8 @@ from .errors import NsboxError
 from .host.idmap import IdMap
 from .host.idmap import detect as detect_idmap
 from .host.live import SandboxInfo
-from .host.removal import SWEEP_WAIT, remove_layer, wait_swept
+from .create.unshare import remove_layer
+from .host.removal import SWEEP_WAIT, wait_swept
 from .host.layers import REUSE, TRASH
 
 # A layer directory without a registry entry may belong to a sandbox being

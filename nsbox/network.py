@@ -352,8 +352,8 @@ def name_lock(name: str) -> Iterator[None]:
 
 
 def _mapping_key(mapping: idmap.IdMap) -> str:
-    uid_map, gid_map, *_ = mapping.how_to_write()
-    return f"{uid_map}|{gid_map}"
+    maps = mapping.how_to_write()
+    return f"{maps.uid_map}|{maps.gid_map}"
 
 
 def local(value: str) -> Network | None:

@@ -39,10 +39,11 @@ from .errors import (
     SandboxUnavailable,
     UserUnsupported,
 )
+from .create import unshare
 from .create.launch import Launched, launch
 from .init.output_limits import exec_output_limit
 from .manage import collect_in_background, describe
-from .spec import NET, Network, OutputLimitMode, SandboxSpec
+from .spec import NET, Bind, Network, OutputLimitMode, SandboxSpec
 
 if TYPE_CHECKING:
     from .init import streaming
@@ -111,7 +112,7 @@ class Sandbox:
         output_limit_mode: OutputLimitMode = "truncate",
         id_mapping: idmap.Requested = "auto",
         timeout: float | None = None,
-        mounts: Sequence[rootfs_mod.Bind] = (),
+        mounts: Sequence[Bind] = (),
         label: str = "",
         nested_userns: bool = False,
         privileged: bool = False,
@@ -860,10 +861,10 @@ def _release_layer(sandbox_id: str, layer: Path, rootfs: rootfs_mod.Rootfs, mapp
     aside = layers.set_aside_work(layer)
     if aside and rootfs.release_layer(layer, mapping.host_root):
         return
-    if removal.remove_untouched_layer(layer):
+    if layers.remove_untouched_layer(layer):
         return
     try:
-        removal.remove_layer(layer, mapping)
+        unshare.remove_layer(layer, mapping)
     except (OSError, NsboxError) as e:
         print(f"nsbox: could not delete the writable layer of sandbox {sandbox_id} ({layer}): {describe(e)}; "
               "`nsbox gc` tries again", file=sys.stderr)

@@ -7,14 +7,14 @@ provider all produce one, so each option is declared and checked here, once.
 from __future__ import annotations
 
 import ipaddress
+import os
 import posixpath
 import re
 from dataclasses import dataclass, field, replace
 from typing import Literal, Mapping, Sequence
 
-from .plan import gpu
+from .errors import SandboxSetupError
 from .host.idmap import REQUESTS
-from .plan.rootfs import Bind
 
 Network = Literal["none", "host", "nat", "proxy"]
 OutputLimitMode = Literal["truncate", "raise"]
@@ -50,6 +50,63 @@ def parse_size(value: str | int | float, name: str = "size") -> int:
     if size <= 0:
         raise ValueError(f"{name} must be positive, not {value!r}")
     return size
+
+
+@dataclass(frozen=True)
+class Bind:
+    """A host file or directory made visible inside the sandbox at `target`."""
+
+    source: str
+    target: str
+    readonly: bool = False
+
+    def __post_init__(self) -> None:
+        if not posixpath.isabs(self.target) or posixpath.normpath(self.target) in ("/", "//"):
+            raise ValueError(f"bind target must be an absolute path below /, not {self.target!r}")
+        if posixpath.normpath(self.target) != self.target.rstrip("/"):
+            raise ValueError(f"bind target must be a normalized path, not {self.target!r}")
+        if not os.path.exists(self.source):
+            raise SandboxSetupError(f"bind source {self.source} does not exist")
+
+    @classmethod
+    def parse(cls, spec: str) -> "Bind":
+        """SOURCE:TARGET[:ro|:rw], as in `nsbox run -v`."""
+        parts = spec.split(":")
+        mode = "rw"
+        if len(parts) == 3 and parts[2] in ("ro", "rw"):
+            mode = parts.pop()
+        if len(parts) != 2 or not parts[0] or not parts[1]:
+            raise ValueError(f"expected SOURCE:TARGET[:ro], got {spec!r}")
+        return cls(os.path.abspath(os.path.expanduser(parts[0])), parts[1], readonly=mode == "ro")
+
+
+# GPU requests (nsbox/plan/gpu.py turns them into binds and environment).
+_GPU_COUNT = re.compile(r"[1-9][0-9]{0,3}")
+GPUS_USAGE = "gpus must be 'all', a number of GPUs, or device=ID[,ID...]"
+
+
+def normalize_gpus(value: object) -> str | None:
+    """A `gpus` request in one form: None, "all", "N" or "device=ID,ID"."""
+    if value is None or value == "" or value is False:
+        return None
+    if value is True or value == -1 or value == "-1":
+        return "all"
+    if isinstance(value, int):
+        if value < 1:
+            raise ValueError(f"{GPUS_USAGE}, not {value!r}")
+        return str(value)
+    if not isinstance(value, str):
+        raise ValueError(f"{GPUS_USAGE}, not {value!r}")
+    text = value.strip().strip('"').strip("'")
+    if text.startswith("count="):
+        text = text[len("count="):]
+    if text == "all" or _GPU_COUNT.fullmatch(text):
+        return text
+    if text.startswith("device="):
+        ids = [i.strip() for i in text[len("device="):].split(",")]
+        if ids and all(re.fullmatch(r"[A-Za-z0-9_./=:-]+", i) for i in ids):
+            return "device=" + ",".join(ids)
+    raise ValueError(f"{GPUS_USAGE}, not {value!r}")
 
 
 def _check_network(spec: "SandboxSpec") -> None:
@@ -234,7 +291,7 @@ class SandboxSpec:
             if isinstance(self.cpus, bool) or not isinstance(self.cpus, (int, float)) or not self.cpus >= 0.01:
                 raise ValueError(f"cpus must be a number of CPUs of at least 0.01, not {self.cpus!r}")
             object.__setattr__(self, "cpus", float(self.cpus))
-        object.__setattr__(self, "gpus", gpu.normalize(self.gpus))
+        object.__setattr__(self, "gpus", normalize_gpus(self.gpus))
         object.__setattr__(self, "rootfs", str(self.rootfs or "host"))
         object.__setattr__(self, "env", dict(self.env))
         object.__setattr__(self, "mounts", tuple(m if isinstance(m, Bind) else Bind.parse(m) for m in self.mounts))

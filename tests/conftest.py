@@ -28,7 +28,7 @@ import pytest
 import nsbox
 from nsbox.host import dirs, idmap, removal
 from nsbox.storage.tarball import import_tarball
-from nsbox.host.removal import remove_layer
+from nsbox.create.unshare import remove_layer
 
 from . import components
 from .components import FIXTURES

@@ -333,7 +333,7 @@ def busybox_oci(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def store(tmp_path: Path) -> Any:
     """An empty image store of its own; deleted afterwards (files of other
     sandbox users included)."""
-    from nsbox.host.removal import remove_layer
+    from nsbox.create.unshare import remove_layer
     from nsbox.storage.store import Store
 
     from .conftest import MODE

@@ -101,7 +101,7 @@ stage=${NSBOX_TEST_STAGE:-/var/tmp/nsbox-test}
 syspy=${NSBOX_TEST_PYTHON:-/usr/bin/python3}
 source tests/stage.sh
 say "staging the suite in $stage (python: $syspy)"
-# csrc: the spec parser is fuzzed under sanitizers
+# csrc: the clone request parser is fuzzed under sanitizers (test_clone_request_fuzz.py)
 stage_nsbox "$repo" "$stage" "$syspy" tests pyproject.toml csrc
 rm -rf "$stage/fixtures"
 mkdir -p "$stage/fixtures"

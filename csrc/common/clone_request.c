@@ -1,12 +1,13 @@
 /*
- * spec.c - a struct nsbox_spec, serialized for the nsbox-create zygote.
+ * clone_request.c - a struct nsbox_clone_request (the zygote's request to
+ * clone one process), serialized for the nsbox-create zygote.
  *
  * Layout: a header, the steps with their strings replaced by offsets into
  * a string table, the argv/envp offsets, then the string table itself.
- * Descriptors are not serialized: they travel beside the spec, as
+ * Descriptors are not serialized: they travel beside the request, as
  * SCM_RIGHTS (see create.h). unpack() checks every count, offset and
- * length, so a truncated, garbled or oversized spec is refused rather than
- * followed.
+ * length, so a truncated, garbled or oversized request is refused rather
+ * than followed.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -82,30 +83,30 @@ static size_t count(char *const *v)
     return n;
 }
 
-int nsbox_spec_pack(const struct nsbox_spec *spec, int fd)
+int nsbox_clone_request_pack(const struct nsbox_clone_request *req, int fd)
 {
     struct buf body = {0}, strtab = {0};
     int fail = 0;
-    size_t argc = count(spec->argv), envc = count(spec->envp);
+    size_t argc = count(req->argv), envc = count(req->envp);
     struct header h = {
-        .magic = MAGIC, .nsteps = (uint32_t)spec->nsteps, .argc = (uint32_t)argc, .envc = (uint32_t)envc,
-        .nkeep = (uint32_t)spec->nkeep, .has_exec_fd = spec->exec_fd >= 0,
-        .has_go_fd = spec->go_fd >= 0, .host_go = spec->go_fd >= 0 && spec->host_go,
-        .keep_stdio = (uint32_t)spec->keep_stdio,
-        .new_session = (uint32_t)spec->new_session, .lock_slot = spec->lock_slot,
-        .clone_flags = spec->clone_flags,
+        .magic = MAGIC, .nsteps = (uint32_t)req->nsteps, .argc = (uint32_t)argc, .envc = (uint32_t)envc,
+        .nkeep = (uint32_t)req->nkeep, .has_exec_fd = req->exec_fd >= 0,
+        .has_go_fd = req->go_fd >= 0, .host_go = req->go_fd >= 0 && req->host_go,
+        .keep_stdio = (uint32_t)req->keep_stdio,
+        .new_session = (uint32_t)req->new_session, .lock_slot = req->lock_slot,
+        .clone_flags = req->clone_flags,
     };
-    for (int i = 0; i < spec->nkeep && i < 4; i++)
-        h.keep_present |= spec->keep_fds[i] >= 0 ? 1U << i : 0;
-    h.lock_uid_map = intern(&strtab, spec->lock_uid_map, &fail);
-    h.lock_gid_map = intern(&strtab, spec->lock_gid_map, &fail);
-    h.uid_map = intern(&strtab, spec->uid_map, &fail);
-    h.gid_map = intern(&strtab, spec->gid_map, &fail);
-    h.newuidmap = intern(&strtab, spec->newuidmap, &fail);
-    h.newgidmap = intern(&strtab, spec->newgidmap, &fail);
-    h.deny_setgroups = (uint32_t)spec->deny_setgroups;
-    for (int i = 0; i < spec->nsteps; i++) {
-        const struct nsbox_step *s = &spec->steps[i];
+    for (int i = 0; i < req->nkeep && i < 4; i++)
+        h.keep_present |= req->keep_fds[i] >= 0 ? 1U << i : 0;
+    h.lock_uid_map = intern(&strtab, req->lock_uid_map, &fail);
+    h.lock_gid_map = intern(&strtab, req->lock_gid_map, &fail);
+    h.uid_map = intern(&strtab, req->uid_map, &fail);
+    h.gid_map = intern(&strtab, req->gid_map, &fail);
+    h.newuidmap = intern(&strtab, req->newuidmap, &fail);
+    h.newgidmap = intern(&strtab, req->newgidmap, &fail);
+    h.deny_setgroups = (uint32_t)req->deny_setgroups;
+    for (int i = 0; i < req->nsteps; i++) {
+        const struct nsbox_step *s = &req->steps[i];
         struct wire_step w = {
             .kind = s->kind, .slot = s->slot, .mode = s->mode, .flags = s->flags,
             .attr_set = s->attr_set, .attr_clr = s->attr_clr,
@@ -115,11 +116,11 @@ int nsbox_spec_pack(const struct nsbox_spec *spec, int fd)
         fail |= put(&body, &w, sizeof w) < 0;
     }
     for (size_t i = 0; i < argc; i++) {
-        uint32_t off = intern(&strtab, spec->argv[i], &fail);
+        uint32_t off = intern(&strtab, req->argv[i], &fail);
         fail |= put(&body, &off, sizeof off) < 0;
     }
     for (size_t i = 0; i < envc; i++) {
-        uint32_t off = intern(&strtab, spec->envp[i], &fail);
+        uint32_t off = intern(&strtab, req->envp[i], &fail);
         fail |= put(&body, &off, sizeof off) < 0;
     }
     h.strtab_len = (uint32_t)strtab.len;
@@ -159,12 +160,12 @@ static const char *str_at(const char *strtab, uint32_t len, uint32_t off, int *b
     return strtab + off;
 }
 
-/* The only clone flags a spec may carry: the namespaces. The zygote adds
+/* The only clone flags a request may carry: the namespaces. The zygote adds
  * CLONE_PARENT | CLONE_PIDFD itself; anything else would have the child
  * share the zygote's memory (CLONE_VM), descriptors (CLONE_FILES) or root
  * and cwd (CLONE_FS), make the zygote wait for it (CLONE_VFORK: it waits
  * for the id maps the zygote writes, so both would hang), or take pointers
- * the spec cannot give. */
+ * the request cannot give. */
 #define NAMESPACE_FLAGS                                                                           \
     ((uint64_t)(CLONE_NEWNS | CLONE_NEWCGROUP | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER | CLONE_NEWPID | \
                 CLONE_NEWNET))
@@ -175,13 +176,13 @@ static const char *str_at(const char *strtab, uint32_t len, uint32_t off, int *b
 /*
  * Runs in the zygote on whatever its owner sends: checks every count,
  * offset and length before use, and refuses anything pack() would not have
- * produced from a usable spec. On every refusal it frees what it allocated
- * and leaves spec zeroed, so the long-lived zygote leaks nothing.
+ * produced from a usable req. On every refusal it frees what it allocated
+ * and leaves the request zeroed, so the long-lived zygote leaks nothing.
  */
-int nsbox_spec_unpack(char *buf, unsigned long len, struct nsbox_spec *spec)
+int nsbox_clone_request_unpack(char *buf, unsigned long len, struct nsbox_clone_request *req)
 {
     struct header h;
-    memset(spec, 0, sizeof *spec);
+    memset(req, 0, sizeof *req);
     if (len < sizeof h)
         return -EINVAL;
     memcpy(&h, buf, sizeof h);
@@ -194,7 +195,7 @@ int nsbox_spec_unpack(char *buf, unsigned long len, struct nsbox_spec *spec)
         return -EINVAL;
     /* The nested namespaces' descriptors are dup2()ed to fds 3 + lock_slot
      * and 4 + lock_slot of the program: both must be keep positions the
-     * spec leaves empty, or they would land on a descriptor it passes on. */
+     * the request leaves empty, or they would land on a descriptor it passes on. */
     int lock = h.lock_uid_map != NONE;
     if (lock != (h.lock_gid_map != NONE))
         return -EINVAL;
@@ -235,50 +236,50 @@ int nsbox_spec_unpack(char *buf, unsigned long len, struct nsbox_spec *spec)
             envp[i - h.argc] = (char *)s;
     }
 
-    spec->clone_flags = (unsigned long)h.clone_flags;
-    spec->steps = steps;
-    spec->nsteps = (int)h.nsteps;
-    /* The descriptors come separately; mark which ones the spec expects. */
-    spec->sync_fd = spec->error_fd = -1;
-    spec->nkeep = (int)h.nkeep;
+    req->clone_flags = (unsigned long)h.clone_flags;
+    req->steps = steps;
+    req->nsteps = (int)h.nsteps;
+    /* The descriptors come separately; mark which ones the request expects. */
+    req->sync_fd = req->error_fd = -1;
+    req->nkeep = (int)h.nkeep;
     for (uint32_t i = 0; i < h.nkeep; i++)
-        spec->keep_fds[i] = (h.keep_present & (1U << i)) ? 0 : -1;
-    spec->exec_fd = h.has_exec_fd ? 0 : -1;
-    spec->go_fd = h.has_go_fd ? 0 : -1;
-    spec->host_go = (int)h.host_go;
-    spec->argv = argv;
-    spec->envp = envp;
-    spec->keep_stdio = h.keep_stdio != 0;
-    spec->new_session = h.new_session != 0;
-    spec->lock_uid_map = str_at(strtab, h.strtab_len, h.lock_uid_map, &bad);
-    spec->lock_gid_map = str_at(strtab, h.strtab_len, h.lock_gid_map, &bad);
-    spec->lock_slot = h.lock_slot;
-    spec->uid_map = str_at(strtab, h.strtab_len, h.uid_map, &bad);
-    spec->gid_map = str_at(strtab, h.strtab_len, h.gid_map, &bad);
-    spec->newuidmap = str_at(strtab, h.strtab_len, h.newuidmap, &bad);
-    spec->newgidmap = str_at(strtab, h.strtab_len, h.newgidmap, &bad);
-    spec->deny_setgroups = h.deny_setgroups != 0;
-    if (bad || !spec->uid_map || !spec->gid_map || (!spec->newuidmap != !spec->newgidmap)) {
-        nsbox_spec_free(spec);
+        req->keep_fds[i] = (h.keep_present & (1U << i)) ? 0 : -1;
+    req->exec_fd = h.has_exec_fd ? 0 : -1;
+    req->go_fd = h.has_go_fd ? 0 : -1;
+    req->host_go = (int)h.host_go;
+    req->argv = argv;
+    req->envp = envp;
+    req->keep_stdio = h.keep_stdio != 0;
+    req->new_session = h.new_session != 0;
+    req->lock_uid_map = str_at(strtab, h.strtab_len, h.lock_uid_map, &bad);
+    req->lock_gid_map = str_at(strtab, h.strtab_len, h.lock_gid_map, &bad);
+    req->lock_slot = h.lock_slot;
+    req->uid_map = str_at(strtab, h.strtab_len, h.uid_map, &bad);
+    req->gid_map = str_at(strtab, h.strtab_len, h.gid_map, &bad);
+    req->newuidmap = str_at(strtab, h.strtab_len, h.newuidmap, &bad);
+    req->newgidmap = str_at(strtab, h.strtab_len, h.newgidmap, &bad);
+    req->deny_setgroups = h.deny_setgroups != 0;
+    if (bad || !req->uid_map || !req->gid_map || (!req->newuidmap != !req->newgidmap)) {
+        nsbox_clone_request_free(req);
         return -EINVAL;
     }
     return 0;
 }
 
-/* Frees what nsbox_spec_unpack allocated (nothing, for a zeroed spec) and
- * zeroes the spec. Not for specs built elsewhere (Python's are cffi's). */
-void nsbox_spec_free(struct nsbox_spec *spec)
+/* Frees what nsbox_clone_request_unpack allocated (nothing, for a zeroed request) and
+ * zeroes the request. Not for requests built elsewhere (Python's are cffi's). */
+void nsbox_clone_request_free(struct nsbox_clone_request *req)
 {
-    free((void *)spec->steps);
-    free((void *)spec->argv);
-    free((void *)spec->envp);
-    memset(spec, 0, sizeof *spec);
+    free((void *)req->steps);
+    free((void *)req->argv);
+    free((void *)req->envp);
+    memset(req, 0, sizeof *req);
 }
 
-int nsbox_spec_fds(const struct nsbox_spec *spec)
+int nsbox_clone_request_fds(const struct nsbox_clone_request *req)
 {
-    int n = 2 + (spec->go_fd >= 0) + (spec->exec_fd >= 0); /* error pipe, sync pipe, its write end, program */
-    for (int i = 0; i < spec->nkeep; i++)
-        n += spec->keep_fds[i] >= 0;
+    int n = 2 + (req->go_fd >= 0) + (req->exec_fd >= 0); /* error pipe, sync pipe, its write end, program */
+    for (int i = 0; i < req->nkeep; i++)
+        n += req->keep_fds[i] >= 0;
     return n;
 }

@@ -1,8 +1,8 @@
 /*
  * create.h - the interface of the zygote (csrc/create/), as cffi sees it.
  *
- * Python (nsbox/plan/rootfs.py) composes a sandbox as a list of steps; the C
- * side only carries them out, in order, in a freshly cloned child. Keeping
+ * Python (nsbox/plan/: Plan and its contributors) composes a sandbox as a
+ * list of steps; the C side only carries them out, in order, in a freshly cloned child. Keeping
  * the policy in Python keeps this file small and the order of operations
  * readable in one place.
  */
@@ -27,8 +27,8 @@ enum nsbox_step_kind {
 
 /* Host directories looked up before NSBOX_STEP_BECOME_ROOT are held open at
  * NSBOX_PATH_FD_BASE + slot, so later steps name them /proc/self/fd/N (see
- * plan() in nsbox/plan/rootfs.py). They are close-on-exec and closed after the
- * steps; nothing else the child opens reaches this range. */
+ * Plan.host_dir in nsbox/plan/plan.py). They are close-on-exec and closed
+ * after the steps; nothing else the child opens reaches this range. */
 #define NSBOX_PATH_FD_BASE 200
 #define NSBOX_PATH_FDS 512
 
@@ -54,7 +54,8 @@ struct nsbox_step {
 
 #define NSBOX_SLOTS 256
 
-struct nsbox_spec {
+/* A clone request: what the zygote is to create, one process (see below). */
+struct nsbox_clone_request {
     unsigned long clone_flags;      /* CLONE_NEW* for the child, and nothing else */
     const struct nsbox_step *steps; /* run in order once the id maps are written */
     int nsteps;
@@ -117,9 +118,9 @@ enum nsbox_setup_stage {
  * milliseconds per sandbox for a large process. For each sandbox the zygote
  * receives one message on its socket (fd NSBOX_ZYGOTE_SOCKET) carrying, as
  * SCM_RIGHTS and in this order: a socket for the reply, a memfd with the
- * spec (nsbox_spec_pack), the error pipe, the read end of the sync pipe,
- * its write end (if the spec has go_fd), the program to exec (if the spec
- * has one) and the keep_fds that are present. It clones the sandbox's
+ * clone request (nsbox_clone_request_pack), the error pipe, the read end of
+ * the sync pipe, its write end (if the request has go_fd), the program to
+ * exec (if the request has one) and the keep_fds that are present. It clones the sandbox's
  * first process with CLONE_PARENT, so that process is a child of the
  * Python process, writes its id maps and replies with struct
  * nsbox_zygote_reply, the child's pidfd, and any message from
@@ -138,13 +139,13 @@ enum nsbox_setup_stage {
  * descriptors, and is answered with the sub-zygote's pid and pidfd.
  *
  * A message whose byte is 'h' asks for a holder: a sub-zygote in a new user
- * namespace with the spec's id maps (see hold() in create/main.c), in which
+ * namespace with the request's id maps (see hold() in create/main.c), in which
  * sandboxes get nested user namespaces whose maps it writes directly. It
- * carries the reply socket, the holder's socket and a spec memfd.
+ * carries the reply socket, the holder's socket and a request memfd.
  */
 #define NSBOX_ZYGOTE_SOCKET 3
 #define NSBOX_ZYGOTE_MSG_MAX 1024
-#define NSBOX_SPEC_MAX 16777216 /* bytes: a larger spec is refused unread */
+#define NSBOX_CLONE_REQUEST_MAX 16777216 /* bytes: a larger request is refused unread */
 
 enum nsbox_zygote_stage {
     NSBOX_ZYGOTE_REQUEST = 1, /* the request was malformed */
@@ -166,15 +167,15 @@ const char *nsbox_default_path(void);
 /* Starts the zygote `path` with `sock` as its socket; returns its pid or -errno. */
 int nsbox_start_zygote(const char *path, int sock);
 
-/* spec.c: the spec, serialized with its strings. unpack() points the
- * strings into buf, allocates the steps, argv and envp arrays (free them
- * with nsbox_spec_free) and marks the descriptors the message must carry
- * (0 for one expected, -1 for none); it returns 0, or -EINVAL (-ENOMEM)
- * and leaves spec zeroed, having freed what it allocated. It refuses
- * anything pack() would not produce and anything the zygote must not do
- * (see spec.c). nsbox_spec_fds() says how many descriptors follow the spec
- * in the zygote's message. */
-int nsbox_spec_pack(const struct nsbox_spec *spec, int fd);
-int nsbox_spec_unpack(char *buf, unsigned long len, struct nsbox_spec *spec);
-void nsbox_spec_free(struct nsbox_spec *spec);
-int nsbox_spec_fds(const struct nsbox_spec *spec);
+/* clone_request.c: the request, serialized with its strings. unpack()
+ * points the strings into buf, allocates the steps, argv and envp arrays
+ * (free them with nsbox_clone_request_free) and marks the descriptors the
+ * message must carry (0 for one expected, -1 for none); it returns 0, or
+ * -EINVAL (-ENOMEM) and leaves the request zeroed, having freed what it
+ * allocated. It refuses anything pack() would not produce and anything the
+ * zygote must not do (see clone_request.c). nsbox_clone_request_fds() says
+ * how many descriptors follow the request in the zygote's message. */
+int nsbox_clone_request_pack(const struct nsbox_clone_request *req, int fd);
+int nsbox_clone_request_unpack(char *buf, unsigned long len, struct nsbox_clone_request *req);
+void nsbox_clone_request_free(struct nsbox_clone_request *req);
+int nsbox_clone_request_fds(const struct nsbox_clone_request *req);

@@ -189,9 +189,9 @@ static int run_step(const struct nsbox_step *s, int *slots)
     }
 
     case NSBOX_STEP_BECOME_ROOT:
-        /* Until now the child kept its creator's credentials (see plan() in
-         * nsbox/plan/rootfs.py): host paths were looked up as the invoking user.
-         * From here on every id (real, saved, filesystem) is the
+        /* Until now the child kept its creator's credentials (see
+         * Plan.host_dir in nsbox/plan/plan.py): host paths were looked up
+         * as the invoking user. From here on every id (real, saved, filesystem) is the
          * namespace's root, so what we create belongs to sandbox root. */
         if (setresgid(0, 0, 0) < 0 || setresuid(0, 0, 0) < 0)
             return -1;
@@ -211,9 +211,9 @@ static int run_step(const struct nsbox_step *s, int *slots)
  * and closes every other descriptor inherited from the host. Updates the
  * three pointers to the new numbers; *error_fd is valid even on failure.
  */
-static int arrange_fds(const struct nsbox_spec *spec, int *error_fd, int *exec_fd, int *sync_fd)
+static int arrange_fds(const struct nsbox_clone_request *req, int *error_fd, int *exec_fd, int *sync_fd)
 {
-    if (spec->nkeep < 0 || spec->nkeep > 4) {
+    if (req->nkeep < 0 || req->nkeep > 4) {
         errno = EINVAL;
         return -1;
     }
@@ -225,22 +225,22 @@ static int arrange_fds(const struct nsbox_spec *spec, int *error_fd, int *exec_f
         return -1;
     *error_fd = err_hi;
     int high[4];
-    for (int i = 0; i < spec->nkeep; i++) {
+    for (int i = 0; i < req->nkeep; i++) {
         high[i] = -1;
-        if (spec->keep_fds[i] >= 0 && (high[i] = fcntl(spec->keep_fds[i], F_DUPFD_CLOEXEC, 100)) < 0)
+        if (req->keep_fds[i] >= 0 && (high[i] = fcntl(req->keep_fds[i], F_DUPFD_CLOEXEC, 100)) < 0)
             return -1;
     }
     int sync_hi = fcntl(*sync_fd, F_DUPFD_CLOEXEC, 100);
     int exe_hi = *exec_fd >= 0 ? fcntl(*exec_fd, F_DUPFD_CLOEXEC, 100) : -1;
     if (sync_hi < 0 || (*exec_fd >= 0 && exe_hi < 0))
         return -1;
-    for (int i = 0; i < spec->nkeep; i++) {
+    for (int i = 0; i < req->nkeep; i++) {
         if (high[i] >= 0 && dup2(high[i], 3 + i) < 0) /* the copy loses O_CLOEXEC */
             return -1;
         if (high[i] < 0)
             close(3 + i);
     }
-    int base = 3 + spec->nkeep;
+    int base = 3 + req->nkeep;
     if (dup3(err_hi, base, O_CLOEXEC) < 0)
         return -1;
     *error_fd = base;
@@ -254,7 +254,7 @@ static int arrange_fds(const struct nsbox_spec *spec, int *error_fd, int *exec_f
     } else {
         close(base + 1); /* whatever it was (close_range below starts above it) */
     }
-    if (!spec->keep_stdio) {
+    if (!req->keep_stdio) {
         /* Not close-on-exec: should it land on one of 0-2, it stays there. */
         int null = open("/dev/null", O_RDWR);
         if (null < 0)
@@ -270,26 +270,26 @@ static int arrange_fds(const struct nsbox_spec *spec, int *error_fd, int *exec_f
     return (int)syscall(SYS_close_range, base + 3, ~0U, 0);
 }
 
-void __attribute__((noreturn)) child(const struct nsbox_spec *spec)
+void __attribute__((noreturn)) child(const struct nsbox_clone_request *req)
 {
     /* Nothing may interrupt the setup; the mask is cleared before exec. */
     sigset_t all;
     sigfillset(&all);
     if (sigprocmask(SIG_SETMASK, &all, NULL) < 0) {
-        report(spec->error_fd, NSBOX_SETUP_SIGNALS, errno);
+        report(req->error_fd, NSBOX_SETUP_SIGNALS, errno);
         _exit(1);
     }
 
     /* Drop every host descriptor we were not given before anything else:
      * a stray copy of the sync pipe's write end would keep us waiting
      * forever if the host died. */
-    int error_fd = spec->error_fd, exec_fd = spec->exec_fd, sync_fd = spec->sync_fd;
-    if (arrange_fds(spec, &error_fd, &exec_fd, &sync_fd) < 0) {
+    int error_fd = req->error_fd, exec_fd = req->exec_fd, sync_fd = req->sync_fd;
+    if (arrange_fds(req, &error_fd, &exec_fd, &sync_fd) < 0) {
         report(error_fd, NSBOX_SETUP_FDS, errno);
         _exit(1);
     }
     /* One go, or two: the zygote's and the host's (host_go). */
-    for (int gos = 1 + (spec->go_fd >= 0 && spec->host_go); gos > 0; gos--) {
+    for (int gos = 1 + (req->go_fd >= 0 && req->host_go); gos > 0; gos--) {
         char go;
         if (read(sync_fd, &go, 1) != 1) {
             report(error_fd, NSBOX_SETUP_SYNC, errno ? errno : EPIPE);
@@ -298,7 +298,7 @@ void __attribute__((noreturn)) child(const struct nsbox_spec *spec)
     }
     close(sync_fd);
     /* The program leads a session and process group of its own. */
-    if (spec->new_session && setsid() < 0) {
+    if (req->new_session && setsid() < 0) {
         report(error_fd, NSBOX_SETUP_SESSION, errno);
         _exit(1);
     }
@@ -306,8 +306,8 @@ void __attribute__((noreturn)) child(const struct nsbox_spec *spec)
     int slots[NSBOX_SLOTS];
     for (int i = 0; i < NSBOX_SLOTS; i++)
         slots[i] = -1;
-    for (int i = 0; i < spec->nsteps; i++) {
-        if (run_step(&spec->steps[i], slots) < 0) {
+    for (int i = 0; i < req->nsteps; i++) {
+        if (run_step(&req->steps[i], slots) < 0) {
             report(error_fd, i, errno);
             _exit(1);
         }
@@ -321,17 +321,17 @@ void __attribute__((noreturn)) child(const struct nsbox_spec *spec)
         report(error_fd, NSBOX_SETUP_FDS, errno);
         _exit(1);
     }
-    if (spec->lock_uid_map) {
-        /* nsbox_spec_unpack checked this; the dup2s below must not land
+    if (req->lock_uid_map) {
+        /* nsbox_clone_request_unpack checked this; the dup2s below must not land
          * anywhere else (nor on our error pipe just above the keeps). */
-        if (!spec->lock_gid_map || spec->lock_slot < 0 || spec->lock_slot + 1 >= spec->nkeep) {
+        if (!req->lock_gid_map || req->lock_slot < 0 || req->lock_slot + 1 >= req->nkeep) {
             report(error_fd, NSBOX_SETUP_LOCK, EINVAL);
             _exit(1);
         }
-        int userns, mntns, at = 3 + spec->lock_slot;
+        int userns, mntns, at = 3 + req->lock_slot;
         /* open() may have handed out the very numbers we are to fill: move
          * both out of the way before placing them. */
-        if (make_locked_namespaces(spec->lock_uid_map, spec->lock_gid_map, &userns, &mntns) < 0 ||
+        if (make_locked_namespaces(req->lock_uid_map, req->lock_gid_map, &userns, &mntns) < 0 ||
             (userns = fcntl(userns, F_DUPFD_CLOEXEC, 100)) < 0 || (mntns = fcntl(mntns, F_DUPFD_CLOEXEC, 100)) < 0 ||
             dup2(userns, at) < 0 || dup2(mntns, at + 1) < 0) {
             report(error_fd, NSBOX_SETUP_LOCK, errno);
@@ -347,9 +347,9 @@ void __attribute__((noreturn)) child(const struct nsbox_spec *spec)
         _exit(1);
     }
     if (exec_fd >= 0)
-        syscall(SYS_execveat, exec_fd, "", spec->argv, spec->envp, AT_EMPTY_PATH);
+        syscall(SYS_execveat, exec_fd, "", req->argv, req->envp, AT_EMPTY_PATH);
     else
-        execvpe(spec->argv[0], spec->argv, spec->envp);
+        execvpe(req->argv[0], req->argv, req->envp);
     report(error_fd, NSBOX_SETUP_EXEC, errno);
     _exit(127);
 }

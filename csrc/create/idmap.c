@@ -113,16 +113,16 @@ static int run_map_helper(const char *helper, pid_t pid, const char *map, char *
 }
 
 /* Writes the id maps of the user namespace of `pid`; 0 or an errno. */
-int write_id_maps(const struct nsbox_spec *spec, pid_t pid, char *msg, int *msglen)
+int write_id_maps(const struct nsbox_clone_request *req, pid_t pid, char *msg, int *msglen)
 {
-    if (spec->newuidmap) {
-        int err = run_map_helper(spec->newuidmap, pid, spec->uid_map, msg, msglen);
-        return err ? err : run_map_helper(spec->newgidmap, pid, spec->gid_map, msg, msglen);
+    if (req->newuidmap) {
+        int err = run_map_helper(req->newuidmap, pid, req->uid_map, msg, msglen);
+        return err ? err : run_map_helper(req->newgidmap, pid, req->gid_map, msg, msglen);
     }
     /* An unprivileged gid_map requires setgroups to be denied first. */
-    if (spec->deny_setgroups && write_proc(pid, "setgroups", "deny") < 0)
+    if (req->deny_setgroups && write_proc(pid, "setgroups", "deny") < 0)
         return errno;
-    if (write_proc(pid, "uid_map", spec->uid_map) < 0 || write_proc(pid, "gid_map", spec->gid_map) < 0)
+    if (write_proc(pid, "uid_map", req->uid_map) < 0 || write_proc(pid, "gid_map", req->gid_map) < 0)
         return errno;
     return 0;
 }

@@ -85,46 +85,46 @@ static bool exited(int pidfd)
     return poll(&p, 1, 100) == 1;
 }
 
-/* Reads and unpacks the spec memfd `fd`; 0, or -1 with nothing allocated
+/* Reads and unpacks the request memfd `fd`; 0, or -1 with nothing allocated
  * (*buf is freed by the caller either way). Its size bounds what we read. */
-static int read_spec(int fd, char **buf, struct nsbox_spec *spec)
+static int read_request(int fd, char **buf, struct nsbox_clone_request *req)
 {
     struct stat st;
-    memset(spec, 0, sizeof *spec);
+    memset(req, 0, sizeof *req);
     *buf = NULL;
-    if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode) || st.st_size <= 0 || st.st_size > NSBOX_SPEC_MAX ||
+    if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode) || st.st_size <= 0 || st.st_size > NSBOX_CLONE_REQUEST_MAX ||
         !(*buf = malloc((size_t)st.st_size)) || pread(fd, *buf, (size_t)st.st_size, 0) != st.st_size ||
-        nsbox_spec_unpack(*buf, (unsigned long)st.st_size, spec))
+        nsbox_clone_request_unpack(*buf, (unsigned long)st.st_size, req))
         return -1;
     return 0;
 }
 
-/* Serves one creation request; fds[0] is the reply socket, fds[1] the spec. */
+/* Serves one creation request; fds[0] is the reply socket, fds[1] the request. */
 static void serve(int *fds, int nfds)
 {
     if (nfds < 1)
         return; /* no descriptor came: nothing to answer on, nothing to close */
     char *buf = NULL;
-    struct nsbox_spec spec;
-    memset(&spec, 0, sizeof spec);
+    struct nsbox_clone_request req;
+    memset(&req, 0, sizeof req);
     /* In a holder, only maps we can write ourselves: a setuid helper run
      * from inside a user namespace is nothing we want. */
-    if (nfds < 2 || read_spec(fds[1], &buf, &spec) || nfds != 2 + nsbox_spec_fds(&spec) ||
-        (role == HOLDER && spec.newuidmap)) {
+    if (nfds < 2 || read_request(fds[1], &buf, &req) || nfds != 2 + nsbox_clone_request_fds(&req) ||
+        (role == HOLDER && req.newuidmap)) {
         reply(fds[0], -1, EINVAL, NSBOX_ZYGOTE_REQUEST, -1, NULL, 0);
         goto out;
     }
     /* The descriptors, in the order create.h gives. */
     int next = 2;
-    spec.error_fd = fds[next++];
-    spec.sync_fd = fds[next++];
-    if (spec.go_fd >= 0)
-        spec.go_fd = fds[next++];
-    if (spec.exec_fd >= 0)
-        spec.exec_fd = fds[next++];
-    for (int i = 0; i < spec.nkeep; i++) {
-        if (spec.keep_fds[i] >= 0)
-            spec.keep_fds[i] = fds[next++];
+    req.error_fd = fds[next++];
+    req.sync_fd = fds[next++];
+    if (req.go_fd >= 0)
+        req.go_fd = fds[next++];
+    if (req.exec_fd >= 0)
+        req.exec_fd = fds[next++];
+    for (int i = 0; i < req.nkeep; i++) {
+        if (req.keep_fds[i] >= 0)
+            req.keep_fds[i] = fds[next++];
     }
 
     int pidfd = -1;
@@ -134,21 +134,21 @@ static void serve(int *fds, int nfds)
      * requires exit_signal to be 0 then. */
     /* In a pod the user and network namespaces are ours already; their id
      * maps were written when they were made. */
-    unsigned long ns = spec.clone_flags;
+    unsigned long ns = req.clone_flags;
     if (role == POD)
         ns &= ~(unsigned long)(CLONE_NEWUSER | CLONE_NEWNET);
     args.flags = ns | CLONE_PARENT | CLONE_PIDFD;
     args.pidfd = (uint64_t)(uintptr_t)&pidfd;
     long pid = syscall(SYS_clone3, &args, sizeof args);
     if (pid == 0)
-        child(&spec); /* it closes every descriptor it does not need first */
+        child(&req); /* it closes every descriptor it does not need first */
     if (pid < 0) {
         reply(fds[0], -1, errno, NSBOX_ZYGOTE_CLONE, -1, NULL, 0);
         goto out;
     }
     char msg[NSBOX_ZYGOTE_MSG_MAX];
     int msglen = 0;
-    int err = role == POD ? 0 : write_id_maps(&spec, (pid_t)pid, msg, &msglen);
+    int err = role == POD ? 0 : write_id_maps(&req, (pid_t)pid, msg, &msglen);
     if (err && exited(pidfd)) {
         /* The child failed before we could write its maps (its first steps
          * failed): its own report on the error pipe says why, not the maps. */
@@ -166,13 +166,13 @@ static void serve(int *fds, int nfds)
          * done. One byte into a fresh pipe whose read end we hold ourselves
          * (sync_fd) neither blocks nor fails (no SIGPIPE); were it to fail,
          * the child would read EOF and report that. */
-        if (spec.go_fd >= 0)
-            (void)!write(spec.go_fd, "g", 1);
+        if (req.go_fd >= 0)
+            (void)!write(req.go_fd, "g", 1);
         reply(fds[0], (int)pid, 0, 0, pidfd, NULL, 0);
     }
     close(pidfd);
 out:
-    nsbox_spec_free(&spec); /* unpack left it zeroed if it refused it */
+    nsbox_clone_request_free(&req); /* unpack left it zeroed if it refused it */
     free(buf);
     for (int i = 0; i < nfds; i++)
         close(fds[i]);
@@ -248,7 +248,7 @@ out:
 
 /*
  * Serves a holder request: fds are the reply socket, the holder's socket
- * and a spec memfd, of which only the id maps count. Clones the holder into
+ * and a request memfd, of which only the id maps count. Clones the holder into
  * a new user namespace (CLONE_PARENT: a child of the Python process), writes
  * its maps as for a sandbox (newuidmap for a subordinate range: once, here,
  * instead of once per sandbox), and lets it serve creation requests on its
@@ -264,10 +264,10 @@ static void hold(int *fds, int nfds)
     if (nfds < 1)
         return;
     char *buf = NULL;
-    struct nsbox_spec spec;
-    memset(&spec, 0, sizeof spec);
+    struct nsbox_clone_request req;
+    memset(&req, 0, sizeof req);
     int ready[2] = {-1, -1}, pidfd = -1;
-    if (nfds != 3 || role != ZYGOTE || read_spec(fds[2], &buf, &spec)) {
+    if (nfds != 3 || role != ZYGOTE || read_request(fds[2], &buf, &req)) {
         reply(fds[0], -1, EINVAL, NSBOX_ZYGOTE_REQUEST, -1, NULL, 0);
         goto out;
     }
@@ -293,7 +293,7 @@ static void hold(int *fds, int nfds)
         if (read(ready[0], &go, 1) != 1 || setresgid(0, 0, 0) < 0 || setresuid(0, 0, 0) < 0 ||
             prctl(PR_SET_DUMPABLE, 1, 0, 0, 0) < 0 || take_socket(fds[1]) < 0)
             _exit(1);
-        nsbox_spec_free(&spec);
+        nsbox_clone_request_free(&req);
         free(buf);
         role = HOLDER;
         return; /* back to the serving loop, on the new socket */
@@ -304,7 +304,7 @@ static void hold(int *fds, int nfds)
     }
     char msg[NSBOX_ZYGOTE_MSG_MAX];
     int msglen = 0;
-    int err = write_id_maps(&spec, (pid_t)pid, msg, &msglen);
+    int err = write_id_maps(&req, (pid_t)pid, msg, &msglen);
     if (err)
         syscall(SYS_pidfd_send_signal, pidfd, SIGKILL, NULL, 0); /* the owner reaps it */
     else if (write(ready[1], "g", 1) != 1)
@@ -317,7 +317,7 @@ out:
         if (ready[i] >= 0)
             close(ready[i]);
     }
-    nsbox_spec_free(&spec);
+    nsbox_clone_request_free(&req);
     free(buf);
     for (int i = 0; i < nfds; i++)
         close(fds[i]);

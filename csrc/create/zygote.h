@@ -16,10 +16,10 @@
 #include "common/create.h"
 
 /* child.c: runs in the cloned child; never returns. */
-void __attribute__((noreturn)) child(const struct nsbox_spec *spec);
+void __attribute__((noreturn)) child(const struct nsbox_clone_request *req);
 
 /* idmap.c: 0 or an errno; newuidmap's complaint goes into msg. */
-int write_id_maps(const struct nsbox_spec *spec, pid_t pid, char *msg, int *msglen);
+int write_id_maps(const struct nsbox_clone_request *req, pid_t pid, char *msg, int *msglen);
 
 /* lock.c */
 int make_locked_namespaces(const char *uid_map, const char *gid_map, int *userns, int *mntns);

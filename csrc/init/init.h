@@ -6,6 +6,7 @@
  *   spawn.c  an EXEC child: working directory, PATH resolution, execve
  *   open.c   an OPEN child: a path opened inside the sandbox, fd sent back
  *   kill.c   signalling a command's whole process tree
+ *   reply.c  a reply on a channel, a growing array: used by all of the above
  *
  * The init holds no privileges beyond those of the sandbox itself. It never
  * blocks on a request body: payloads arrive inline or in a memfd, and the
@@ -39,7 +40,7 @@ struct start_failure {
  * stopped or killed it. */
 #define HELPER_KILLED ((struct start_failure){.stage = NSBOX_STAGE_HELPER, .err = EINTR})
 
-/* main.c */
+/* reply.c */
 void *grow(void *p, size_t *cap, size_t need, size_t elem);
 void send_reply(int chan, int32_t kind, int32_t code, int32_t err, int32_t stage, int fd);
 

@@ -85,34 +85,12 @@ static int filter_err;
  * memory. Read once at start (check_shared_spawn); when unsure, we fork. */
 static bool shared_spawn_safe;
 
-void *grow(void *p, size_t *cap, size_t need, size_t elem)
-{
-    if (need <= *cap)
-        return p;
-    size_t n = *cap ? *cap * 2 : 16;
-    while (n < need)
-        n *= 2;
-    void *q = realloc(p, n * elem);
-    if (!q) /* out of memory in PID 1: nothing sensible is left to do */
-        _exit(70);
-    *cap = n;
-    return q;
-}
-
 static void shutdown_sandbox(void)
 {
     /* As PID 1, kill(-1) reaches every other process of the namespace; our
      * exit then makes the kernel kill anything that slipped through. */
     kill(-1, SIGKILL);
     _exit(0);
-}
-
-void send_reply(int chan, int32_t kind, int32_t code, int32_t err, int32_t stage, int fd)
-{
-    struct nsbox_reply r = {.kind = kind, .code = code, .err = err, .stage = stage};
-    struct iovec iov = {.iov_base = &r, .iov_len = sizeof r};
-    /* A host that went away makes this fail with EPIPE; nothing to do then. */
-    send_with_fd(chan, &iov, 1, fd);
 }
 
 /* ---- the server side ------------------------------------------------- */

@@ -34,9 +34,9 @@
  * can re-enter its own mount namespace (which resets its root directory
  * to the sandbox's, as chroot(".") tricks already could) and nothing else.
  * It cannot create a namespace to enter (denied below), nor open the
- * init's (/proc/1 is not dumpable). tests/host/test_holder.py shows the kernel
- * refusing the other sandboxes' and the holder's namespaces even to an
- * unfiltered sandbox root.
+ * init's (/proc/1 is not dumpable). tests/host/test_holder.py shows the
+ * kernel refusing the other sandboxes' and the holder's namespaces even to
+ * an unfiltered sandbox root.
  *
  * Architectures: the filter is compiled for the machine it runs on (x86_64
  * or aarch64) and compares numbers from that machine's <asm/unistd.h>. A

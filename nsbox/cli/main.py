@@ -13,10 +13,9 @@ import click
 from .. import __version__, manage
 from ..host import idmap, live
 from ..errors import CommandTimeout, NsboxError
-from ..plan.rootfs import Bind
 from ..sandbox import Sandbox
 from .doctor import doctor
-from ..spec import SandboxSpec
+from ..spec import Bind, SandboxSpec
 from . import image as image_cli
 from .image import image as image_group
 from .build import build as build_command

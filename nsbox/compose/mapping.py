@@ -7,8 +7,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..plan.rootfs import Bind
-from ..spec import SandboxSpec
+from ..spec import Bind, SandboxSpec
 from .errors import ComposeError
 from .hostpaths import HostPaths
 from .model import Mount, Project, Service

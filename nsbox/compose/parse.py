@@ -15,8 +15,7 @@ import shlex
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..plan import gpu
-from ..spec import parse_size
+from ..spec import normalize_gpus, parse_size
 from .errors import ComposeError
 from .hostpaths import HostPaths
 from .model import CONDITIONS, Build, Healthcheck, Mount, Service
@@ -458,7 +457,7 @@ def _gpus(r: Reader, raw: dict[str, Any], environment: dict[str, str]) -> str | 
     if len({value for _, value in requests}) > 1:
         raise r.fail(requests[0][0], "GPUs are asked for more than once, differently: give one request")
     try:
-        return gpu.normalize(requests[0][1]) if requests else None
+        return normalize_gpus(requests[0][1]) if requests else None
     except ValueError as e:
         raise r.fail(requests[0][0], str(e)) from None
 

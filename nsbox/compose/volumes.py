@@ -60,7 +60,7 @@ def start_order(project: Project) -> list[Service]:
 async def seed(image: Image, targets: Iterable[tuple[str, Path]], id_mapping: str = "auto") -> list[Path]:
     """Copies `image`'s content at each path into its volume directory if
     that is empty; returns the directories it seeded."""
-    from ..plan.rootfs import Bind
+    from ..spec import Bind
     from ..sandbox import Sandbox
     from ..storage.apply import _python
 

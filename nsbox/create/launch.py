@@ -29,6 +29,7 @@ import anyio
 from ..init import fdwait
 from . import hostcheck, zygote
 from ..errors import NsboxError, SandboxSetupError
+from ..host.idmap import IdMaps
 from ..plan.plan import ParentHook, Plan
 
 
@@ -92,7 +93,7 @@ async def launch(plan: Plan, launched: Launched, *, sandbox_id: str, socket_path
             try:
                 launched.pid, launched.pidfd = zygote.read_spawn_reply(reply)
             except zygote.IdMapError as e:
-                launched.pid = int(e.filename)  # killed by the zygote; the caller reaps it
+                launched.pid = e.pid  # killed by the zygote; the caller reaps it
                 raise SandboxSetupError(
                     f"writing the id maps of the sandbox failed: {e.message or e.strerror}",
                     hint="check your /etc/subuid and /etc/subgid entries, or use id_mapping='single'",
@@ -162,7 +163,8 @@ def _request(plan: Plan, launched: Launched, sandbox_id: str, socket_path: Path,
         if isinstance(via, zygote.Holder):
             # Nested in the holder's namespace, which has the owner's maps:
             # every id maps to itself, written by the holder.
-            idmaps = (*plan.idmap.nested_identity(), None, None, idmaps[4])
+            uid_map, gid_map = plan.idmap.nested_identity()
+            idmaps = IdMaps(uid_map, gid_map, deny_setgroups=idmaps.deny_setgroups)
         assert plan.sandbox_id == sandbox_id
         shape = dict(
             clone_flags=zygote.clone_flags(plan.namespaces), idmaps=idmaps,
@@ -176,11 +178,11 @@ def _request(plan: Plan, launched: Launched, sandbox_id: str, socket_path: Path,
         def argv(p: Plan) -> list[str]:
             return ["nsbox-init", p.sandbox_id, *p.init_args]
 
-        # A plan copied from a template is packed once per shape (which
-        # descriptors, not their numbers).
-        key = tuple((k, tuple(fd >= 0 for fd in val) if k == "keep_fds" else val >= 0 if k.endswith("_fd") else
-                     tuple(val) if isinstance(val, list) else val) for k, val in shape.items())
-        packed = plan.packed(key, lambda p: zygote.pack_spec(steps=p.steps(), argv=argv(p), **shape))  # type: ignore[arg-type]
+        def pack(p: Plan) -> bytes:
+            return zygote.pack_request(steps=p.steps(), argv=argv(p), **shape)  # type: ignore[arg-type]
+
+        # A plan copied from a template is packed once per shape.
+        packed = plan.packed(_shape_key(shape), pack)
         return zygote.request_spawn(steps=[] if packed is not None else plan.steps(), argv=argv(plan), error_fd=err_w,
                                     sync_fd=go_r, via=via, packed=packed, **shape)  # type: ignore[arg-type]
     finally:
@@ -188,6 +190,18 @@ def _request(plan: Plan, launched: Launched, sandbox_id: str, socket_path: Path,
             os.close(init_fd)
         ctl_child.close()
         listener.close()
+
+
+def _shape_key(shape: dict[str, object]) -> tuple[object, ...]:
+    """What of a clone request's shape its packed bytes depend on: which
+    descriptors are given, not their numbers."""
+    def part(name: str, value: object) -> object:
+        if name == "keep_fds":
+            return tuple(fd >= 0 for fd in value)  # type: ignore[attr-defined]
+        if name.endswith("_fd"):
+            return value >= 0  # type: ignore[operator]
+        return tuple(value) if isinstance(value, list) else value
+    return tuple((name, part(name, value)) for name, value in shape.items())
 
 
 def setup_error(plan: Plan, step: int, err: int, layer: Path) -> NsboxError:

@@ -4,6 +4,8 @@ Files that sandbox users other than root create in a writable layer belong
 to subordinate ids on the host, which the invoking user cannot delete or
 chown directly; inside a user namespace with the same mapping they are
 ordinary files of ordinary users. This is what `podman unshare` does.
+remove_layer() deletes a layer that way when such files are left in it
+(nsbox/host/removal.py deletes everything else, without the zygote).
 """
 
 from __future__ import annotations
@@ -11,12 +13,14 @@ from __future__ import annotations
 import os
 import struct
 import subprocess
+from pathlib import Path
 from typing import Sequence
 
 from . import zygote
 from ..plan import steps
 from ..errors import NsboxError
 from ..host.idmap import IdMap
+from ..host.removal import RemovalError, remove_tree
 
 
 def run_in_userns(mapping: IdMap, argv: Sequence[str], *, check: bool = True) -> int:
@@ -31,7 +35,7 @@ def run_in_userns(mapping: IdMap, argv: Sequence[str], *, check: bool = True) ->
                 keep_stdio=True, new_session=False,
             )
         except zygote.IdMapError as e:
-            os.waitpid(int(e.filename), 0)
+            os.waitpid(e.pid, 0)
             raise NsboxError(f"running {argv[0]} in a user namespace failed: {e.message or e.strerror}") from None
         except OSError as e:
             from .hostcheck import clone_failed
@@ -51,3 +55,20 @@ def run_in_userns(mapping: IdMap, argv: Sequence[str], *, check: bool = True) ->
     if check and code != 0:
         raise subprocess.CalledProcessError(code, list(argv))
     return code
+
+
+def remove_layer(layer: Path, mapping: IdMap | None) -> None:
+    """Deletes a layer directory, from inside a user namespace with the
+    sandbox's mapping when other sandbox users own files in it."""
+    try:
+        remove_tree(layer)
+    except PermissionError:
+        if mapping is None or mapping.mode != "subuid":
+            raise
+        # GNU rm walks trees of any depth relative to directory descriptors.
+        # Its complaints (one line per entry) would flood our caller's
+        # stderr: the caller reports the failure in one line instead.
+        argv = ["sh", "-c", 'exec rm -rf -- "$1" 2>/dev/null', "rm", os.fspath(layer)]
+        status = run_in_userns(mapping, argv, check=False)
+        if status != 0:
+            raise RemovalError(f"rm -rf in the sandbox's user namespace failed (exit status {status})") from None

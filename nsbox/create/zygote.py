@@ -24,7 +24,7 @@ from .._native import ffi, lib
 from ..plan.steps import PATH_FD_BASE, Kind, Step
 
 if TYPE_CHECKING:
-    from ..host.idmap import IdMap
+    from ..host.idmap import IdMap, IdMaps
 
 INIT_BINARY = Path(__file__).resolve().parent.parent / "nsbox-init"
 CREATE_HELPER = os.fsencode(Path(__file__).resolve().parent.parent / "nsbox-create")
@@ -80,9 +80,9 @@ def _bits(names: frozenset[str]) -> int:
     return value
 
 
-# C copies of the strings specs use, kept across specs: most (mount
-# types, options, device paths) are the same in every sandbox's. The C
-# side only reads them.
+# C copies of the strings clone requests use, kept across requests: most
+# (mount types, options, device paths) are the same in every sandbox's.
+# The C side only reads them.
 _c_strings: dict[str | bytes, object] = {}
 _C_STRINGS_MAX = 4096
 
@@ -99,7 +99,7 @@ def _c_string(s: str | bytes | None) -> object:
 
 
 class _Keep:
-    """Holds the cffi allocations a spec points to until it is packed."""
+    """Holds the cffi allocations a clone request points to until it is packed."""
 
     def __init__(self) -> None:
         self.objs: list[object] = []
@@ -119,7 +119,7 @@ class _Keep:
 
 
 # Each step's initializer row, by the step object: plans copied from a
-# template share all but a few steps (plan.replacing), so a spec's ~60 rows
+# template share all but a few steps (plan.replacing), so a request's ~60 rows
 # are mostly found here. The step is kept with its row so that its id is
 # not reused while the row is.
 _step_rows: dict[int, tuple[Step, tuple[object, ...]]] = {}
@@ -136,49 +136,6 @@ def _step_row(s: Step) -> tuple[object, ...]:
         _step_rows.clear()
     _step_rows[id(s)] = (s, row)
     return row
-
-
-def _pack(steps: Sequence[Step], clone_flags: int, argv: Sequence[str], envp: Sequence[str], keep_fds: Sequence[int],
-          has_exec: bool, keep_stdio: bool, new_session: bool, lock_maps: tuple[str, str] | None,
-          lock_slot: int, idmaps: tuple[str, str, str | None, str | None, bool], has_go: bool = False,
-          host_go: bool = False) -> int:
-    """The spec, serialized by nsbox_spec_pack into a new memfd."""
-    keep = _Keep()
-    # One initializer list (field order of struct nsbox_step): cffi fills
-    # the array in C, where setting fields one by one costs ~0.2 ms a spec.
-    rows = [_step_row(s) for s in steps]
-    keep.objs.append(rows)  # the C strings they point to
-    c_steps = ffi.new("struct nsbox_step[]", rows or 1)
-    spec = ffi.new("struct nsbox_spec *")
-    spec.clone_flags = clone_flags
-    spec.steps = c_steps
-    spec.nsteps = len(steps)
-    if len(keep_fds) > 4:
-        raise ValueError("at most 4 descriptors can be passed on")
-    for i, fd in enumerate(keep_fds):
-        spec.keep_fds[i] = fd
-    spec.nkeep = len(keep_fds)
-    spec.exec_fd = 0 if has_exec else -1
-    spec.go_fd = 0 if has_go else -1
-    spec.host_go = int(host_go)
-    spec.argv = keep.strv(argv)
-    spec.envp = keep.strv(envp)
-    spec.keep_stdio = int(keep_stdio)
-    spec.new_session = int(new_session)
-    if lock_maps is not None:
-        spec.lock_uid_map = keep.str(lock_maps[0])
-        spec.lock_gid_map = keep.str(lock_maps[1])
-    spec.lock_slot = lock_slot
-    uid_map, gid_map, newuidmap, newgidmap, deny_setgroups = idmaps
-    spec.uid_map, spec.gid_map = keep.str(uid_map), keep.str(gid_map)
-    spec.newuidmap, spec.newgidmap = keep.str(newuidmap), keep.str(newgidmap)
-    spec.deny_setgroups = int(deny_setgroups)
-    memfd = os.memfd_create("nsbox-spec", os.MFD_CLOEXEC)
-    rc = lib.nsbox_spec_pack(spec, memfd)
-    if rc < 0:
-        os.close(memfd)
-        raise OSError(-rc, os.strerror(-rc))
-    return memfd
 
 
 class _Zygote:
@@ -300,8 +257,9 @@ class Holder(_SubZygote):
     directly: no setuid helper per sandbox (see hold() in
     csrc/create/main.c). One per id mapping per process, kept until exit."""
 
-    def __init__(self, idmaps: tuple[str, str, str | None, str | None, bool]) -> None:
-        memfd = _pack([], 0, ["nsbox-holder"], [], [], False, False, False, None, 0, idmaps)
+    def __init__(self, idmaps: IdMaps) -> None:
+        memfd = request_memfd(clone_flags=0, steps=[], idmaps=idmaps, keep_fds=[], exec_fd=-1, argv=["nsbox-holder"],
+                              envp=[], keep_stdio=False, new_session=False)
         try:
             ours = self._request(b"h", [memfd])
         finally:
@@ -310,7 +268,7 @@ class Holder(_SubZygote):
             with ours:
                 self.pid, _ = read_spawn_reply(ours)
         except IdMapError as e:
-            self.pid = int(e.filename)
+            self.pid = e.pid
             self.close()
             raise
         except BaseException:
@@ -333,7 +291,7 @@ def holder(mapping: "IdMap") -> Holder | None:
     if os.environ.get("NSBOX_HOLDER", "1") == "0" or mapping.host_root != (os.geteuid(), os.getegid()):
         return None
     idmaps = mapping.how_to_write()
-    key = (idmaps[0], idmaps[1])
+    key = (idmaps.uid_map, idmaps.gid_map)
     with _holder_lock:
         h = _holders.get(key)
         if h is not None and h.owner == os.getpid():
@@ -400,32 +358,32 @@ def _send(byte: bytes, anc: list[tuple[int, int, array.array[int]]], sock: socke
 
 
 def request_spawn(*, error_fd: int, sync_fd: int, via: _SubZygote | None = None, packed: bytes | None = None,
-                  **spec: Any) -> socket.socket:
-    """Asks the zygote to clone the process `spec` describes (spec_memfd's
-    arguments); returns the socket its reply arrives on (read it with
-    read_spawn_reply). `packed`: what pack_spec() gave for `spec`, sent as
-    it is. The process waits for one byte on the pipe whose read end is
-    `sync_fd` before it runs its steps. Given that pipe's write end as
-    `go_fd`, the zygote writes the byte itself once the id maps are
-    written; else write it (go()) once the reply came and the caller's
-    hooks ran. With `go_fd` and `host_go`, the process waits for a second
-    byte, the caller's (go(), at any time)."""
+                  **request: Any) -> socket.socket:
+    """Asks the zygote to clone the process `request` describes
+    (request_memfd's arguments); returns the socket its reply arrives on
+    (read it with read_spawn_reply). `packed`: what pack_request() gave for
+    `request`, sent as it is. The process waits for one byte on the pipe
+    whose read end is `sync_fd` before it runs its steps. Given that pipe's
+    write end as `go_fd`, the zygote writes the byte itself once the id
+    maps are written; else write it (go()) once the reply came and the
+    caller's hooks ran. With `go_fd` and `host_go`, the process waits for a
+    second byte, the caller's (go(), at any time)."""
     if packed is None:
-        memfd = spec_memfd(**spec)
+        memfd = request_memfd(**request)
     else:
-        memfd = os.memfd_create("nsbox-spec", os.MFD_CLOEXEC)
+        memfd = os.memfd_create("nsbox-request", os.MFD_CLOEXEC)
         try:
             if os.write(memfd, packed) != len(packed):
-                raise OSError(errno.EIO, "writing the spec was cut short")
+                raise OSError(errno.EIO, "writing the clone request was cut short")
         except BaseException:
             os.close(memfd)
             raise
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
-        go_fd, exec_fd = spec.get("go_fd", -1), spec["exec_fd"]
+        go_fd, exec_fd = request.get("go_fd", -1), request["exec_fd"]
         fds = [theirs.fileno(), memfd, error_fd, sync_fd] + ([go_fd] if go_fd >= 0 else [])
         fds += [exec_fd] if exec_fd >= 0 else []
-        fds += [fd for fd in spec["keep_fds"] if fd >= 0]
+        fds += [fd for fd in request["keep_fds"] if fd >= 0]
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
         _send(b"s", anc, via.sock if via is not None else None)
     except BaseException:
@@ -437,20 +395,21 @@ def request_spawn(*, error_fd: int, sync_fd: int, via: _SubZygote | None = None,
     return ours
 
 
-def pack_spec(**spec: Any) -> bytes:
-    """The spec request_spawn() would send for spec_memfd's arguments."""
-    memfd = spec_memfd(**spec)
+def pack_request(**request: Any) -> bytes:
+    """The clone request request_spawn() would send for request_memfd's
+    arguments."""
+    memfd = request_memfd(**request)
     try:
         return os.pread(memfd, os.fstat(memfd).st_size, 0)
     finally:
         os.close(memfd)
 
 
-def spec_memfd(
+def request_memfd(
     *,
     clone_flags: int,
     steps: Sequence[Step],
-    idmaps: tuple[str, str, str | None, str | None, bool],
+    idmaps: IdMaps,
     keep_fds: Sequence[int],
     exec_fd: int,
     argv: Sequence[str],
@@ -462,18 +421,55 @@ def spec_memfd(
     go_fd: int = -1,
     host_go: bool = False,
 ) -> int:
-    """The spec of the process described, packed into a new memfd (of the
-    descriptors, only which ones are given counts)."""
-    return _pack(steps, clone_flags, argv, envp, keep_fds, exec_fd >= 0, keep_stdio, new_session,
-                 lock_maps, lock_slot, idmaps, go_fd >= 0, host_go)
+    """The clone request of the process described (struct
+    nsbox_clone_request), serialized by nsbox_clone_request_pack into a new
+    memfd. Of the descriptors, only which ones are given counts."""
+    keep = _Keep()
+    # One initializer list (field order of struct nsbox_step): cffi fills
+    # the array in C, where setting fields one by one costs ~0.2 ms a request.
+    rows = [_step_row(s) for s in steps]
+    keep.objs.append(rows)  # the C strings they point to
+    c_steps = ffi.new("struct nsbox_step[]", rows or 1)
+    req = ffi.new("struct nsbox_clone_request *")
+    req.clone_flags = clone_flags
+    req.steps = c_steps
+    req.nsteps = len(steps)
+    if len(keep_fds) > 4:
+        raise ValueError("at most 4 descriptors can be passed on")
+    for i, fd in enumerate(keep_fds):
+        req.keep_fds[i] = fd
+    req.nkeep = len(keep_fds)
+    req.exec_fd = 0 if exec_fd >= 0 else -1
+    req.go_fd = 0 if go_fd >= 0 else -1
+    req.host_go = int(host_go)
+    req.argv = keep.strv(argv)
+    req.envp = keep.strv(envp)
+    req.keep_stdio = int(keep_stdio)
+    req.new_session = int(new_session)
+    if lock_maps is not None:
+        req.lock_uid_map = keep.str(lock_maps[0])
+        req.lock_gid_map = keep.str(lock_maps[1])
+    req.lock_slot = lock_slot
+    req.uid_map, req.gid_map = keep.str(idmaps.uid_map), keep.str(idmaps.gid_map)
+    req.newuidmap, req.newgidmap = keep.str(idmaps.newuidmap), keep.str(idmaps.newgidmap)
+    req.deny_setgroups = int(idmaps.deny_setgroups)
+    memfd = os.memfd_create("nsbox-request", os.MFD_CLOEXEC)
+    rc = lib.nsbox_clone_request_pack(req, memfd)
+    if rc < 0:
+        os.close(memfd)
+        raise OSError(-rc, os.strerror(-rc))
+    return memfd
 
 
 class IdMapError(OSError):
-    """Writing the id maps failed; `message` holds newuidmap's complaint."""
+    """Writing the id maps of process `pid` failed; `message` holds
+    newuidmap's complaint. The zygote killed the process; whoever asked
+    for it still reaps it."""
 
-    def __init__(self, err: int, message: str) -> None:
+    def __init__(self, err: int, message: str, pid: int) -> None:
         super().__init__(err, os.strerror(err))
         self.message = message
+        self.pid = pid
 
 
 REPLY = struct.Struct("=4i")
@@ -483,8 +479,8 @@ def read_spawn_reply(sock: socket.socket) -> tuple[int, int]:
     """(pid, pidfd) of the cloned process, which is running its setup steps.
 
     Raises OSError if cloning failed, IdMapError if writing its id maps
-    failed (the process is then killed; the caller still reaps `pid`,
-    given as the exception's filename).
+    failed (the process is then killed; the caller still reaps the
+    exception's `pid`).
     """
     data, fds, _, _ = socket.recv_fds(sock, REPLY.size + lib.NSBOX_ZYGOTE_MSG_MAX, 1)
     if len(data) < REPLY.size:
@@ -496,9 +492,7 @@ def read_spawn_reply(sock: socket.socket) -> tuple[int, int]:
     if stage == lib.NSBOX_ZYGOTE_IDMAP:
         if pidfd >= 0:
             os.close(pidfd)
-        e = IdMapError(err, data[REPLY.size : REPLY.size + msglen].decode(errors="replace").strip())
-        e.filename = pid
-        raise e
+        raise IdMapError(err, data[REPLY.size : REPLY.size + msglen].decode(errors="replace").strip(), pid)
     if pid <= 0:
         raise OSError(err, os.strerror(err))
     return pid, pidfd

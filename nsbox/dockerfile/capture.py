@@ -33,7 +33,7 @@ class Captured:
 
 
 async def capture(session: Session, upper: Path, exclude: tuple[str, ...] = NETWORK_FILES) -> Captured:
-    from ..plan.rootfs import Bind
+    from ..spec import Bind
     from ..sandbox import Sandbox
 
     python, binds = _python()

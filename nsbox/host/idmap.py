@@ -41,6 +41,21 @@ SEARCH_PATH = "/usr/bin:/bin:/usr/sbin:/sbin"
 
 
 @dataclass(frozen=True)
+class IdMaps:
+    """How nsbox-create writes a new user namespace's maps (the fields of
+    struct nsbox_clone_request of the same names): the maps as
+    /proc/PID/uid_map takes them; for a subordinate range, the setuid
+    helpers that write them (else they are written directly); whether
+    setgroups is denied first, as it must be to map a single gid."""
+
+    uid_map: str
+    gid_map: str
+    newuidmap: str | None = None
+    newgidmap: str | None = None
+    deny_setgroups: bool = False
+
+
+@dataclass(frozen=True)
 class IdMap:
     mode: Mode
     uid_map: tuple[tuple[int, int, int], ...]  # (inside, outside, count)
@@ -79,11 +94,11 @@ class IdMap:
         return (_format(tuple((i, i, c) for i, _, c in self.uid_map)),
                 _format(tuple((i, i, c) for i, _, c in self.gid_map)))
 
-    def how_to_write(self) -> tuple[str, str, str | None, str | None, bool]:
-        """(uid_map, gid_map, newuidmap, newgidmap, deny_setgroups) for
-        nsbox-create, which writes the maps of each new sandbox."""
+    def how_to_write(self) -> IdMaps:
+        """How nsbox-create writes the maps of each new sandbox."""
         helpers = (_find(SUBID_HELPERS[0]), _find(SUBID_HELPERS[1])) if self.mode == "subuid" else (None, None)
-        return _format(self.uid_map), _format(self.gid_map), helpers[0], helpers[1], self.mode == "single"
+        return IdMaps(_format(self.uid_map), _format(self.gid_map), newuidmap=helpers[0], newgidmap=helpers[1],
+                      deny_setgroups=self.mode == "single")
 
 
 def _format(lines: tuple[tuple[int, int, int], ...]) -> str:

@@ -6,7 +6,8 @@ overlayfs upper and work directories. Its entries belong to sandbox root's
 host ids (for real root a subordinate id, see nsbox/host/idmap.py). Creating and
 deleting directories is what a new sandbox costs most on a disk
 filesystem, so a layer its sandbox never wrote to is kept for the next
-sandbox of its kind (untouched_layer() says what "never wrote" means). Deleting layers is nsbox/host/removal.py's.
+sandbox of its kind (untouched_layer() says what "never wrote" means). This module
+knows the shape of each kind of layer; deleting layers is nsbox/host/removal.py's.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from .dirs import data_dir
+from .probe import kernel_version
 from .removal import grant, remove_tree, sweep_later
 
 
@@ -125,12 +127,22 @@ HOST_LAYER = "host"  # HostRootfs: the root and the /etc overlays, both upper la
 # "etc" holds the sandbox's own /etc files, as /etc's top lower layer.
 HOST_MEMORY_ETC_LAYER = "host-etc"
 DIR_LAYER = "dir"  # DirectoryRootfs, ImageRootfs: one overlay over any lower stack
+# The sandbox's own /etc files that HostRootfs.prepare() writes, and the
+# directory of a host layer they go in.
+ETC_FILES = ("hostname", "hosts")
+ETC_DIRS = {HOST_LAYER: "etc-upper", HOST_MEMORY_ETC_LAYER: "etc"}
 _SHAPES: dict[str, tuple[dict[str, set[str]], tuple[str, ...]]] = {
-    HOST_LAYER: ({"work": set(), "etc-work": set(), "upper": set(), "etc-upper": {"hosts", "hostname"}},
-                 ("etc-upper/hosts", "etc-upper/hostname")),
-    HOST_MEMORY_ETC_LAYER: ({"work": set(), "upper": set(), "etc": {"hosts", "hostname"}}, ("etc/hosts", "etc/hostname")),
+    HOST_LAYER: ({"work": set(), "etc-work": set(), "upper": set(), "etc-upper": set(ETC_FILES)},
+                 tuple(f"etc-upper/{name}" for name in ETC_FILES)),
+    HOST_MEMORY_ETC_LAYER: ({"work": set(), "upper": set(), "etc": set(ETC_FILES)},
+                            tuple(f"etc/{name}" for name in ETC_FILES)),
     DIR_LAYER: ({"work": set(), "upper": set()}, ()),
 }
+# What prepare() leaves in a layer the sandbox never wrote to, once
+# set_aside_work() has taken overlayfs's work out, for every kind of layer:
+# the files, then the directories, then the layer.
+_UNTOUCHED_FILES = tuple(dict.fromkeys(rel for _, files in _SHAPES.values() for rel in files))
+_UNTOUCHED = (*_UNTOUCHED_FILES, *dict.fromkeys(name for dirs, _ in _SHAPES.values() for name in dirs), "")
 
 
 def layer_dirs(kind: str) -> tuple[str, ...]:
@@ -138,19 +150,33 @@ def layer_dirs(kind: str) -> tuple[str, ...]:
     return tuple(_SHAPES[kind][0])
 
 
+def remove_untouched_layer(layer: Path) -> bool:
+    """Deletes `layer` if it holds only what a new sandbox has (a handful of
+    syscalls, no directory walk); False if the sandbox wrote to it."""
+    for rel in _UNTOUCHED:
+        path = os.path.join(layer, rel) if rel else os.fspath(layer)
+        try:
+            if rel in _UNTOUCHED_FILES:
+                os.unlink(path)
+            else:
+                os.rmdir(path)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            return False  # not empty: the sandbox wrote something
+    return True
+
+
 @functools.cache
 def etc_upper_in_memory() -> bool:
     """Whether the host-composed root keeps /etc's upper layer on a tmpfs
-    (nsbox/plan/mounts.py memory_overlay()) rather than in the layer directory:
+    (nsbox/plan/overlay.py memory_overlay()) rather than in the layer directory:
     where tmpfs keeps user.* xattrs (Linux 6.6), which overlayfs needs
     under userxattr to delete or rename directories of a lower layer. On
     a disk, each new sandbox costs overlayfs a work dir made and deleted
     and its feature probes; on a tmpfs, nothing that outlives it."""
-    try:
-        major, minor = (int(part) for part in os.uname().release.split(".")[:2])
-    except ValueError:
-        return False
-    if (major, minor) < (6, 6):
+    version = kernel_version()
+    if version is None or version < (6, 6):
         return False
     # The release says tmpfs can; a kernel built without tmpfs xattrs
     # cannot. /dev/shm is a tmpfs almost everywhere: ask it.

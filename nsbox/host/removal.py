@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import NsboxError
-from .idmap import IdMap
 
 _OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -47,8 +46,9 @@ def remove_tree(path: str | os.PathLike[str]) -> None:
     permission are granted it first (overlayfs leaves a mode-000 work dir).
 
     Raises PermissionError when files owned by other users remain (sandbox
-    users other than root, in subuid mode): remove_layer() then deletes
-    them from inside a user namespace. A missing `path` is not an error.
+    users other than root, in subuid mode): remove_layer()
+    (nsbox/create/unshare.py) then deletes them from inside a user
+    namespace. A missing `path` is not an error.
     """
     parent, name = os.path.split(os.path.abspath(path))
     if not name:
@@ -282,46 +282,3 @@ os.register_at_fork(after_in_child=_sweeper._after_fork)
 sweep_later = _sweeper.poke
 release_later = _sweeper.later
 wait_swept = _sweeper.wait
-
-
-def remove_layer(layer: Path, mapping: IdMap | None) -> None:
-    """Deletes a layer directory, from inside a user namespace with the
-    sandbox's mapping when other sandbox users own files in it."""
-    try:
-        remove_tree(layer)
-    except PermissionError:
-        if mapping is None or mapping.mode != "subuid":
-            raise
-        # GNU rm walks trees of any depth relative to directory descriptors.
-        # Its complaints (one line per entry) would flood our caller's
-        # stderr: the caller reports the failure in one line instead.
-        argv = ["sh", "-c", 'exec rm -rf -- "$1" 2>/dev/null', "rm", os.fspath(layer)]
-        from ..create.unshare import run_in_userns  # needs the compiled extension; only here
-
-        status = run_in_userns(mapping, argv, check=False)
-        if status != 0:
-            raise RemovalError(f"rm -rf in the sandbox's user namespace failed (exit status {status})") from None
-
-
-# What prepare() leaves in a layer the sandbox never wrote to, once
-# layers.set_aside_work() has taken overlayfs's work out, deepest first, for
-# every kind of layer (nsbox/host/layers.py): the files, then the directories.
-_UNTOUCHED_FILES = ("etc-upper/hosts", "etc-upper/hostname", "etc/hosts", "etc/hostname")
-_UNTOUCHED = (*_UNTOUCHED_FILES, "upper", "work", "etc-upper", "etc-work", "etc", "")
-
-
-def remove_untouched_layer(layer: Path) -> bool:
-    """Deletes `layer` if it holds only what a new sandbox has (a handful of
-    syscalls, no directory walk); False if the sandbox wrote to it."""
-    for rel in _UNTOUCHED:
-        path = os.path.join(layer, rel) if rel else os.fspath(layer)
-        try:
-            if rel in _UNTOUCHED_FILES:
-                os.unlink(path)
-            else:
-                os.rmdir(path)
-        except FileNotFoundError:
-            pass
-        except OSError:
-            return False  # not empty: the sandbox wrote something
-    return True

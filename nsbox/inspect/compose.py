@@ -45,7 +45,7 @@ from ..compose import (
 from ..compose.load import is_compose_document
 from ..compose.mapping import pull_policy
 from ..host.layers import give
-from ..host.removal import remove_layer
+from ..create.unshare import remove_layer
 from ..compose.services import Healthcheck, ServiceSpec, Services, compose_deadline
 from ..storage import Store
 from ..storage.progress import Progress

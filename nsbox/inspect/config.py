@@ -32,9 +32,7 @@ from inspect_ai.util import SandboxEnvironmentConfigType
 from ..errors import NsboxError, SandboxSetupError
 from ..host import dirs
 from ..host.idmap import detect as detect_idmap
-from ..plan import gpu
-from ..plan.rootfs import Bind
-from ..spec import NET, NETWORKS, SandboxSpec, parse_size
+from ..spec import NET, NETWORKS, Bind, SandboxSpec, normalize_gpus, parse_size
 from ..storage.tarball import import_tarball
 from .compose import is_docker_config
 
@@ -110,7 +108,7 @@ class SandboxSettings(BaseModel):
     @field_validator("gpus")
     @classmethod
     def _gpus(cls, v: int | str | None) -> str | None:
-        return gpu.normalize(v)
+        return normalize_gpus(v)
 
     @field_validator("memory", "disk")
     @classmethod

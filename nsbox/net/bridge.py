@@ -69,10 +69,10 @@ class OwnerUserns:
 
     @classmethod
     async def create(cls, idmap: IdMap, *, via: NetHelper | None = None) -> "OwnerUserns":
-        uid_map, gid_map, newuidmap, newgidmap, deny_setgroups = idmap.how_to_write()
+        maps = idmap.how_to_write()
         _, fds = await (via or helper()).request(
-            "userns", uid_map=uid_map, gid_map=gid_map, newuidmap=newuidmap, newgidmap=newgidmap,
-            deny_setgroups=deny_setgroups)
+            "userns", uid_map=maps.uid_map, gid_map=maps.gid_map, newuidmap=maps.newuidmap,
+            newgidmap=maps.newgidmap, deny_setgroups=maps.deny_setgroups)
         return cls(fds[0])
 
     @property

@@ -38,7 +38,8 @@ from typing import Any, Iterable
 
 from ..host.dirs import trusted_uids
 from ..errors import SandboxSetupError
-from .rootfs import USR_LINK_NAMES, Bind
+from ..spec import Bind
+from .rootfs import USR_LINK_NAMES
 
 CDI_DIRS = ("/etc/cdi", "/var/run/cdi")  # later wins, as in the CDI spec
 KIND = "nvidia.com/gpu"
@@ -48,34 +49,6 @@ LIBRARY = re.compile(r"(libcuda|libcudadebugger|libnvcuvid|libnvoptix|libnvidia-
                      r"|lib(EGL|GLESv1_CM|GLESv2|GLX)_nvidia|libvdpau_nvidia)\.so(\.[0-9.]+)?")
 PROGRAMS = ("nvidia-smi", "nvidia-debugdump", "nvidia-persistenced", "nvidia-cuda-mps-control",
             "nvidia-cuda-mps-server")
-_COUNT = re.compile(r"[1-9][0-9]{0,3}")
-USAGE = "gpus must be 'all', a number of GPUs, or device=ID[,ID...]"
-
-
-def normalize(value: object) -> str | None:
-    """The request in one form: None, "all", "N" or "device=ID,ID"."""
-    if value is None or value == "" or value is False:
-        return None
-    if value is True or value == -1 or value == "-1":
-        return "all"
-    if isinstance(value, int):
-        if value < 1:
-            raise ValueError(f"{USAGE}, not {value!r}")
-        return str(value)
-    if not isinstance(value, str):
-        raise ValueError(f"{USAGE}, not {value!r}")
-    text = value.strip().strip('"').strip("'")
-    if text.startswith("count="):
-        text = text[len("count="):]
-    if text == "all" or _COUNT.fullmatch(text):
-        return text
-    if text.startswith("device="):
-        ids = [i.strip() for i in text[len("device="):].split(",")]
-        if ids and all(re.fullmatch(r"[A-Za-z0-9_./=:-]+", i) for i in ids):
-            return "device=" + ",".join(ids)
-    raise ValueError(f"{USAGE}, not {value!r}")
-
-
 @dataclass
 class Setup:
     """What a GPU request adds to a sandbox."""
@@ -107,7 +80,7 @@ class Setup:
 
 
 def resolve(request: str, *, host_root: bool) -> Setup:
-    """The binds and environment of `request` (normalize()'s form) on this
+    """The binds and environment of `request` (nsbox.spec.normalize_gpus()'s form) on this
     host. host_root: the sandbox's root is the host-composed one."""
     found = _cdi_spec()
     setup = _from_cdi(request, *found) if found else _discover(request, host_root)

@@ -4,9 +4,15 @@ of its init, and what the host does meanwhile.
 Each concern contributes to the plan on its own (in the style of nsjail's
 modules): namespaces to clone, setup steps for the child, and hooks the host
 runs between clone and the "go" byte, while the child waits. The id maps
-are written there (by the zygote); attaching a network or a cgroup belongs
-there too. Contributors: mounts (nsbox/plan/mounts.py: the root filesystem,
-binds, /dev, /proc), ids, hostname and network (below).
+are written there (by the zygote, from the plan's IdMap); attaching a
+network or a cgroup belongs there too. Contributors: resources
+(nsbox/plan/resources.py: cgroup, rlimits, a sized tmpfs for the writable
+layer); mounts (nsbox/plan/mounts.py with rootfs.py: the root filesystem,
+binds, /dev, /proc, /tmp; the binds include the GPUs' of gpu.py); procmask
+(nsbox/plan/procmask.py: masked and read-only /proc paths); and, below,
+the hostname, the network namespace (what the nat and proxy modes and
+published ports add is nsbox/plan/netmodes.py), the init's seccomp flags
+and a privileged sandbox's /sys.
 
 Steps run in phases, in this order:
 
@@ -171,7 +177,7 @@ class Plan:
         copy = Plan(self.idmap, self.root, set(self.namespaces), init_args=list(self.init_args),
                     sandbox_id=swap(self.sandbox_id) or "")
         for phase, marked in self._marked_steps(tuple(texts)).items():
-            found = copy._steps[phase] = list(self._steps[phase])  # the same Step objects: see native._pack
+            found = copy._steps[phase] = list(self._steps[phase])  # the same Step objects: see zygote._step_row
             for i in marked:
                 found[i] = step(found[i])
         copy._host_dirs = [swap(d) or "" for d in self._host_dirs]
@@ -179,11 +185,11 @@ class Plan:
         return copy
 
     def packed(self, key: object, pack: Callable[["Plan"], bytes]) -> bytes | None:
-        """The packed spec of a lazy copy: its template's, packed once per
+        """The packed clone request of a lazy copy: its template's, packed once per
         `key` (what else `pack` puts in it) with the marks in it, then each
         mark replaced in the bytes. None where that cannot be done: not a
         lazy copy, or a replacement not as long as its mark (offsets in
-        the spec would move). Then pack the copy itself.
+        the request would move). Then pack the copy itself.
 
         Checked once per key: the template packed with other marks of the
         same length must be the same bytes with those marks."""

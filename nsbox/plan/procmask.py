@@ -35,6 +35,7 @@ import select
 import sys
 
 from . import steps as s
+from ..host.probe import MOUNTINFO, mountinfo as read_mountinfo
 from .plan import Phase, Plan
 
 MASKED = ("acpi", "asound", "kcore", "keys", "latency_stats", "timer_list", "timer_stats", "sched_debug", "scsi")
@@ -49,20 +50,12 @@ enabled = True
 _noted = False
 
 
-def host_proc_covered(mountinfo: str = "/proc/self/mountinfo") -> list[str]:
+def host_proc_covered(mountinfo: str = MOUNTINFO) -> list[str]:
     """Mount points inside this process's /proc: where the kernel would
     refuse a fresh procfs in a user namespace (an empty directory such as
     binfmt_misc does not count)."""
-    out = []
-    try:
-        with open(mountinfo) as f:
-            for line in f:
-                point = line.split()[4].replace("\\040", " ")
-                if point.startswith("/proc/") and not point.startswith("/proc/sys/fs/binfmt_misc"):
-                    out.append(point)
-    except (OSError, IndexError):
-        pass
-    return out
+    return [m.point for m in read_mountinfo(mountinfo)
+            if m.point.startswith("/proc/") and not m.point.startswith("/proc/sys/fs/binfmt_misc")]
 
 
 class _CoveredWatch:
@@ -82,7 +75,7 @@ class _CoveredWatch:
                 os.close(self.fd)
             self.fd, self.pid = -1, os.getpid()
             try:
-                self.fd = os.open("/proc/self/mountinfo", os.O_RDONLY | os.O_CLOEXEC)
+                self.fd = os.open(MOUNTINFO, os.O_RDONLY | os.O_CLOEXEC)
             except OSError:
                 return host_proc_covered()
             self.covered = host_proc_covered()  # read after the open: no change is missed

@@ -1,7 +1,7 @@
 """Resource limits of a sandbox: the contributor of its plan (see
 nsbox/plan/plan.py) for memory, pids_limit, cpus and disk.
 
-How each limit is enforced depends on what the host offers (nsbox/cli/doctor.py
+How each limit is enforced depends on what the host offers (nsbox/host/probe.py
 limit_support() decides, and `nsbox doctor` shows it):
 
 - a cgroup: v1 controllers writable by this process (real root), or a
@@ -47,16 +47,15 @@ from __future__ import annotations
 import errno
 import functools
 import os
-import platform
 import resource
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..cli import doctor
 from . import steps as s
 from ..errors import HostPrerequisiteError
+from ..host import probe
 from .plan import Phase, Plan, Writable
 
 CGROUPS_FILE = "cgroups"  # in the sandbox's run directory: the cgroups it has, one a line
@@ -94,17 +93,14 @@ class Limits:
 
 
 @functools.cache
-def support() -> doctor.LimitSupport:
+def support() -> probe.LimitSupport:
     """How this host enforces each limit (looked at once per process)."""
-    return doctor.limit_support(doctor.Host())
+    return probe.limit_support(probe.Host())
 
 
 def _kernel_counts_nproc_per_userns() -> bool:
-    try:
-        major, minor = (int(x) for x in platform.release().split("-")[0].split(".")[:2])
-    except ValueError:
-        return False
-    return (major, minor) >= (5, 14)
+    version = probe.kernel_version()
+    return version is not None and version >= (5, 14)
 
 
 def note_once(text: str) -> None:
@@ -153,7 +149,7 @@ def check(limits: Limits) -> None:
         how = "; ".join(f"{name} would be {sup.how[name]}" for name in weak)
         raise HostPrerequisiteError(f"strict_limits: this host cannot enforce {', '.join(weak)} (no cgroup for "
                                     f"{'it' if len(weak) == 1 else 'them'}: {how})",
-                                    f"{doctor.cgroup_fix(doctor.Host())}; or drop strict_limits to accept the "
+                                    f"{probe.cgroup_fix(probe.Host())}; or drop strict_limits to accept the "
                                     "approximation (`nsbox doctor` says what this host enforces)")
 
 

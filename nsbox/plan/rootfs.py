@@ -13,14 +13,14 @@ Two kinds of root:
 
 Either way the writable layer lives in the sandbox's layer directory on the
 host (nsbox/host/layers.py). Each kind contributes its mounts to the sandbox's
-plan (nsbox/plan/plan.py, nsbox/plan/mounts.py).
+plan (nsbox/plan/plan.py, nsbox/plan/mounts.py), its overlays through
+nsbox/plan/overlay.py.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import posixpath
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +31,8 @@ from ..errors import SandboxSetupError
 from ..host.dirs import cache_dir
 from ..host.layers import (
     DIR_LAYER,
+    ETC_DIRS,
+    ETC_FILES,
     HOST_LAYER,
     HOST_MEMORY_ETC_LAYER,
     cached_dir,
@@ -42,7 +44,7 @@ from ..host.layers import (
     untouched_layer,
     write_file,
 )
-from .mounts import memory_overlay, overlay
+from .overlay import memory_overlay, overlay
 from .plan import Phase, Plan
 
 # Top-level names that are links into /usr on a merged-usr host.
@@ -81,7 +83,7 @@ class HostRootfs:
     @classmethod
     def etc_dir(cls, layer: Path) -> Path:
         """Where the sandbox's own /etc files go in its layer."""
-        return layer / ("etc" if cls.layer_kind() == HOST_MEMORY_ETC_LAYER else "etc-upper")
+        return layer / ETC_DIRS[cls.layer_kind()]
 
     def prepare(self, layer: Path, hostname: str, owner: tuple[int, int]) -> None:
         # A disk filesystem charges ~0.1 ms per directory created or
@@ -92,8 +94,9 @@ class HostRootfs:
             for name in layer_dirs(kind):
                 (layer / name).mkdir()
                 give(layer / name, owner)
-        for fname, text in (("hostname", f"{hostname}\n"), ("hosts", _hosts(hostname))):
-            write_file(self.etc_dir(layer) / fname, text, owner)
+        texts = {"hostname": f"{hostname}\n", "hosts": _hosts(hostname)}
+        for fname in ETC_FILES:
+            write_file(self.etc_dir(layer) / fname, texts[fname], owner)
 
     def release_layer(self, layer: Path, owner: tuple[int, int]) -> bool:
         """Keeps `layer` for the next sandbox if it is exactly as a new one
@@ -189,7 +192,7 @@ class DirectoryRootfs:
         if reuse_layer(layer, owner, DIR_LAYER):
             return
         layer.mkdir(mode=0o700)
-        for name in ("upper", "work"):
+        for name in layer_dirs(DIR_LAYER):
             (layer / name).mkdir()
             give(layer / name, owner)
 
@@ -241,34 +244,6 @@ class ImageRootfs(DirectoryRootfs):
 
 
 Rootfs = HostRootfs | DirectoryRootfs
-
-
-@dataclass(frozen=True)
-class Bind:
-    """A host file or directory made visible inside the sandbox at `target`."""
-
-    source: str
-    target: str
-    readonly: bool = False
-
-    def __post_init__(self) -> None:
-        if not posixpath.isabs(self.target) or posixpath.normpath(self.target) in ("/", "//"):
-            raise ValueError(f"bind target must be an absolute path below /, not {self.target!r}")
-        if posixpath.normpath(self.target) != self.target.rstrip("/"):
-            raise ValueError(f"bind target must be a normalized path, not {self.target!r}")
-        if not os.path.exists(self.source):
-            raise SandboxSetupError(f"bind source {self.source} does not exist")
-
-    @classmethod
-    def parse(cls, spec: str) -> "Bind":
-        """SOURCE:TARGET[:ro|:rw], as in `nsbox run -v`."""
-        parts = spec.split(":")
-        mode = "rw"
-        if len(parts) == 3 and parts[2] in ("ro", "rw"):
-            mode = parts.pop()
-        if len(parts) != 2 or not parts[0] or not parts[1]:
-            raise ValueError(f"expected SOURCE:TARGET[:ro], got {spec!r}")
-        return cls(os.path.abspath(os.path.expanduser(parts[0])), parts[1], readonly=mode == "ro")
 
 
 def resolve(rootfs: str | os.PathLike[str] | None) -> Rootfs:

@@ -19,7 +19,7 @@ PROC_FD = "/proc/self/fd"
 
 
 class Kind(IntEnum):
-    """enum nsbox_step_kind of csrc/common/create.h (checked at import by native.py)."""
+    """enum nsbox_step_kind of csrc/common/create.h (checked at import by create/zygote.py)."""
 
     MOUNT = 1
     TREE_CLONE = 2
@@ -100,7 +100,7 @@ def remount(target: str, flags: Iterable[str], what: str) -> Step:
     return Step(Kind.REMOUNT, what, b=target, flags=frozenset(flags))
 
 
-@functools.cache  # the same object in every plan: see native._pack
+@functools.cache  # the same object in every plan: see zygote._step_row
 def pivot(new_root: str) -> Step:
     return Step(Kind.PIVOT, "pivot_root into the sandbox's root", b=new_root)
 

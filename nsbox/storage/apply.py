@@ -61,7 +61,7 @@ class ApplyReport:
 
 def _python() -> tuple[str, list[Any]]:
     """A python3 the host-root sandbox can run, and the binds it needs."""
-    from ..plan.rootfs import Bind
+    from ..spec import Bind
 
     for candidate in ("/usr/bin/python3", "/usr/local/bin/python3"):
         if os.access(candidate, os.X_OK):
@@ -96,7 +96,7 @@ class Unpacker:
     async def _sandbox(self) -> Any:
         async with self._lock:
             if self._box is None:
-                from ..plan.rootfs import Bind
+                from ..spec import Bind
                 from ..sandbox import Sandbox
 
                 python, binds = _python()

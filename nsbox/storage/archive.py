@@ -327,7 +327,7 @@ async def _one_layer_image(s: Session, blob: str, want: oci.Platform) -> str:
 async def _from_directory(s: Session, src: Path, want: oci.Platform) -> str:
     """Archives the directory inside a sandbox with the owner's mapping (so
     owners come out as sandbox ids), then imports that tar."""
-    from ..plan.rootfs import Bind
+    from ..spec import Bind
     from ..sandbox import Sandbox
 
     name = f"dir-{os.urandom(6).hex()}.tar"

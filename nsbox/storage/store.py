@@ -572,7 +572,8 @@ def _flatten(e: BaseException) -> list[BaseException]:
 
 def _remove(path: Path, mapping: idmap.IdMap | None) -> None:
     """Deletes a layer directory whatever sandbox users own in it."""
-    from ..host.removal import remove_layer, remove_tree
+    from ..create.unshare import remove_layer
+    from ..host.removal import remove_tree
 
     try:
         if mapping is not None:

@@ -20,8 +20,8 @@ from typing import Callable
 
 from ..host import idmap
 from ..errors import NsboxError
-from ..host.removal import remove_layer
-from ..plan.rootfs import Bind
+from ..create.unshare import remove_layer
+from ..spec import Bind
 from ..sandbox import Sandbox
 
 

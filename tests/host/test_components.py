@@ -69,7 +69,7 @@ def test_another_checkouts_fixture_rootfs_is_kept(tmp_path: Path, monkeypatch: p
                                                   busybox_rootfs: Path) -> None:
     # Two checkouts tested at once by the same user share its cache: the
     # import of one's tarball must not remove the other's unpacked copy.
-    from nsbox.host.removal import remove_layer
+    from nsbox.create.unshare import remove_layer
 
     from tests import conftest
 

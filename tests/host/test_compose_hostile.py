@@ -12,7 +12,7 @@ import pytest
 
 import nsbox
 from nsbox.compose import load_project
-from nsbox.plan.rootfs import Bind
+from nsbox.spec import Bind
 
 from tests.unit.compose.test_hostile import (  # noqa: F401 (fixtures)
     CREDENTIALS, ENV, OUTSIDE, SECRET, _no_opt_in, compose, proj, refused, secret)

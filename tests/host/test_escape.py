@@ -16,7 +16,7 @@ import pytest
 
 import nsbox
 from nsbox.create import zygote
-from nsbox.plan.rootfs import Bind
+from nsbox.spec import Bind
 
 ATTACK_INIT = r"""
 import ctypes, errno, os

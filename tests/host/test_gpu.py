@@ -27,7 +27,7 @@ from nsbox.compose.errors import ComposeError
 from nsbox.compose.mapping import service_spec
 from nsbox.errors import SandboxSetupError
 from nsbox.inspect.provider import NsboxConfig, NsboxSandboxEnvironment
-from nsbox.plan.rootfs import Bind
+from nsbox.spec import Bind
 from nsbox.spec import SandboxSpec
 
 LIB = "/opt/fake-nvidia/lib"  # outside /usr: the host root shows the host's /usr, read-only

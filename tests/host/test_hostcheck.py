@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from nsbox.create import hostcheck, zygote
+from nsbox.host import probe as host_probe
 from nsbox.plan import steps
 
 
@@ -37,18 +38,18 @@ def test_refused_user_namespaces_name_the_sysctl(tmp_path: Path) -> None:
 ])
 def test_each_cause_gets_its_fix(monkeypatch: pytest.MonkeyPatch, sysctl: dict[str, str], container: str | None,
                                  expected: str) -> None:
-    monkeypatch.setattr(hostcheck, "_sysctl", lambda name: sysctl.get(name))
-    monkeypatch.setattr(hostcheck, "_in_container", lambda: container)
+    monkeypatch.setattr(host_probe, "sysctl", lambda name, proc_sys=None: sysctl.get(name))
+    monkeypatch.setattr(host_probe, "in_container", lambda: container)
     err = hostcheck.clone_failed(errno.EPERM)
     assert expected in str(err) and "\n" not in str(err)
 
 
 def test_masked_proc_and_network_filesystems(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(hostcheck, "_sysctl", lambda name: None)
+    monkeypatch.setattr(host_probe, "sysctl", lambda name, proc_sys=None: None)
     proc = steps.mount("proc", "/x/proc", "proc", (), None, "mount a fresh /proc")
     assert "systempaths=unconfined" in str(hostcheck.step_failed(proc, errno.EPERM, "/layer"))
     overlay = steps.mount("overlay", "/x", "overlay", (), "lowerdir=/a", "mount the root filesystem")
-    monkeypatch.setattr(hostcheck, "fs_type", lambda path: "nfs4")
+    monkeypatch.setattr(host_probe, "fs_type", lambda path: "nfs4")
     err = str(hostcheck.step_failed(overlay, errno.EINVAL, "/home/u/.local/share/nsbox/sandboxes/x"))
     assert "is on nfs4" in err and "NSBOX_STATE_DIR" in err and "\n" not in err
 

@@ -113,7 +113,7 @@ def test_cli(busybox_oci: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     assert json.loads(runner.invoke(image_cli, ["ls", "--json"]).output) == []
     store = Store(tmp_path / "state/data/images")
     assert not list(store.blobs.joinpath("sha256").iterdir())
-    from nsbox.host.removal import remove_layer
+    from nsbox.create.unshare import remove_layer
     remove_layer(tmp_path / "state", MODE)
 
 

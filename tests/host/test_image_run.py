@@ -97,7 +97,7 @@ async def test_what_a_new_sandbox_finds_in_an_image_is_read_once(
         assert b.workdir == "/srv"
     bound = tmp_path / "bound"
     bound.mkdir()
-    async with nsbox.Sandbox(image=app_image, mounts=[nsbox.plan.rootfs.Bind(str(bound), "/mnt/b")]) as c:
+    async with nsbox.Sandbox(image=app_image, mounts=[nsbox.spec.Bind(str(bound), "/mnt/b")]) as c:
         assert len(reads) == before + 1, reads  # c read its own
         assert (await c.exec(["pwd"])).stdout == "/srv\n"
 

@@ -106,7 +106,7 @@ async def test_confinement_holds_even_for_a_careless_tar(tmp_path: Path) -> None
         add(tar, "link/planted", b"planted through a symlink\n")
 
     archive = make_tar(tmp_path / "careless.tar", build)
-    binds = [nsbox.plan.rootfs.Bind(str(dest), "/target"), nsbox.plan.rootfs.Bind(str(archive), "/image", readonly=True)]
+    binds = [nsbox.spec.Bind(str(dest), "/target"), nsbox.spec.Bind(str(archive), "/image", readonly=True)]
     async with nsbox.Sandbox(mounts=binds, workdir="/") as sb:
         r = await sb.exec(["tar", "-x", "-P", "-f", "/image", "-C", "/target"])
         # Inside, the writes landed in the sandbox's own private root...

@@ -36,7 +36,7 @@ async def test_a_plan_from_the_cache_is_the_plan_built_for_the_sandbox(tmp_path)
         assert sb._layer is not None and any(st.a == f"{sb._layer}/upper" for st in copied.steps())
         assert (await sb.exec(["hostname"])).stdout == "named\n"
         # Another input, another plan: a bind, or the /proc masks switched off.
-        bound = nsbox.Sandbox(mounts=[nsbox.plan.rootfs.Bind(str(tmp_path), "/mnt/t")])
+        bound = nsbox.Sandbox(mounts=[nsbox.spec.Bind(str(tmp_path), "/mnt/t")])
         bound.idmap, bound._layer, bound._rundir, bound.id, bound.hostname = (
             sb.idmap, sb._layer, sb._rundir, sb.id, sb.hostname)
         assert any(st.b == "/mnt/t" for st in plan_of(bound).steps())
@@ -66,7 +66,7 @@ async def test_a_templated_spec_is_the_spec_packed_for_the_sandbox() -> None:
                  keep_fds=[3, 4, -1, -1], exec_fd=5, envp=[], keep_stdio=False, new_session=True)
 
     def pack(p) -> bytes:
-        return zygote.pack_spec(steps=p.steps(), argv=["nsbox-init", p.sandbox_id, *p.init_args], **shape)
+        return zygote.pack_request(steps=p.steps(), argv=["nsbox-init", p.sandbox_id, *p.init_args], **shape)
 
     for hostname in (None, "twelve-chars", "short", "a-much-longer-hostname"):
         async with nsbox.Sandbox(hostname=hostname) as sb:

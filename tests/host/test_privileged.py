@@ -138,7 +138,7 @@ async def test_privileged_cannot_undo_masks_or_locks(tmp_path: Path) -> None:
     """No seccomp filter: the mount lock alone keeps read-only binds, the
     /proc masks and the /sys masks in place, from sandbox root and from a
     nested user namespace."""
-    from nsbox.plan.rootfs import Bind
+    from nsbox.spec import Bind
 
     (tmp_path / "f").write_text("original\n")
     os.chmod(tmp_path, 0o755)

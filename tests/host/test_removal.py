@@ -23,7 +23,9 @@ from nsbox.cli import main
 from nsbox.host import idmap, layers, live, removal
 from nsbox import manage
 from nsbox.errors import NsboxError
-from nsbox.host.removal import RemovalError, remove_layer, remove_tree
+from nsbox.create import unshare
+from nsbox.create.unshare import remove_layer
+from nsbox.host.removal import RemovalError, remove_tree
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -146,7 +148,7 @@ async def test_files_of_other_sandbox_users(tmp_path: Path, mode: str) -> None:
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o777)
-    async with nsbox.Sandbox(mounts=[nsbox.plan.rootfs.Bind(os.fspath(shared), "/shared")]) as sb:
+    async with nsbox.Sandbox(mounts=[nsbox.spec.Bind(os.fspath(shared), "/shared")]) as sb:
         r = await sb.exec(["perl", "-e", DEEP_TREE, "/shared/tree", str(DEPTH)], user="nobody", cwd="/")
         assert r.success, r.stderr
         mapping = sb.idmap
@@ -179,7 +181,7 @@ async def test_a_layer_that_cannot_be_deleted_after_close_is_reported(
     def refuse(layer: Path, mapping: object) -> None:
         raise RemovalError("rm -rf in the sandbox's user namespace failed (exit status 1)")
 
-    monkeypatch.setattr(removal, "remove_layer", refuse)
+    monkeypatch.setattr(unshare, "remove_layer", refuse)
     boxes = [await nsbox.Sandbox.create() for _ in range(2)]
     kept = []
     for sb in boxes:

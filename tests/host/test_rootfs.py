@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import nsbox
-from nsbox.plan.rootfs import Bind
+from nsbox.spec import Bind
 
 from tests.conftest import MODE
 
@@ -191,7 +191,7 @@ async def test_a_process_that_moves_its_state_dir_uses_the_new_one(tmp_path: Pat
     at once: nothing this process remembered names the old directory,
     which may be gone."""
     from nsbox.host import removal
-    from nsbox.host.removal import remove_layer
+    from nsbox.create.unshare import remove_layer
 
     async def two_sandboxes(layers_in: Path, cached_in: Path) -> None:
         for _ in range(2):  # the second one's plan is copied from a template

@@ -29,7 +29,7 @@ import nsbox
 from nsbox.create import zygote
 from nsbox.host import live
 from nsbox.inspect.provider import NsboxSandboxEnvironment
-from nsbox.plan.rootfs import Bind
+from nsbox.spec import Bind
 
 from tests import components
 from .test_manage import Terminal

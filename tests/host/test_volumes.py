@@ -110,7 +110,7 @@ async def test_a_symlink_mount_point_is_resolved_in_the_image(context: Path, tmp
     import nsbox
     async with nsbox.Sandbox(image=image.id) as box:
         assert names == sorted((await sh(box, "ls -A /etc")).split())
-    from nsbox.host.removal import remove_layer
+    from nsbox.create.unshare import remove_layer
     remove_layer(volume, MODE)
 
 
@@ -193,7 +193,7 @@ async def test_seeding_keeps_links_and_is_bounded(tmp_path: Path, monkeypatch: p
         with pytest.raises(Exception, match="more than the image bounds allow .*NSBOX_IMAGE_LIMITS"):
             await seed(image, [("/d", other)])
     finally:
-        from nsbox.host.removal import remove_layer
+        from nsbox.create.unshare import remove_layer
         for d in (volume, tmp_path / "vol2"):
             if d.exists():
                 remove_layer(d, MODE)

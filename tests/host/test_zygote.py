@@ -114,7 +114,7 @@ async def test_id_map_failure_is_a_clear_error(mode: str, monkeypatch: pytest.Mo
     if mode != "subuid":
         # root and single write their maps themselves: check the text that
         # decides it, and that no helper is involved.
-        assert idmap.detect().how_to_write()[2] is None
+        assert idmap.detect().how_to_write().newuidmap is None
         return
     # newuidmap refusing (here: a stand-in that fails, as it would for a
     # bad /etc/subuid entry) must give a message, and leave nothing behind:

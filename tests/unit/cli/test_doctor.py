@@ -23,6 +23,7 @@ import pytest
 from nsbox.cli import doctor
 from nsbox.create import hostcheck
 from nsbox.host import idmap
+from nsbox.host import probe as host_probe
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -65,10 +66,10 @@ def fake_sysctls(tmp_path: Path, values: dict[str, str]) -> Path:
 
 
 def host_with(tmp_path: Path, sysctls: dict[str, str], probe: dict[str, str], sandbox_ok: bool,
-              **kw: Any) -> doctor.Host:
+              **kw: Any) -> host_probe.Host:
     message = "created a sandbox" if sandbox_ok else "creating the sandbox's namespaces failed: Operation not permitted"
-    return doctor.Host(proc_sys=fake_sysctls(tmp_path, sysctls), probe=lambda: probe,
-                       sandbox=lambda: doctor.SandboxAttempt(sandbox_ok, message), **kw)
+    return host_probe.Host(proc_sys=fake_sysctls(tmp_path, sysctls), probe=lambda: probe,
+                           sandbox=lambda: host_probe.SandboxAttempt(sandbox_ok, message), **kw)
 
 
 def by_name(checks: list[doctor.Check]) -> dict[str, doctor.Check]:
@@ -135,7 +136,7 @@ def test_old_kernel(tmp_path: Path) -> None:
 
 
 def test_state_on_nfs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(hostcheck, "fs_type", lambda path: "nfs4")
+    monkeypatch.setattr(host_probe, "fs_type", lambda path: "nfs4")
     checks = by_name(doctor.run_checks(host_with(tmp_path, {}, {**WORKING, "overlay": "EINVAL"}, False)))
     assert checks["overlay"].status == "fail" and "on nfs4" in checks["overlay"].summary
     assert "NSBOX_STATE_DIR" in (checks["overlay"].fix or "")
@@ -178,7 +179,7 @@ def test_single_uid_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 # Fake cgroup layouts: (mountinfo lines, /proc/self/cgroup, files to create).
-def fake_cgroups(tmp_path: Path, mounts: list[str], cgroup: str, files: dict[str, str]) -> doctor.Host:
+def fake_cgroups(tmp_path: Path, mounts: list[str], cgroup: str, files: dict[str, str]) -> host_probe.Host:
     proc_self = tmp_path / "self"
     proc_self.mkdir()
     (proc_self / "mountinfo").write_text("".join(line + "\n" for line in mounts))
@@ -189,7 +190,7 @@ def fake_cgroups(tmp_path: Path, mounts: list[str], cgroup: str, files: dict[str
         path = root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-    return doctor.Host(proc_self=proc_self, cgroup_root=root)
+    return host_probe.Host(proc_self=proc_self, cgroup_root=root)
 
 
 SCOPE = "user.slice/user-1000.slice/user@1000.service/app.slice/run-1.scope"
@@ -199,7 +200,7 @@ def test_limits_cgroup_v2_delegated(tmp_path: Path) -> None:
     host = fake_cgroups(tmp_path, ["35 25 0:30 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate"],
                          f"0::/{SCOPE}\n",
                          {f"{SCOPE}/cgroup.controllers": "cpuset cpu io memory pids\n", f"{SCOPE}/cgroup.procs": ""})
-    support = doctor.limit_support(host)
+    support = host_probe.limit_support(host)
     assert support.cgroup == "v2" and support.enforced == {"memory", "pids_limit", "cpus"}
     assert support.how["memory"].startswith("cgroup v2 memory.max")
     check = doctor.check_limits(host)
@@ -222,7 +223,7 @@ def test_limits_cgroup_v1_as_root(tmp_path: Path) -> None:
               for i, c in enumerate(["memory", "pids", "cpu"])]
     host = fake_cgroups(tmp_path, mounts, "5:memory:/job\n4:pids:/job\n3:cpu:/job\n",
                          {f"{c}/job/cgroup.procs": "" for c in ("memory", "pids", "cpu")})
-    support = doctor.limit_support(host)
+    support = host_probe.limit_support(host)
     assert support.cgroup == "v1" and support.enforced == {"memory", "pids_limit", "cpus"}
     assert "memory.limit_in_bytes" in support.how["memory"] and "cpu.cfs_quota_us" in support.how["cpus"]
 
@@ -240,14 +241,14 @@ def test_no_cgroups_at_all(tmp_path: Path) -> None:
 
 def test_clone_failure_is_explained(tmp_path: Path) -> None:
     host = host_with(tmp_path, {"user.max_user_namespaces": "0"}, {"clone3": "ENOSPC", "userns": "ENOSPC"}, False)
-    err = str(doctor.explain_clone_failure(28, host))
+    err = str(hostcheck.explain_clone_failure(28, host))
     assert "max_user_namespaces=0" in err and "sysctl -w user.max_user_namespaces" in err and "\n" not in err
-    assert doctor.explain_clone_failure(1, host_with(tmp_path, {}, WORKING, True)) is None
+    assert hostcheck.explain_clone_failure(1, host_with(tmp_path, {}, WORKING, True)) is None
 
 
 def test_kernel_without_seccomp_filters(tmp_path: Path) -> None:
     proc_self = tmp_path / "self"
     proc_self.mkdir()
     (proc_self / "status").write_text("Name:\tpython\nNoNewPrivs:\t0\n")
-    check = doctor.check_seccomp(doctor.Host(proc_self=proc_self), WORKING)
+    check = doctor.check_seccomp(host_probe.Host(proc_self=proc_self), WORKING)
     assert check.status == "fail" and "CONFIG_SECCOMP_FILTER" in check.summary

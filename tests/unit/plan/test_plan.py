@@ -17,7 +17,7 @@ sys.modules["nsbox._native"] = None  # importing it now fails
 from pathlib import Path
 from nsbox.host import idmap
 from nsbox.plan import mounts, plan, rootfs, steps
-from nsbox.plan.rootfs import Bind
+from nsbox.spec import Bind
 mapping = idmap.detect()  # this user's: the cached layers the plan names are built for it
 out = {}
 for name, root in (("host", rootfs.HostRootfs()), ("dir", rootfs.DirectoryRootfs(Path("/srv/image")))):

@@ -1,7 +1,8 @@
 /*
- * spec_fuzz_harness.c - nsbox_spec_unpack (csrc/common/clone_request.c) on arbitrary input,
- * for a memory checker to watch: tests/host/test_spec_fuzz.py builds it with
- * -fsanitize=address,undefined and feeds it mutated specs, so a read past
+ * clone_request_fuzz_harness.c - nsbox_clone_request_unpack
+ * (csrc/common/clone_request.c) on arbitrary input, for a memory checker
+ * to watch: tests/host/test_clone_request_fuzz.py builds it
+ * -fsanitize=address,undefined and feeds it mutated requests, so a read past
  * the buffer or a leak is caught even where it would not crash.
  *
  * Input (stdin): records of a native uint32 length and that many bytes.
@@ -22,40 +23,40 @@ static void touch(const char *s)
 }
 
 /* Unpacks one input from a buffer of exactly its size; on acceptance reads
- * every string the spec points to. Returns unpack's result. */
+ * every string the request points to. Returns unpack's result. */
 static int one(const uint8_t *data, size_t size)
 {
     char *buf = malloc(size ? size : 1);
     if (!buf)
         abort();
     memcpy(buf, data, size);
-    struct nsbox_spec spec;
-    memset(&spec, 0xa5, sizeof spec);
-    int rc = nsbox_spec_unpack(buf, size, &spec);
+    struct nsbox_clone_request req;
+    memset(&req, 0xa5, sizeof req);
+    int rc = nsbox_clone_request_unpack(buf, size, &req);
     if (rc == 0) {
-        for (int i = 0; i < spec.nsteps; i++) {
-            touch(spec.steps[i].a);
-            touch(spec.steps[i].b);
-            touch(spec.steps[i].c);
-            touch(spec.steps[i].d);
+        for (int i = 0; i < req.nsteps; i++) {
+            touch(req.steps[i].a);
+            touch(req.steps[i].b);
+            touch(req.steps[i].c);
+            touch(req.steps[i].d);
         }
-        for (char *const *v = spec.argv; *v; v++)
+        for (char *const *v = req.argv; *v; v++)
             touch(*v);
-        for (char *const *v = spec.envp; *v; v++)
+        for (char *const *v = req.envp; *v; v++)
             touch(*v);
-        touch(spec.uid_map);
-        touch(spec.gid_map);
-        touch(spec.newuidmap);
-        touch(spec.newgidmap);
-        touch(spec.lock_uid_map);
-        touch(spec.lock_gid_map);
+        touch(req.uid_map);
+        touch(req.gid_map);
+        touch(req.newuidmap);
+        touch(req.newgidmap);
+        touch(req.lock_uid_map);
+        touch(req.lock_gid_map);
     } else {
-        /* A refusal leaves the spec zeroed. */
-        static const struct nsbox_spec zero;
-        if (memcmp(&spec, &zero, sizeof spec) != 0)
+        /* A refusal leaves the request zeroed. */
+        static const struct nsbox_clone_request zero;
+        if (memcmp(&req, &zero, sizeof req) != 0)
             abort();
     }
-    nsbox_spec_free(&spec);
+    nsbox_clone_request_free(&req);
     free(buf);
     return rc;
 }

@@ -2,13 +2,13 @@
 to the programs it runs.
 
 The zygote (csrc/create/) lives as long as its owner and parses every
-request with nsbox_spec_unpack (csrc/common/clone_request.c). A malformed, truncated or
-oversized request must be refused (an EINVAL reply, or silence when no
+request with nsbox_clone_request_unpack (csrc/common/clone_request.c). A
+malformed, truncated or oversized request must be refused (an EINVAL reply, or silence when no
 socket came to reply on), and must never crash or hang it or leave memory
 or descriptors behind. Besides: failed system calls in the sandbox's first
 process reach the host as a stage on the error pipe, the setuid
 newuidmap/newgidmap get none of the zygote's descriptors, and the kernel
-constants Python puts in a spec come from the C headers.
+constants Python puts in a request come from the C headers.
 
 Some tests run a zygote of their own under a seccomp filter that makes one
 system call fail, or kills the zygote when it makes it: from outside, that
@@ -42,6 +42,7 @@ import nsbox
 from nsbox.create import zygote
 from nsbox.plan import steps as nsteps
 from nsbox.create.zygote import ffi, lib
+from nsbox.host.idmap import IdMaps
 
 # --- the wire format of csrc/common/clone_request.c -------------------------------------------------
 
@@ -60,7 +61,7 @@ STRING_FIELDS = ("lock_uid_map", "lock_gid_map", "uid_map", "gid_map", "newuidma
 NAMESPACES = (zygote.CLONE_NEWNS | zygote.CLONE_NEWCGROUP | zygote.CLONE_NEWUTS | zygote.CLONE_NEWIPC
               | zygote.CLONE_NEWUSER | zygote.CLONE_NEWPID | zygote.CLONE_NEWNET)
 # clone flags that would make the child share the zygote's memory, files or
-# root, make the zygote wait for it, or need pointers the spec cannot give.
+# root, make the zygote wait for it, or need pointers the request cannot give.
 FOREIGN_CLONE_FLAGS = {
     "CLONE_VM": 0x100, "CLONE_FS": 0x200, "CLONE_FILES": 0x400, "CLONE_SIGHAND": 0x800, "CLONE_PIDFD": 0x1000,
     "CLONE_PTRACE": 0x2000, "CLONE_VFORK": 0x4000, "CLONE_PARENT": 0x8000, "CLONE_THREAD": 0x10000,
@@ -70,24 +71,26 @@ FOREIGN_CLONE_FLAGS = {
 
 UID_MAP = f"0 {os.getuid()} 1\n"
 GID_MAP = f"0 {os.getgid()} 1\n"
-DIRECT_MAPS: tuple[str, str, str | None, str | None, bool] = (UID_MAP, GID_MAP, None, None, True)
+DIRECT_MAPS = IdMaps(UID_MAP, GID_MAP, deny_setgroups=True)
 
 
 def pack(*, steps: Sequence[nsteps.Step] | None = None, clone_flags: int = zygote.CLONE_NEWUSER | zygote.CLONE_NEWNS,
          argv: Sequence[str] = ("nsbox-init", "box"), envp: Sequence[str] = ("A=b",),
          keep_fds: Sequence[int] = (5, 6, -1, -1), has_exec: bool = True, keep_stdio: bool = False,
          new_session: bool = True, lock_maps: tuple[str, str] | None = ("0 0 1\n", "0 0 1\n"), lock_slot: int = 2,
-         idmaps: tuple[str, str, str | None, str | None, bool] = DIRECT_MAPS, has_go: bool = False,
+         idmaps: IdMaps = DIRECT_MAPS, has_go: bool = False,
          host_go: bool = False) -> bytes:
-    """A spec as nsbox/create/zygote.py packs it (the memfd's bytes)."""
+    """A request as nsbox/create/zygote.py packs it (the memfd's bytes)."""
     if steps is None:
         steps = [
             nsteps.mkdir("/a"), nsteps.hostname("box"), nsteps.become_root(),
             nsteps.mount("tmpfs", "/t", "tmpfs", {"MS_NOSUID"}, "size=1m", "mount /t"),
             nsteps.tree_clone("/usr", 0, "clone /usr", recursive=True, readonly=True),
         ]
-    memfd = zygote._pack(steps, clone_flags, argv, envp, keep_fds, has_exec, keep_stdio, new_session, lock_maps,
-                         lock_slot, idmaps, has_go, host_go)
+    memfd = zygote.request_memfd(steps=steps, clone_flags=clone_flags, argv=argv, envp=envp, keep_fds=keep_fds,
+                                 exec_fd=0 if has_exec else -1, keep_stdio=keep_stdio, new_session=new_session,
+                                 lock_maps=lock_maps, lock_slot=lock_slot, idmaps=idmaps,
+                                 go_fd=0 if has_go else -1, host_go=host_go)
     try:
         return os.pread(memfd, os.fstat(memfd).st_size, 0)
     finally:
@@ -95,7 +98,7 @@ def pack(*, steps: Sequence[nsteps.Step] | None = None, clone_flags: int = zygot
 
 
 class Parts:
-    """A packed spec taken apart, to be changed and put together again with
+    """A packed request taken apart, to be changed and put together again with
     consistent counts and lengths (so that the checks past them are reached)."""
 
     def __init__(self, data: bytes) -> None:
@@ -123,45 +126,46 @@ def with_header(data: bytes, **fields: int) -> bytes:
     return HEADER.pack(*(h[f] for f in FIELDS)) + data[HEADER.size:]
 
 
-def leaky_spec() -> bytes:
-    """A spec consistent in every length, refused only after unpack has
+def leaky_request() -> bytes:
+    """A request consistent in every length, refused only after unpack has
     allocated its arrays (a large argv, its last offset out of range)."""
     p = Parts(pack())
     p.argv = [0] * 65535 + [len(p.strtab) + 5]
     return p.bytes()
 
 
-SPEC_SIZE = ffi.sizeof("struct nsbox_spec")
+REQUEST_SIZE = ffi.sizeof("struct nsbox_clone_request")
 
 
 def unpack(data: bytes, buf: Any = None) -> tuple[int, Any, Any]:
-    """nsbox_spec_unpack on a copy of data, into a spec filled with garbage."""
+    """nsbox_clone_request_unpack on a copy of data, into a request filled
+    with garbage."""
     if buf is None:
         buf = ffi.new("char[]", max(len(data), 1))
         ffi.memmove(buf, data, len(data))
-    spec = ffi.new("struct nsbox_spec *")
-    ffi.memmove(spec, b"\xa5" * SPEC_SIZE, SPEC_SIZE)
-    return lib.nsbox_spec_unpack(buf, len(data), spec), spec, buf
+    req = ffi.new("struct nsbox_clone_request *")
+    ffi.memmove(req, b"\xa5" * REQUEST_SIZE, REQUEST_SIZE)
+    return lib.nsbox_clone_request_unpack(buf, len(data), req), req, buf
 
 
 def check(data: bytes) -> int:
-    """Unpacks data; a refusal must be -EINVAL and leave the spec zeroed, an
-    acceptance must give a spec whose every pointer lies in the buffer and
+    """Unpacks data; a refusal must be -EINVAL and leave the request zeroed, an
+    acceptance must give a request whose every pointer lies in the buffer and
     that the zygote can use as it is. Returns unpack's result."""
-    rc, spec, buf = unpack(data)
+    rc, req, buf = unpack(data)
     if rc != 0:
         assert rc == -errno.EINVAL
-        assert bytes(ffi.buffer(spec)) == bytes(SPEC_SIZE), "a refused spec must be left zeroed"
+        assert bytes(ffi.buffer(req)) == bytes(REQUEST_SIZE), "a refused request must be left zeroed"
         return rc
     try:
-        check_accepted(data, spec, buf)
+        check_accepted(data, req, buf)
     finally:
-        lib.nsbox_spec_free(spec)
-    assert bytes(ffi.buffer(spec)) == bytes(SPEC_SIZE)
+        lib.nsbox_clone_request_free(req)
+    assert bytes(ffi.buffer(req)) == bytes(REQUEST_SIZE)
     return rc
 
 
-def check_accepted(data: bytes, spec: Any, buf: Any) -> None:
+def check_accepted(data: bytes, req: Any, buf: Any) -> None:
     lo = int(ffi.cast("uintptr_t", buf))
     hi = lo + len(data)
 
@@ -170,97 +174,97 @@ def check_accepted(data: bytes, spec: Any, buf: Any) -> None:
             assert optional, "a required string is missing"
             return None
         at = int(ffi.cast("uintptr_t", p))
-        assert lo <= at < hi, "a string points outside the spec"
+        assert lo <= at < hi, "a string points outside the request"
         text = bytes(ffi.buffer(p, hi - at))
-        assert b"\0" in text, "a string runs past the end of the spec"
+        assert b"\0" in text, "a string runs past the end of the request"
         return text[: text.index(b"\0")]
 
     h = dict(zip(FIELDS, HEADER.unpack_from(data)))
-    assert spec.clone_flags & ~NAMESPACES == 0
-    assert spec.nsteps == h["nsteps"] <= 4096
-    for i in range(spec.nsteps):
-        s = spec.steps[i]
+    assert req.clone_flags & ~NAMESPACES == 0
+    assert req.nsteps == h["nsteps"] <= 4096
+    for i in range(req.nsteps):
+        s = req.steps[i]
         for p in (s.a, s.b, s.c, s.d):
             string(p)
-    for vec, n in ((spec.argv, h["argc"]), (spec.envp, h["envc"])):
+    for vec, n in ((req.argv, h["argc"]), (req.envp, h["envc"])):
         for i in range(n):
             string(vec[i], optional=False)
         assert vec[n] == ffi.NULL
     assert h["argc"] >= 1
-    assert 0 <= spec.nkeep <= 4
-    assert all(spec.keep_fds[i] in (0, -1) for i in range(spec.nkeep))
-    assert spec.exec_fd in (0, -1) and spec.go_fd in (0, -1) and spec.sync_fd == spec.error_fd == -1
-    assert spec.host_go in (0, 1) and (spec.go_fd == 0 or spec.host_go == 0)
-    string(spec.uid_map, optional=False)
-    string(spec.gid_map, optional=False)
-    assert (string(spec.newuidmap) is None) == (string(spec.newgidmap) is None)
-    lock = string(spec.lock_uid_map)
-    assert (lock is None) == (string(spec.lock_gid_map) is None)
+    assert 0 <= req.nkeep <= 4
+    assert all(req.keep_fds[i] in (0, -1) for i in range(req.nkeep))
+    assert req.exec_fd in (0, -1) and req.go_fd in (0, -1) and req.sync_fd == req.error_fd == -1
+    assert req.host_go in (0, 1) and (req.go_fd == 0 or req.host_go == 0)
+    string(req.uid_map, optional=False)
+    string(req.gid_map, optional=False)
+    assert (string(req.newuidmap) is None) == (string(req.newgidmap) is None)
+    lock = string(req.lock_uid_map)
+    assert (lock is None) == (string(req.lock_gid_map) is None)
     if lock is not None:
-        assert 0 <= spec.lock_slot and spec.lock_slot + 1 < spec.nkeep
-        assert spec.keep_fds[spec.lock_slot] == spec.keep_fds[spec.lock_slot + 1] == -1
+        assert 0 <= req.lock_slot and req.lock_slot + 1 < req.nkeep
+        assert req.keep_fds[req.lock_slot] == req.keep_fds[req.lock_slot + 1] == -1
 
 
-# --- nsbox_spec_unpack, called directly -----------------------------------------------
+# --- nsbox_clone_request_unpack, called directly -----------------------------------------------
 
 
 @pytest.mark.timeout(60)
-def test_a_packed_spec_round_trips() -> None:
+def test_a_packed_request_round_trips() -> None:
     data = pack()
-    rc, spec, buf = unpack(data)
+    rc, req, buf = unpack(data)
     assert rc == 0
     try:
-        check_accepted(data, spec, buf)
-        assert [ffi.string(spec.argv[i]) for i in range(2)] == [b"nsbox-init", b"box"]
-        assert ffi.string(spec.envp[0]) == b"A=b" and spec.envp[1] == ffi.NULL
-        assert spec.nsteps == 5 and ffi.string(spec.steps[1].a) == b"box" and spec.steps[1].b == ffi.NULL
-        assert spec.steps[3].flags == zygote.MS_NOSUID
-        assert spec.steps[4].attr_set == zygote.MOUNT_ATTR_RDONLY and spec.steps[4].flags == zygote.AT_RECURSIVE
-        assert spec.clone_flags == zygote.CLONE_NEWUSER | zygote.CLONE_NEWNS
-        assert list(spec.keep_fds) == [0, 0, -1, -1] and spec.nkeep == 4 and spec.exec_fd == 0
-        assert spec.lock_slot == 2 and ffi.string(spec.lock_uid_map) == b"0 0 1\n"
-        assert ffi.string(spec.uid_map) == UID_MAP.encode() and spec.newuidmap == ffi.NULL
-        assert (spec.new_session, spec.keep_stdio, spec.deny_setgroups) == (1, 0, 1)
-        assert lib.nsbox_spec_fds(spec) == 5  # error pipe, sync pipe, program, two kept descriptors
-        assert spec.go_fd == -1
+        check_accepted(data, req, buf)
+        assert [ffi.string(req.argv[i]) for i in range(2)] == [b"nsbox-init", b"box"]
+        assert ffi.string(req.envp[0]) == b"A=b" and req.envp[1] == ffi.NULL
+        assert req.nsteps == 5 and ffi.string(req.steps[1].a) == b"box" and req.steps[1].b == ffi.NULL
+        assert req.steps[3].flags == zygote.MS_NOSUID
+        assert req.steps[4].attr_set == zygote.MOUNT_ATTR_RDONLY and req.steps[4].flags == zygote.AT_RECURSIVE
+        assert req.clone_flags == zygote.CLONE_NEWUSER | zygote.CLONE_NEWNS
+        assert list(req.keep_fds) == [0, 0, -1, -1] and req.nkeep == 4 and req.exec_fd == 0
+        assert req.lock_slot == 2 and ffi.string(req.lock_uid_map) == b"0 0 1\n"
+        assert ffi.string(req.uid_map) == UID_MAP.encode() and req.newuidmap == ffi.NULL
+        assert (req.new_session, req.keep_stdio, req.deny_setgroups) == (1, 0, 1)
+        assert lib.nsbox_clone_request_fds(req) == 5  # error pipe, sync pipe, program, two kept descriptors
+        assert req.go_fd == -1
     finally:
-        lib.nsbox_spec_free(spec)
-    rc, spec, buf = unpack(pack(has_go=True))
+        lib.nsbox_clone_request_free(req)
+    rc, req, buf = unpack(pack(has_go=True))
     assert rc == 0
     try:
-        assert spec.go_fd == 0 and lib.nsbox_spec_fds(spec) == 6  # and the sync pipe's write end
-        assert spec.host_go == 0
+        assert req.go_fd == 0 and lib.nsbox_clone_request_fds(req) == 6  # and the sync pipe's write end
+        assert req.host_go == 0
     finally:
-        lib.nsbox_spec_free(spec)
-    rc, spec, buf = unpack(pack(has_go=True, host_go=True))
+        lib.nsbox_clone_request_free(req)
+    rc, req, buf = unpack(pack(has_go=True, host_go=True))
     assert rc == 0
     try:
-        assert spec.go_fd == 0 and spec.host_go == 1 and lib.nsbox_spec_fds(spec) == 6
+        assert req.go_fd == 0 and req.host_go == 1 and lib.nsbox_clone_request_fds(req) == 6
     finally:
-        lib.nsbox_spec_free(spec)
+        lib.nsbox_clone_request_free(req)
     # Without the zygote's go there is only the host's: the flag is not packed.
     assert Parts(pack(host_go=True)).h["host_go"] == 0
 
 
-def accepted_specs() -> dict[str, bytes]:
+def accepted_requests() -> dict[str, bytes]:
     return {
         "sandbox": pack(),
         "no lock, no program, no steps": pack(steps=[], lock_maps=None, has_exec=False, keep_fds=()),
         "go from the zygote": pack(has_go=True),
         "go from the zygote and the host": pack(has_go=True, host_go=True),
-        "newuidmap": pack(idmaps=(UID_MAP, GID_MAP, "/usr/bin/newuidmap", "/usr/bin/newgidmap", False)),
+        "newuidmap": pack(idmaps=IdMaps(UID_MAP, GID_MAP, "/usr/bin/newuidmap", "/usr/bin/newgidmap")),
         "lock in slots 0 and 1": pack(keep_fds=(-1, -1), lock_slot=0),
         "every namespace": pack(clone_flags=NAMESPACES),
     }
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("name", list(accepted_specs()))
-def test_well_formed_specs_are_accepted(name: str) -> None:
-    assert check(accepted_specs()[name]) == 0
+@pytest.mark.parametrize("name", list(accepted_requests()))
+def test_well_formed_requests_are_accepted(name: str) -> None:
+    assert check(accepted_requests()[name]) == 0
 
 
-def refused_specs() -> dict[str, bytes]:
+def refused_requests() -> dict[str, bytes]:
     good = pack()
     p = Parts(good)
     cases: dict[str, bytes] = {
@@ -316,9 +320,9 @@ def _with(p: Parts, **changes: Any) -> bytes:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("name", list(refused_specs()))
-def test_malformed_specs_are_refused_and_leave_the_spec_zeroed(name: str) -> None:
-    assert check(refused_specs()[name]) == -errno.EINVAL
+@pytest.mark.parametrize("name", list(refused_requests()))
+def test_malformed_requests_are_refused_and_leave_the_request_zeroed(name: str) -> None:
+    assert check(refused_requests()[name]) == -errno.EINVAL
 
 
 def vm_kib(pid: int | str, field: str) -> int:
@@ -331,8 +335,8 @@ def vm_kib(pid: int | str, field: str) -> int:
 
 @pytest.mark.timeout(60)
 def test_refusals_free_what_unpack_allocated() -> None:
-    # Each refusal of this spec used to leak its 512 KiB argv array.
-    data = leaky_spec()
+    # Each refusal of this request used to leak its 512 KiB argv array.
+    data = leaky_request()
     buf = ffi.new("char[]", data)
     assert unpack(data, buf)[0] == -errno.EINVAL
     before = vm_kib("self", "VmData")
@@ -341,11 +345,11 @@ def test_refusals_free_what_unpack_allocated() -> None:
     assert vm_kib("self", "VmData") - before < 16 * 1024
 
 
-# Hypothesis: random bytes, and valid specs mutated at random and at the
+# Hypothesis: random bytes, and valid requests mutated at random and at the
 # values where bounds checks go wrong.
 FUZZ = settings(max_examples=300, deadline=None, database=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-BASES = list(accepted_specs().values())
+BASES = list(accepted_requests().values())
 U32 = st.one_of(st.sampled_from([0, 1, 2, 3, 4, 5, 8, 4095, 4096, 4097, 65535, 65536, 65537, 0x7FFFFFFF,
                                  0x80000000, NONE - 1, NONE]), st.integers(0, NONE))
 I32 = st.one_of(st.sampled_from([-(2 ** 31), -2, -1, 0, 1, 2, 3, 4, 5, 2 ** 31 - 1]),
@@ -418,16 +422,16 @@ def test_mutated_offsets(base: bytes, data: st.DataObject) -> None:
     check(p.bytes())
 
 
-# The same under a memory checker: tests/spec_fuzz_harness.c, built with
+# The same under a memory checker: tests/clone_request_fuzz_harness.c, built with
 # AddressSanitizer and UndefinedBehaviorSanitizer, sees reads past the buffer
 # and leaks that need not crash or show here.
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
-HARNESS = Path(__file__).resolve().parents[1] / "spec_fuzz_harness.c"
+HARNESS = Path(__file__).resolve().parents[1] / "clone_request_fuzz_harness.c"
 
 
 def mutants(rng: random.Random, count: int) -> Iterator[bytes]:
-    """Valid specs, each changed in one of the ways the tests above change them."""
-    bases = [Parts(b) for b in accepted_specs().values()]
+    """Valid requests, each changed in one of the ways the tests above change them."""
+    bases = [Parts(b) for b in accepted_requests().values()]
     for _ in range(count):
         p = Parts(rng.choice(bases).bytes())
         how = rng.randrange(5)
@@ -470,7 +474,7 @@ def test_unpack_under_a_memory_checker(tmp_path: Path) -> None:
          os.fspath(harness)], capture_output=True, text=True)
     if build.returncode != 0:
         pytest.skip(f"cannot build with sanitizers: {build.stderr.strip()[-300:]}")
-    inputs = [*mutants(random.Random(7), 20000), leaky_spec(), pack(), b""]
+    inputs = [*mutants(random.Random(7), 20000), leaky_request(), pack(), b""]
     corpus = b"".join(OFFSET.pack(len(d)) + d for d in inputs)
     run = subprocess.run([harness], input=corpus, capture_output=True, timeout=50)
     if b"LeakSanitizer has encountered a fatal error" in run.stderr:  # no ptrace here: leaks go unchecked
@@ -485,7 +489,7 @@ def test_unpack_under_a_memory_checker(tmp_path: Path) -> None:
 
 
 def memfd_with(data: bytes, size: int | None = None) -> int:
-    fd = os.memfd_create("nsbox-test-spec", os.MFD_CLOEXEC)
+    fd = os.memfd_create("nsbox-test-request", os.MFD_CLOEXEC)
     os.write(fd, data)
     if size is not None:
         os.ftruncate(fd, size)
@@ -520,13 +524,13 @@ def request(zsock: socket.socket, fds: Sequence[int], payload: bytes = b"s") -> 
         return answer(ours)
 
 
-def refused(zsock: socket.socket, spec: bytes | int, *more: int) -> None:
-    """A request with this spec (bytes for a memfd, or a descriptor) is refused."""
-    fd = memfd_with(spec) if isinstance(spec, bytes) else spec
+def refused(zsock: socket.socket, packed: bytes | int, *more: int) -> None:
+    """A request with this clone request (bytes for a memfd, or a descriptor) is refused."""
+    fd = memfd_with(packed) if isinstance(packed, bytes) else packed
     try:
         assert request(zsock, [fd, *more]) == REFUSAL
     finally:
-        if isinstance(spec, bytes):
+        if isinstance(packed, bytes):
             os.close(fd)
 
 
@@ -544,11 +548,11 @@ def idle_fds(pid: int) -> list[str]:
 
 def malformed_request(zsock: socket.socket, rng: random.Random, good: bytes, leaky: bytes) -> None:
     """One malformed request of a random kind. None of them has the error
-    pipe a well-formed spec requires, so none can make the zygote clone."""
+    pipe a well-formed request requires, so none can make the zygote clone."""
     kind = rng.randrange(13)
     if kind == 0:  # no descriptor: nowhere to reply, silence
         send(zsock, [], rng.randbytes(rng.randrange(1, 64)))
-    elif kind == 1:  # a reply socket and no spec
+    elif kind == 1:  # a reply socket and no request
         assert request(zsock, []) == REFUSAL
     elif kind == 2:
         refused(zsock, rng.randbytes(rng.randrange(0, 300)))
@@ -561,7 +565,7 @@ def malformed_request(zsock: socket.socket, rng: random.Random, good: bytes, lea
         for _ in range(rng.randrange(1, 6)):
             data[rng.randrange(len(data))] = rng.randrange(256)
         refused(zsock, bytes(data))
-    elif kind == 6:  # refused only after unpack allocated (see leaky_spec)
+    elif kind == 6:  # refused only after unpack allocated (see leaky_request)
         refused(zsock, leaky)
     elif kind == 7:  # not a regular file
         r, w = os.pipe()
@@ -578,7 +582,7 @@ def malformed_request(zsock: socket.socket, rng: random.Random, good: bytes, lea
             os.close(null)
     elif kind == 9:
         refused(zsock, with_header(good, nsteps=rng.choice([4097, 0xFFFFFFFF, 0x80000000])))
-    elif kind == 10:  # more descriptors than the spec names
+    elif kind == 10:  # more descriptors than the request names
         null = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
         try:
             refused(zsock, good, *[null] * 8)
@@ -603,7 +607,7 @@ async def test_the_zygote_survives_malformed_requests() -> None:
     pid = zygote.zygote_pid()
     assert pid is not None
     rng = random.Random(20240611)
-    good, leaky = pack(), leaky_spec()
+    good, leaky = pack(), leaky_request()
     for _ in range(200):  # its allocator settles
         malformed_request(zsock, rng, good, leaky)
     assert request(zsock, []) == REFUSAL  # it has read everything sent so far
@@ -687,15 +691,16 @@ def own_zygote(rules: dict[str, int] | None = None) -> Iterator[tuple[socket.soc
             proc.wait()
 
 
-def spawn_true(zsock: socket.socket, *, idmaps: tuple[str, str, str | None, str | None, bool] = DIRECT_MAPS,
+def spawn_true(zsock: socket.socket, *, idmaps: IdMaps = DIRECT_MAPS,
                new_session: bool = False) -> tuple[int, bytes]:
     """Has the zygote clone a child into a new user namespace that execs
     /bin/true; waits for it. Returns its exit status and its error report."""
     err_r, err_w = os.pipe2(os.O_CLOEXEC)
     memfd = -1
     try:
-        memfd = zygote._pack([], zygote.CLONE_NEWUSER, ["/bin/true"], [], [], False, True, new_session, None, 0,
-                             idmaps)
+        memfd = zygote.request_memfd(clone_flags=zygote.CLONE_NEWUSER, steps=[], idmaps=idmaps, keep_fds=[],
+                                     exec_fd=-1, argv=["/bin/true"], envp=[], keep_stdio=True,
+                                     new_session=new_session)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         go_r, go_w = os.pipe2(os.O_CLOEXEC)
         with ours:
@@ -710,7 +715,7 @@ def spawn_true(zsock: socket.socket, *, idmaps: tuple[str, str, str | None, str 
                 try:
                     pid, pidfd = zygote.read_spawn_reply(ours)
                 except zygote.IdMapError as e:
-                    os.waitpid(int(e.filename), 0)  # killed by the zygote; ours to reap
+                    os.waitpid(e.pid, 0)  # killed by the zygote; ours to reap
                     raise
                 try:
                     os.write(go_w, b"g")
@@ -758,7 +763,7 @@ def test_a_request_without_descriptors_gets_no_reply() -> None:
 def test_a_failed_wait_for_the_map_helper_is_an_error() -> None:
     # waitpid failing must not read an uninitialised status (which could
     # pass for the helper's success).
-    helpers = (UID_MAP, GID_MAP, "/bin/true", "/bin/true", False)
+    helpers = IdMaps(UID_MAP, GID_MAP, "/bin/true", "/bin/true")
     with own_zygote({"wait4": SECCOMP_RET_ERRNO | errno.ECHILD}) as (zsock, _):
         with pytest.raises(zygote.IdMapError) as e:
             spawn_true(zsock, idmaps=helpers)
@@ -793,7 +798,7 @@ def test_a_reply_socket_that_is_full_does_not_block_the_zygote() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_an_oversized_spec_is_refused_unread() -> None:
+def test_an_oversized_request_is_refused_unread() -> None:
     with own_zygote() as (zsock, proc):
         fd = memfd_with(pack(), size=256 << 20)  # sparse: costs nothing until read
         try:
@@ -850,9 +855,10 @@ def test_the_map_helper_gets_no_descriptor_of_the_zygote(tmp_path: Path) -> None
     try:
         with pytest.raises(zygote.IdMapError) as e:
             zygote.spawn(clone_flags=zygote.CLONE_NEWUSER, steps=[], error_fd=err_w, keep_fds=[], exec_fd=-1,
-                         idmaps=(UID_MAP, GID_MAP, os.fspath(helper), os.fspath(helper), False),
+                         idmaps=IdMaps(UID_MAP, GID_MAP, os.fspath(helper), os.fspath(helper)),
                          argv=["/bin/true"], envp=[], keep_stdio=True, new_session=False)
-        os.waitpid(int(e.value.filename), 0)
+        os.waitpid(e.value.pid, 0)  # the pid is an attribute of its own, not smuggled in as a file name
+        assert e.value.filename is None
     finally:
         os.close(err_r)
         os.close(err_w)
