@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import os
 import secrets
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -40,6 +42,15 @@ async def test_import_then_use(tmp_path: Path, busybox_rootfs: Path) -> None:
         assert (await sb.exec(["busybox", "true"])).success
     with pytest.raises(NsboxError, match="already exists"):
         await import_tarball(src, dest)
+
+
+def test_cli_import_unpacks_a_tarball(tmp_path: Path) -> None:
+    """`nsbox import TARBALL DIRECTORY`, as a person runs it."""
+    dest = tmp_path / "bb"
+    r = subprocess.run([sys.executable, "-m", "nsbox", "import", str(fixture_tar("busybox")), str(dest)],
+                       capture_output=True, text=True, timeout=120)
+    assert (r.returncode, r.stdout) == (0, f"{dest}\n"), r.stderr
+    assert os.path.lexists(dest / "bin" / "ash")
 
 
 async def test_hostile_members_stay_inside(tmp_path: Path) -> None:

@@ -235,7 +235,10 @@ def import_(tarball: Path, directory: Path, id_mapping: str) -> None:
     def progress(msg: str) -> None:
         click.echo(f"nsbox: {msg}", err=True)
 
-    dest = run_async(import_tarball, tarball, directory, id_mapping, progress)
+    async def go() -> Path:
+        return await import_tarball(tarball, directory, id_mapping=id_mapping, progress=progress)  # type: ignore[arg-type]
+
+    dest = run_async(go)
     click.echo(os.fspath(dest))
 
 
