@@ -215,11 +215,11 @@ class Sandbox:
         what the sandbox's own settings leave open, as `docker run` does."""
         from .storage import Store
         from .storage.progress import Progress
+        from .storage.resolve import resolve
 
         mapping = idmap.detect(self.spec.id_mapping)  # type: ignore[arg-type]
-        self.image = await Store().resolve(ref, id_mapping=self.spec.id_mapping,  # type: ignore[arg-type]
-                                           pull=self.spec.pull, platform=self.spec.platform,
-                                           progress=Progress(sys.stderr))
+        self.image = await resolve(Store(runner=confined), ref, id_mapping=self.spec.id_mapping,  # type: ignore[arg-type]
+                                   pull=self.spec.pull, platform=self.spec.platform, progress=Progress(sys.stderr))
         config = self.image.config
         user, note = config.effective_user(mapping, self.spec.user)
         if note:
@@ -877,6 +877,13 @@ class Sandbox:
     async def status(self) -> dict[str, int]:
         """The init's counters: execs served and commands running."""
         return await self.client.status()
+
+
+def confined(binds: Sequence[rootfs_mod.Bind], *, id_mapping: idmap.Requested, label: str = "") -> Sandbox:
+    """The sandbox storage unpacks in (storage/confined.py's Runner): the
+    host-composed root, network none, working in /, seeing only `binds` of
+    the host's files."""
+    return Sandbox(mounts=binds, id_mapping=id_mapping, workdir="/", label=label)
 
 
 _noted: set[str] = set()
