@@ -214,11 +214,11 @@ class Sandbox:
         what the sandbox's own settings leave open, as `docker run` does."""
         from .storage import Store
         from .storage.progress import Progress
+        from .storage.resolve import resolve
 
         mapping = idmap.detect(self.spec.id_mapping)  # type: ignore[arg-type]
-        self.image = await Store().resolve(ref, id_mapping=self.spec.id_mapping,  # type: ignore[arg-type]
-                                           pull=self.spec.pull, platform=self.spec.platform,
-                                           progress=Progress(sys.stderr))
+        self.image = await resolve(Store(runner=confined), ref, id_mapping=self.spec.id_mapping,  # type: ignore[arg-type]
+                                   pull=self.spec.pull, platform=self.spec.platform, progress=Progress(sys.stderr))
         config = self.image.config
         user, note = config.effective_user(mapping, self.spec.user)
         if note:
@@ -312,17 +312,19 @@ class Sandbox:
         self.hostname = self.spec.hostname or self.id
         if self.spec.gpus is not None:
             self._use_gpus(self.spec.gpus)
+        service_net = None
         if self.spec.network.startswith(NET):  # this process's network, or a named one it reaches now
-            (await network_mod.lookup(self.spec.network)).check_mapping(self.idmap)
-        netmodes.check(self.spec)  # nat without a usable tun device: one line, before anything exists
+            service_net = await network_mod.lookup(self.spec.network)
+            service_net.check_mapping(self.idmap)
+        netmodes.check(self.spec, service_net)  # nat without a usable tun device: one line, before anything exists
         if extra_env := netmodes.environment(self.spec):
             self.spec = self.spec.replace(env={**extra_env, **self.spec.env})
         self._layer = layers.layers_dir() / self.id
         self._rundir = dirs.runtime_dir() / self.id
         self._rundir.mkdir(mode=0o700)
-        service_net = netmodes.service_network(self.spec)
         if service_net is not None:
-            await service_net._reserve(self, self.spec.network_aliases)
+            await service_net.reserve(self.hostname, self.id, self._write_hosts, aliases=self.spec.network_aliases,
+                                      extra_hosts=netmodes.extra_hosts(self.spec))
         etc_written = False
 
         def prepare_layer() -> None:
@@ -330,7 +332,7 @@ class Sandbox:
             assert self.idmap is not None and self._layer is not None
             self.rootfs.prepare(self._layer, self.hostname, self.idmap.host_root)
             etc_written = netmodes.prepare_layer(self.spec, self.rootfs, self._layer, self.hostname,
-                                                self.idmap.host_root)
+                                                self.idmap.host_root, service_net)
 
         # A plan copied from a template names the layer without looking at
         # it: the layer is then prepared while the zygote clones.
@@ -344,7 +346,7 @@ class Sandbox:
         plan.join = netmodes.open_join(self.spec, self.idmap)
         if service_net is not None:
             plan.userns = service_net.owner_userns()
-            plan.alongside.append(lambda pid: service_net._join(self, pid, self._launched.pidfd))
+            plan.alongside.append(lambda pid: service_net.join(self.hostname, pid, self._launched.pidfd))
         try:
             await launch(plan, self._launched, sandbox_id=self.id, socket_path=self._rundir / live.SOCKET,
                          layer=self._layer, on_cloned=self._register,
@@ -359,10 +361,10 @@ class Sandbox:
         if netmodes.private(self.spec):
             self._net = await netmodes.attach(self.spec, self.pid, self._launched.pidfd)
         if netmodes.needs_etc(self.spec) and not etc_written:
-            for path, text in netmodes.etc_files(self.spec, self.hostname).items():
+            for path, text in netmodes.etc_files(self.spec, self.hostname, service_net).items():
                 await self._write_as_root(path, text)
         if service_net is not None:
-            await service_net._settle(self)
+            await service_net.settle(self.hostname)
 
     def _use_gpus(self, request: str) -> None:
         """The GPUs' device nodes, driver files and environment, as binds
@@ -375,6 +377,11 @@ class Sandbox:
     async def _write_as_root(self, path: str, text: str) -> None:
         """A file nsbox keeps in the sandbox (/etc/hosts, resolv.conf)."""
         await files.write_file(self._setup_client(), _creds(users.ROOT), path, text)
+
+    async def _write_hosts(self, text: str) -> None:
+        """Its service network's call as members come and go (Network.reserve)."""
+        if self._client is not None:  # running, or starting
+            await self._write_as_root("/etc/hosts", text)
 
     @property
     def host_ports(self) -> list[int]:
@@ -402,7 +409,7 @@ class Sandbox:
             layer=os.fspath(self._layer), hostname=self.hostname, user=self.user, workdir=self.workdir,
             idmap=self.idmap.to_dict(), origin=self.origin, label=self.label,
             lowers=[os.fspath(p) for p in (self.image.layers if self.image else ())],
-            network=netmodes.mode(self.spec),
+            network=netmodes.mode(self.spec, network_mod.local(self.spec.network)),
         ))
 
     async def _settle_identity(self) -> None:
@@ -550,7 +557,7 @@ class Sandbox:
     async def _leave_network(self) -> None:
         service_net = network_mod.local(self.spec.network) if not self._attached else None
         if service_net is not None:
-            await service_net._leave(self)
+            await service_net.leave(self.hostname, self.id)
 
     async def _teardown(self) -> None:
         self._state = "closed"
@@ -850,6 +857,13 @@ class Sandbox:
     async def status(self) -> dict[str, int]:
         """The init's counters: execs served and commands running."""
         return await self.client.status()
+
+
+def confined(binds: Sequence[rootfs_mod.Bind], *, id_mapping: idmap.Requested, label: str = "") -> Sandbox:
+    """The sandbox storage unpacks in (storage/confined.py's Runner): the
+    host-composed root, network none, working in /, seeing only `binds` of
+    the host's files."""
+    return Sandbox(mounts=binds, id_mapping=id_mapping, workdir="/", label=label)
 
 
 _noted: set[str] = set()
