@@ -104,7 +104,7 @@ def test_no_new_privs_falls_back_to_single(mode: str) -> None:
     import subprocess
     import sys
 
-    probe = "from nsbox import idmap; m = idmap.detect(); print(m.mode); print(m.reason)"
+    probe = "from nsbox.host import idmap; m = idmap.detect(); print(m.mode); print(m.reason)"
     r = subprocess.run(["setpriv", "--no-new-privs", sys.executable, "-c", probe], capture_output=True, text=True,
                        timeout=30)
     assert r.returncode == 0, r.stderr
