@@ -14,6 +14,7 @@ detached on purpose).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import posixpath
@@ -44,13 +45,15 @@ from .errors import (
 from .create.launch import Launched, launch
 from .init.output_limits import exec_output_limit, human_size
 from .manage import collect_in_background, describe
-from .spec import NET, Network, OutputLimitMode, SandboxSpec
+from .spec import NET, Network, OutputLimitMode, PullPolicy, SandboxSpec
 
 if TYPE_CHECKING:
     from .init import streaming
     from .storage import Image
 
 __all__ = ["DEFAULT_PATH", "ExecResult", "Sandbox"]
+
+_SPEC_FIELDS = frozenset(f.name for f in dataclasses.fields(SandboxSpec))
 
 # How long close() waits for the init to exit before killing it.
 CLOSE_WAIT = 2.0
@@ -100,6 +103,8 @@ class Sandbox:
         rootfs: str | os.PathLike[str] | None = None,
         *,
         image: str | None = None,
+        pull: PullPolicy = "missing",
+        platform: str | None = None,
         user: str | None = None,
         workdir: str | None = None,
         env: Mapping[str, str] | None = None,
@@ -126,13 +131,10 @@ class Sandbox:
         spec: SandboxSpec | None = None,
     ) -> None:
         if spec is None:
-            spec = SandboxSpec(
-                rootfs=os.fspath(rootfs) if rootfs is not None else "host", image=image, user=user, workdir=workdir,
-                env=dict(env or {}), network=network, allow=tuple(allow), ports=tuple(ports), hosts=dict(hosts or {}), hostname=hostname,
-                host_loopback=host_loopback, network_aliases=tuple(network_aliases), mounts=tuple(mounts),
-                id_mapping=id_mapping, output_limit_mode=output_limit_mode, timeout=timeout, label=label,
-                nested_userns=nested_userns, privileged=privileged, memory=memory, pids_limit=pids_limit,
-                cpus=cpus, disk=disk, strict_limits=strict_limits, gpus=gpus)  # type: ignore[arg-type]
+            # Each keyword is the SandboxSpec field of its name.
+            given = {name: value for name, value in locals().items() if name in _SPEC_FIELDS}
+            spec = SandboxSpec(**{**given, "rootfs": os.fspath(rootfs) if rootfs is not None else "host",
+                                  "env": dict(env or {}), "hosts": dict(hosts or {})})
         self.spec = spec
         self.rootfs: rootfs_mod.Rootfs = rootfs_mod.resolve(spec.rootfs)
         self.image: Image | None = None  # the resolved image, once started
