@@ -109,8 +109,8 @@ SCENARIO = textwrap.dedent("""
             out["host_rss_growth_kib"] = host_mem[0] - base_mem[0]
             out["host_pss_growth_kib"] = (host_mem[1] - base_mem[1]) if base_mem[1] is not None else None
             out["meminfo_available_drop_kib"] = base_avail - avail
-            zygote = zygote.zygote_pid()
-            out["zygote_rss_kib"] = memory(zygote)[0] if zygote else None
+            zygote_pid = zygote.zygote_pid()
+            out["zygote_rss_kib"] = memory(zygote_pid)[0] if zygote_pid else None
         finally:
             t = time.perf_counter()
             with anyio.CancelScope(shield=True):
