@@ -74,15 +74,6 @@ def _shared_devnull() -> int:
 
 PRIVILEGED_NOTE = ("privileged here means what rootless podman gives: every capability of the sandbox's own user "
                    "namespace, no seccomp filter, nested user namespaces, /sys mounted; never host root")
-_privileged_noted = False
-
-
-def _note_privileged() -> None:
-    """Says once per process what `privileged` grants."""
-    global _privileged_noted
-    if not _privileged_noted:
-        _privileged_noted = True
-        print(f"nsbox: note: {PRIVILEGED_NOTE}", file=sys.stderr)
 
 
 class Sandbox:
@@ -267,7 +258,7 @@ class Sandbox:
         collect_in_background()  # once per process: what killed processes of this user left
         self.idmap = idmap.detect(self.spec.id_mapping)  # type: ignore[arg-type]
         if self.spec.privileged:
-            _note_privileged()
+            _note_once(PRIVILEGED_NOTE)
         self.id = secrets.token_hex(6)
         self.hostname = self.spec.hostname or self.id
         if self.spec.gpus is not None:
@@ -301,7 +292,8 @@ class Sandbox:
             prepare_layer()
             plan = templates.build(inputs, self._layer, self.id, self.hostname)
         # Known now or later: record the sandbox while its setup runs.
-        self.workdir = self.spec.workdir or self._known_default_home() or ""
+        self.workdir = (self.spec.workdir or users.known_home(self.user, self.rootfs.identity_files(),
+                                                              self._fresh_image_key()) or "")
         plan.join = netmodes.open_join(self.spec, self.idmap)
         if service_net is not None:
             plan.userns = service_net.owner_userns()
@@ -342,9 +334,6 @@ class Sandbox:
         """The host port of each published port, in the order of `ports`
         (the port bound when HOSTPORT was 0)."""
         return list(self._net.host_ports) if self._net is not None else []
-
-    def _known_default_home(self) -> str | None:
-        return users.known_home(self.user, self.rootfs.identity_files(), self._fresh_image_key())
 
     def _register(self) -> None:
         assert self.idmap is not None and self._layer is not None
