@@ -351,7 +351,7 @@ def busybox_layer() -> bytes:
 async def run_image(image: Any, **options: Any) -> AsyncIterator[Any]:
     """A sandbox whose root is the image's layers stacked with overlay."""
     import nsbox
-    from nsbox.storage.rootfs import ImageRootfs
+    from nsbox.plan.rootfs import ImageRootfs
 
     sb = nsbox.Sandbox(workdir=options.pop("workdir", "/"), **options)
     sb.rootfs = ImageRootfs.of(image)

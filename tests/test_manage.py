@@ -485,14 +485,14 @@ def test_a_killed_evals_sandboxes_are_collected_by_the_next_start(tmp_path: Path
     assert all(rows[i.id]["state"] == "dead" for i in infos), rows
     assert all(Path(i.layer).is_dir() for i in infos)
     # The next start of nsbox by this user collects them, not touching others.
-    with owner_process() as (owner, live, _):
+    with owner_process() as (owner, alive, _):
         r = subprocess.run([sys.executable, "-c", NEXT_START], capture_output=True, text=True, timeout=90)
         assert r.returncode == 0, r.stderr
         for info in infos:
             assert live.read(info.id) is None
             assert not Path(info.layer).exists(), info.layer
             assert info.id not in ps_rows()
-        assert live.init_alive and live.read(live.id) is not None and Path(live.layer).is_dir()
+        assert alive.init_alive and live.read(alive.id) is not None and Path(alive.layer).is_dir()
         assert owner.poll() is None
 
 

@@ -410,34 +410,34 @@ def test_filter_program_per_architecture(arch: str, tmp_path: Path) -> None:
         assert prog.singled_out(native) == expected
         for name in DENIED_NAMES:
             if name in present:
-                assert prog.run(zygote, present[name]) == eperm, name
+                assert prog.run(native, present[name]) == eperm, name
         for name in NAMESPACE_NAMES:
             if name in present:
-                assert prog.run(zygote, present[name]) == (RET_ALLOW if nested else eperm), name
+                assert prog.run(native, present[name]) == (RET_ALLOW if nested else eperm), name
         for name in ALLOWED_NAMES:
-            assert prog.run(zygote, present[name]) == RET_ALLOW, name
-        assert prog.run(zygote, present["clone3"]) == (RET_ALLOW if nested else enosys)
+            assert prog.run(native, present[name]) == RET_ALLOW, name
+        assert prog.run(native, present["clone3"]) == (RET_ALLOW if nested else enosys)
         for call in ("clone", "unshare"):
-            assert prog.run(zygote, present[call], (CLONE_NEWUSER,)) == (RET_ALLOW if nested else eperm)
-            assert prog.run(zygote, present[call], (CLONE_NEWNET | 1 << 32,)) == (RET_ALLOW if nested else eperm)
-            assert prog.run(zygote, present[call], (CLONE_VM | CLONE_FS,)) == RET_ALLOW
+            assert prog.run(native, present[call], (CLONE_NEWUSER,)) == (RET_ALLOW if nested else eperm)
+            assert prog.run(native, present[call], (CLONE_NEWNET | 1 << 32,)) == (RET_ALLOW if nested else eperm)
+            assert prog.run(native, present[call], (CLONE_VM | CLONE_FS,)) == RET_ALLOW
         ioctl = present["ioctl"]
         for cmd in (TIOCSTI, TIOCLINUX, TIOCSTI | 1 << 32, TIOCSTI | 0xFFFF_FFFF << 32):
-            assert prog.run(zygote, ioctl, (0, cmd)) == eperm, hex(cmd)
-        assert prog.run(zygote, ioctl, (0, TCGETS)) == RET_ALLOW
+            assert prog.run(native, ioctl, (0, cmd)) == eperm, hex(cmd)
+        assert prog.run(native, ioctl, (0, TCGETS)) == RET_ALLOW
         # The init's two setns calls; the kernel reads fd and type as int.
         setns = present["setns"]
         for args in ((FD_USERNS, CLONE_NEWUSER), (FD_MNTNS, CLONE_NEWNS), (FD_MNTNS | 1 << 32, CLONE_NEWNS)):
-            assert prog.run(zygote, setns, args) == (eperm if mode == "default" else RET_ALLOW), args
+            assert prog.run(native, setns, args) == (eperm if mode == "default" else RET_ALLOW), args
         for args in ((FD_USERNS, CLONE_NEWNS), (FD_MNTNS, CLONE_NEWUSER), (FD_MNTNS, 0), (FD_USERNS, 0),
                      (7, CLONE_NEWUSER), (0, CLONE_NEWNS), (FD_USERNS, CLONE_NEWUSER | CLONE_NEWNS)):
-            assert prog.run(zygote, setns, args) == (RET_ALLOW if nested else eperm), args
+            assert prog.run(native, setns, args) == (RET_ALLOW if nested else eperm), args
         # Another ABI's numbers mean other calls: the process is killed.
         assert prog.run(foreign, 0) == RET_KILL_PROCESS
         assert prog.run(foreign, present["read"]) == RET_KILL_PROCESS
         if arch == "x86_64":
-            assert prog.run(zygote, 0x40000000 | present["read"]) == RET_KILL_PROCESS
-            assert prog.run(zygote, 0x40000000 + 512) == RET_KILL_PROCESS
+            assert prog.run(native, 0x40000000 | present["read"]) == RET_KILL_PROCESS
+            assert prog.run(native, 0x40000000 + 512) == RET_KILL_PROCESS
 
 
 def test_install_reports_errors_instead_of_failing_silently(probe_binary: Path) -> None:
