@@ -117,6 +117,7 @@ def check_mapped(identity: Identity, asked: str, mapping: "IdMap") -> None:
 
 def creds(identity: Identity) -> "Creds":
     """What the init is told to run as."""
+    # Imported here, as `files` below: looking users up needs no compiled extension.
     from .protocol import Creds
 
     return Creds(identity.uid, identity.gid, identity.groups)
