@@ -14,7 +14,6 @@ detached on purpose).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import posixpath
@@ -45,15 +44,13 @@ from .errors import (
 from .create.launch import Launched, launch
 from .init.output_limits import exec_output_limit, human_size
 from .manage import collect_in_background, describe
-from .spec import NET, Network, OutputLimitMode, PullPolicy, SandboxSpec
+from .spec import FIELDS, NET, Network, OutputLimitMode, PullPolicy, SandboxSpec
 
 if TYPE_CHECKING:
     from .init import streaming
     from .storage import Image
 
 __all__ = ["DEFAULT_PATH", "ExecResult", "Sandbox"]
-
-_SPEC_FIELDS = frozenset(f.name for f in dataclasses.fields(SandboxSpec))
 
 # How long close() waits for the init to exit before killing it.
 CLOSE_WAIT = 2.0
@@ -123,7 +120,7 @@ class Sandbox:
     ) -> None:
         if spec is None:
             # Each keyword is the SandboxSpec field of its name.
-            given = {name: value for name, value in locals().items() if name in _SPEC_FIELDS}
+            given = {name: value for name, value in locals().items() if name in FIELDS}
             spec = SandboxSpec(**{**given, "rootfs": os.fspath(rootfs) if rootfs is not None else "host",
                                   "env": dict(env or {}), "hosts": dict(hosts or {})})
         self.spec = spec

@@ -9,7 +9,7 @@ from __future__ import annotations
 import ipaddress
 import posixpath
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Literal, Mapping, Sequence
 
 from .plan import gpu
@@ -241,3 +241,7 @@ class SandboxSpec:
 
     def replace(self, **changes: object) -> "SandboxSpec":
         return replace(self, **changes)  # type: ignore[arg-type]
+
+
+# The option names: each door passes what it was given through by them.
+FIELDS = frozenset(f.name for f in fields(SandboxSpec))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 import time
@@ -18,7 +17,7 @@ from ..errors import CommandTimeout, NsboxError
 from ..plan.rootfs import Bind
 from ..sandbox import Sandbox
 from .doctor import doctor
-from ..spec import PULL_POLICIES, SandboxSpec
+from ..spec import FIELDS, PULL_POLICIES, SandboxSpec
 from . import image as image_cli
 from .image import image as image_group
 from .build import build as build_command
@@ -138,13 +137,12 @@ RENAMED: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "ports": ("publish", tuple),
     "hosts": ("add_hosts", _parse_hosts),
 }
-SPEC_FIELDS = frozenset(f.name for f in dataclasses.fields(SandboxSpec))
 
 
 def make_sandbox(**options: Any) -> Sandbox:
     """The sandbox the options of sandbox_options describe."""
-    fields = {name: value for name, value in options.items() if name in SPEC_FIELDS and name not in RENAMED}
-    unknown = set(options) - SPEC_FIELDS - {param for param, _ in RENAMED.values()}
+    fields = {name: value for name, value in options.items() if name in FIELDS and name not in RENAMED}
+    unknown = set(options) - FIELDS - {param for param, _ in RENAMED.values()}
     if unknown:
         raise TypeError(f"make_sandbox: unknown options {', '.join(sorted(unknown))}")
     try:
