@@ -203,8 +203,8 @@ def test_inspect_settings() -> None:
         given = {n: v for n, v in sample.items() if n in task_wide}
         given["mounts"] = tuple(given.get("mounts", ()))
         cfg = config_model.model_validate(given)
-        ((_, settings),) = cfg.specs()
-        made = NsboxSandboxEnvironment._make(cfg, settings, "a label", hostname=given.get("hostname"))
+        ((_, settings),) = cfg.settings() if hasattr(cfg, "settings") else cfg.specs()
+        made = NsboxSandboxEnvironment._make(cfg, settings, "a label")
         reference = wanted({n: v for n, v in given.items() if n != "origin"}, origin="inspect", label="a label")
         assert not differs(made.spec, reference, FIELDS)
 
