@@ -12,9 +12,11 @@ of the two.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..host import dirs
 from ..host.idmap import IdMap
 from . import mounts, procmask, resources
 from .plan import Plan, contribute_hostname, contribute_network, contribute_seccomp, contribute_sysfs
@@ -101,17 +103,7 @@ def key(inputs: Inputs) -> tuple[object, ...]:
     plan names (the data dir's, as mount_dir is, and the cache dir's: either
     can move with NSBOX_STATE_DIR or XDG_*), and the host switches the
     contributors read."""
-    from ..host import dirs
-
     return (inputs.rootfs, inputs.idmap, inputs.mount_dir, dirs.cache_dir(),
-            *(_hashable(getattr(inputs.spec, name)) for name in READS),
+            attrgetter(*READS)(inputs.spec),  # hashable values (a dict here fails loudly)
             procmask.enabled, tuple(procmask.covered()), resources.enabled)
-
-
-def _hashable(value: object) -> object:
-    if isinstance(value, dict):
-        return tuple(sorted(value.items()))
-    if isinstance(value, list):
-        return tuple(value)
-    return value
 
