@@ -334,7 +334,7 @@ async def test_cli(cdi: Path, debian_rootfs: Path) -> None:
 
 def test_inspect_config() -> None:
     cfg = NsboxConfig(gpus=2, sandboxes={"trainer": {"gpus": "device=1"}, "plain": {"gpus": None}})
-    specs = dict(cfg.specs())
+    specs = dict(cfg.settings())
     assert [specs[n].gpus for n in ("trainer", "plain")] == ["device=1", None]
     sb = NsboxSandboxEnvironment._make(cfg, specs["trainer"], "t")
     assert sb.spec.gpus == "device=1"

@@ -169,3 +169,22 @@ async def test_nsbox_yaml_sandboxes_share_a_network_per_sample(tmp_path) -> None
     from nsbox import network
 
     assert not [n for n in network._networks if n.startswith("lan-")]
+
+
+async def test_nsbox_yaml_hostname_on_a_service_network(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A sandbox given a hostname keeps answering to its name in the file."""
+    from nsbox.inspect.provider import NsboxSandboxEnvironment as Env
+
+    config = tmp_path / "nsbox.yaml"
+    config.write_text("network: 'net:lan'\nsandboxes:\n  default: {}\n  db: {hostname: pg-main}\n")
+    envs = await Env.sample_init("nets", str(config), {"__sample_id__": "1"})
+    try:
+        db = envs["db"].as_type(Env).sandbox
+        assert (await db.exec(["hostname"])).stdout == "pg-main\n"
+        await serve(db)
+        for name in ("db", "pg-main"):
+            r = await envs["default"].exec(fetch(name))
+            assert r.stdout == "pg-main\n", (name, r)
+        assert (await envs["default"].exec(["hostname"])).stdout == "default\n"
+    finally:
+        await Env.sample_cleanup("nets", str(config), envs, False)

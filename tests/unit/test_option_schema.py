@@ -181,19 +181,11 @@ def test_cli_refuses_what_the_spec_refuses() -> None:
 
 # ---- door 3: the Inspect settings (nsbox.yaml) -------------------------------
 
-def _settings_models() -> tuple[Any, Any]:
-    try:
-        from nsbox.inspect import config  # type: ignore[attr-defined]
-    except ImportError:
-        from nsbox.inspect import provider as config
-    return config.SandboxSettings, config.NsboxConfig
-
-
 def test_inspect_settings() -> None:
+    from nsbox.inspect.config import NsboxConfig, SandboxSettings
     from nsbox.inspect.provider import NsboxSandboxEnvironment
 
-    settings_model, config_model = _settings_models()
-    per_sandbox, task_wide = set(settings_model.model_fields), set(config_model.model_fields)
+    per_sandbox, task_wide = set(SandboxSettings.model_fields), set(NsboxConfig.model_fields)
     missing = [n for n in FIELDS if n not in per_sandbox and n not in NOT_INSPECT_PER_SANDBOX]
     assert not missing, f"the Inspect settings have no {missing}: add them, or say why in NOT_INSPECT_PER_SANDBOX"
     assert not set(NOT_INSPECT_PER_SANDBOX) & per_sandbox, "NOT_INSPECT_PER_SANDBOX names a setting there is"
@@ -202,8 +194,8 @@ def test_inspect_settings() -> None:
     for sample in SAMPLES:
         given = {n: v for n, v in sample.items() if n in task_wide}
         given["mounts"] = tuple(given.get("mounts", ()))
-        cfg = config_model.model_validate(given)
-        ((_, settings),) = cfg.settings() if hasattr(cfg, "settings") else cfg.specs()
+        cfg = NsboxConfig.model_validate(given)
+        ((_, settings),) = cfg.settings()
         made = NsboxSandboxEnvironment._make(cfg, settings, "a label")
         reference = wanted({n: v for n, v in given.items() if n != "origin"}, origin="inspect", label="a label")
         assert not differs(made.spec, reference, FIELDS)

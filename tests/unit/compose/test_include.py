@@ -15,7 +15,7 @@ import pytest
 from nsbox.compose import ComposeError, load_project, service_spec
 from nsbox.compose import load as compose_load
 from nsbox.inspect.compose import is_docker_config, read_project
-from nsbox.inspect.provider import _config_key
+from nsbox.inspect.config import config_key
 
 from .test_hostile import Opened
 
@@ -369,7 +369,7 @@ def test_a_compose_file_of_another_name_is_read_as_compose(tmp_path: Path) -> No
     for name in ("sandbox.yaml", "compose_1234.yaml"):
         path = put(tmp_path / name, "services:\n  default:\n    image: busybox\n")
         assert is_docker_config(str(path))
-        assert _config_key(str(path)) == str(path)  # handed on as compose, not read as nsbox.yaml
+        assert config_key(str(path)) == str(path)  # handed on as compose, not read as nsbox.yaml
         assert list(read_project(str(path)).services) == ["default"]
     nsbox_yaml = put(tmp_path / "nsbox.yaml", "rootfs: host\n")
     assert not compose_load.is_compose_document(nsbox_yaml) and not is_docker_config(str(nsbox_yaml))

@@ -47,6 +47,49 @@ def test_invalid_configuration_names_the_field(tmp_path: Path) -> None:
         NsboxConfig(network="wifi")  # type: ignore[arg-type]
 
 
+def test_settings_are_checked_as_sandbox_specs(tmp_path: Path) -> None:
+    """SandboxSpec's rules, at the field that breaks them; an entry of
+    `sandboxes` is checked merged with the top-level settings."""
+    bad = tmp_path / "nsbox.yaml"
+    for text, where, says in [
+            ("hostname: 'two words'\n", "  hostname:", "hostname must be"),
+            ("hosts: {db: not-an-address}\n", "  hosts:", "not-an-address"),
+            ("memory: 1k\n", "  memory:", "at least 6m"),
+            ("network: container:abc\n", "  network:", "'net:NAME'"),
+            ("image: alpine\nrootfs: /srv/root\n", "  (top):", "either rootfs or image"),
+            ("sandboxes:\n  web: {workdir: rel}\n", "  sandboxes.web.workdir:", "absolute path"),
+            ("rootfs: /srv/root\nsandboxes:\n  web: {image: alpine}\n", "  sandboxes.web:", "either rootfs or image"),
+            ("workdir: rel\nsandboxes:\n  web: {}\n", "  workdir:", "absolute path")]:
+        bad.write_text(text)
+        with pytest.raises(NsboxError) as e:
+            load_config(str(bad))
+        assert where in str(e.value) and says in str(e.value), (text, str(e.value))
+    # What an entry leaves out comes from the top level: allow needs the
+    # proxy mode, which the top level sets.
+    cfg = NsboxConfig(network="proxy", sandboxes={"web": {"allow": ["example.com"]}, "db": {"network": "none"}})
+    assert [(name, s.network, s.allow) for name, s in cfg.settings()] == [
+        ("web", "proxy", ("example.com",)), ("db", "none", ())]
+    with pytest.raises(ValidationError, match="allow applies to the proxy network mode"):
+        NsboxConfig(network="proxy", allow=["example.com"], sandboxes={"web": {"network": "none"}})
+
+
+async def test_hostname_and_hosts_from_nsbox_yaml(tmp_path: Path) -> None:
+    config = tmp_path / "nsbox.yaml"
+    config.write_text("hostname: lab-box\nhosts: {db.example: 10.1.2.3, cache: '::1'}\n"
+                      "sandboxes:\n  default: {}\n  other: {hostname: other-box, hosts: {}}\n")
+    envs = await NsboxSandboxEnvironment.sample_init("names", str(config), {"__sample_id__": "1"})
+    try:
+        r = await envs["default"].exec(["hostname"])
+        assert r.stdout == "lab-box\n", r
+        hosts = [line.split() for line in (await envs["default"].read_file("/etc/hosts")).splitlines()]
+        assert ["10.1.2.3", "db.example"] in hosts and ["::1", "cache"] in hosts, hosts
+        r = await envs["other"].exec(["hostname"])
+        assert r.stdout == "other-box\n", r
+        assert "db.example" not in await envs["other"].read_file("/etc/hosts")
+    finally:
+        await NsboxSandboxEnvironment.sample_cleanup("names", str(config), envs, False)
+
+
 async def test_tarball_rootfs_and_named_sandboxes(tmp_path: Path) -> None:
     tarball = fixture_tar("busybox")
     cfg = NsboxConfig(rootfs=str(tarball), sandboxes={"default": {}, "second": {"rootfs": "host", "user": "root"}})
