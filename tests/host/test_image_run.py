@@ -79,15 +79,17 @@ async def test_what_a_new_sandbox_finds_in_an_image_is_read_once(
     empty. A sandbox with binds (which may cover them) reads its own, and a
     user created in one sandbox is not taken for the image's."""
     reads: list[str] = []
-    real = nsbox.Sandbox._identity_files
+    from nsbox.init import users
 
-    async def counted(self: nsbox.Sandbox) -> tuple[bytes, bytes]:
-        reads.append(self.id)
-        return await real(self)
+    real = users.identity_files
 
-    monkeypatch.setattr(nsbox.Sandbox, "_identity_files", counted)
-    monkeypatch.setattr(nsbox.sandbox, "_image_identity_files", {})
-    monkeypatch.setattr(nsbox.sandbox, "_image_workdirs", {})
+    async def counted(client: object) -> tuple[bytes, bytes]:
+        reads.append(repr(client))
+        return await real(client)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(users, "identity_files", counted)
+    monkeypatch.setattr(users, "_image_identity_files", {})
+    monkeypatch.setattr(users, "_image_workdirs", {})
     async with nsbox.Sandbox(image=app_image) as a:
         assert len(reads) == 1
         assert (await a.exec(["id", "-un"])).stdout.strip() == ("root" if MODE.mode == "single" else "app")
