@@ -1,9 +1,10 @@
 """Sandbox: the lifecycle of one sandbox, and its public operations.
 
 A sandbox is a set of namespaces whose PID 1 is nsbox-init. Creating one is
-nsbox/create/launch.py's (a plan from nsbox/plan/plan.py and its contributors); talking
-to its init is nsbox/init/client.py's; running a command, nsbox/init/process.py's;
-files, nsbox/init/files.py's. This object ties them together: create or attach,
+nsbox/create/launch.py's (a plan from nsbox/plan/assemble.py, or a copy of a
+template, nsbox/plan/templates.py); talking to its init is nsbox/init/client.py's;
+running a command, nsbox/init/process.py's; files, nsbox/init/files.py's; its
+users, nsbox/init/users.py's. This object ties them together: create or attach,
 close or detach, and exec, spawn, read_file, write_file.
 
 It owns the control connection to the init, which is also the init's
@@ -27,9 +28,8 @@ import anyio
 from . import network as network_mod
 from .host import dirs, idmap, layers, live, removal, rlimits
 from .init import fdwait, files, process, protocol
-from .plan import gpu, mounts, netmodes, procmask, resources
+from .plan import assemble, gpu, netmodes, resources, templates
 from .init import users
-from .plan import plan as plan_mod
 from .plan import rootfs as rootfs_mod
 from .init.capture import CappedBuffer, Forwarder
 from .init.client import DEFAULT_PATH, Channel, Command, ExecResult, InitClient
@@ -43,7 +43,7 @@ from .create import unshare
 from .create.launch import Launched, launch
 from .init.output_limits import exec_output_limit
 from .manage import collect_in_background, describe
-from .spec import NET, Bind, Network, OutputLimitMode, SandboxSpec
+from .spec import FIELDS, NET, Bind, Network, OutputLimitMode, PullPolicy, SandboxSpec
 
 if TYPE_CHECKING:
     from .init import streaming
@@ -70,15 +70,6 @@ def _shared_devnull() -> int:
 
 PRIVILEGED_NOTE = ("privileged here means what rootless podman gives: every capability of the sandbox's own user "
                    "namespace, no seccomp filter, nested user namespaces, /sys mounted; never host root")
-_privileged_noted = False
-
-
-def _note_privileged() -> None:
-    """Says once per process what `privileged` grants."""
-    global _privileged_noted
-    if not _privileged_noted:
-        _privileged_noted = True
-        print(f"nsbox: note: {PRIVILEGED_NOTE}", file=sys.stderr)
 
 
 class Sandbox:
@@ -99,6 +90,8 @@ class Sandbox:
         rootfs: str | os.PathLike[str] | None = None,
         *,
         image: str | None = None,
+        pull: PullPolicy = "missing",
+        platform: str | None = None,
         user: str | None = None,
         workdir: str | None = None,
         env: Mapping[str, str] | None = None,
@@ -125,13 +118,10 @@ class Sandbox:
         spec: SandboxSpec | None = None,
     ) -> None:
         if spec is None:
-            spec = SandboxSpec(
-                rootfs=os.fspath(rootfs) if rootfs is not None else "host", image=image, user=user, workdir=workdir,
-                env=dict(env or {}), network=network, allow=tuple(allow), ports=tuple(ports), hosts=dict(hosts or {}), hostname=hostname,
-                host_loopback=host_loopback, network_aliases=tuple(network_aliases), mounts=tuple(mounts),
-                id_mapping=id_mapping, output_limit_mode=output_limit_mode, timeout=timeout, label=label,
-                nested_userns=nested_userns, privileged=privileged, memory=memory, pids_limit=pids_limit,
-                cpus=cpus, disk=disk, strict_limits=strict_limits, gpus=gpus)  # type: ignore[arg-type]
+            # Each keyword is the SandboxSpec field of its name.
+            given = {name: value for name, value in locals().items() if name in FIELDS}
+            spec = SandboxSpec(**{**given, "rootfs": os.fspath(rootfs) if rootfs is not None else "host",
+                                  "env": dict(env or {}), "hosts": dict(hosts or {})})
         self.spec = spec
         self.rootfs: rootfs_mod.Rootfs = rootfs_mod.resolve(spec.rootfs)
         self.image: Image | None = None  # the resolved image, once started
@@ -147,7 +137,7 @@ class Sandbox:
         self._state: Literal["new", "starting", "running", "stopped", "closed"] = "new"
         self._detached = False
         self._attached = False  # connected to a sandbox another process owns
-        self._user_cache: dict[str, tuple[bytes, bytes, users.Identity | None]] = {}
+        self._users = users.Users()  # users looked up in the sandbox's own files
         self._net: netmodes.Attached | None = None  # what this process serves for nat, proxy and ports
 
     # What the spec says, under the names this class always had.
@@ -214,11 +204,11 @@ class Sandbox:
         what the sandbox's own settings leave open, as `docker run` does."""
         from .storage import Store
         from .storage.progress import Progress
+        from .storage.resolve import resolve
 
         mapping = idmap.detect(self.spec.id_mapping)  # type: ignore[arg-type]
-        self.image = await Store().resolve(ref, id_mapping=self.spec.id_mapping,  # type: ignore[arg-type]
-                                           pull=self.spec.pull, platform=self.spec.platform,
-                                           progress=Progress(sys.stderr))
+        self.image = await resolve(Store(runner=confined), ref, id_mapping=self.spec.id_mapping,  # type: ignore[arg-type]
+                                   pull=self.spec.pull, platform=self.spec.platform, progress=Progress(sys.stderr))
         config = self.image.config
         user, note = config.effective_user(mapping, self.spec.user)
         if note:
@@ -252,54 +242,11 @@ class Sandbox:
             return list(args)
         return self.image.config.command_for(list(args))
 
-    # Most sandboxes of a process share one plan but for their layer and
-    # hostname: it is built once, with placeholders, and copied with this
-    # sandbox's (~0.4 ms -> ~0.05 ms). Plans with host code or a capped
-    # writable layer are built each time.
-    def _plan_key(self, mount_dir: Path) -> tuple[object, ...]:
-        # The template names directories of the data dir (as mount_dir is)
-        # and of the cache dir; either can move (NSBOX_STATE_DIR, XDG_*).
-        spec = self.spec
-        return (self.rootfs, self.idmap, tuple(self.mounts), mount_dir, dirs.cache_dir(),
-                self.network, spec.nested_userns, spec.privileged, spec.memory, spec.pids_limit, spec.cpus, spec.disk, procmask.enabled,
-                tuple(procmask.covered()), resources.enabled)
-
-    def _plan_from_template(self) -> plan_mod.Plan | None:
-        """This sandbox's plan, copied from a template, or None if there is
-        none yet. The copy does not look at the layer."""
-        assert self.idmap is not None and self._layer is not None
-        template = _plan_templates.get(self._plan_key(layers.mount_point(self.idmap.host_root)))
-        if template is None:
-            return None
-        # Lazy: with a hostname as long as the id (the default), the spec is
-        # the template's, packed once, with the marks replaced in its bytes.
-        return template.replacing({_ID_MARK: self.id, _HOST_MARK: self.hostname}, lazy=True)
-
-    def _plan(self) -> plan_mod.Plan:
-        """This sandbox's plan, built (after its layer is prepared), and
-        kept as a template if it is pure."""
-        assert self.idmap is not None and self._layer is not None
-        mount_dir = layers.mount_point(self.idmap.host_root)
-        plan = self._build_plan(mount_dir, self._layer, self.id, self.hostname)
-        if plan.pure():
-            _remember(_plan_templates, self._plan_key(mount_dir),
-                      self._build_plan(mount_dir, self._layer.parent / _ID_MARK, _ID_MARK, _HOST_MARK),
-                      _PLAN_TEMPLATES_MAX)
-        return plan
-
-    def _build_plan(self, mount_dir: Path, layer: Path, sandbox_id: str, hostname: str) -> plan_mod.Plan:
+    def _plan_inputs(self) -> assemble.Inputs:
+        """What this sandbox's plan is made of (nsbox/plan/assemble.py)."""
         assert self.idmap is not None and self._rundir is not None
-        plan = plan_mod.Plan(self.idmap, root="", sandbox_id=sandbox_id)
-        resources.contribute(plan, resources.Limits.of(self.spec), sandbox_id, self._rundir, mount_dir)  # before mounts
-        mounts.contribute(plan, self.rootfs, layer, mount_dir, self.mounts)
-        plan_mod.contribute_hostname(plan, hostname)
-        plan_mod.contribute_network(plan, self.network)
-        plan_mod.contribute_seccomp(plan, self.spec.nested_userns or self.spec.privileged,
-                                    unfiltered=self.spec.privileged)
-        if self.spec.privileged:
-            plan_mod.contribute_sysfs(plan, self.network)
-        procmask.contribute(plan)
-        return plan
+        return assemble.Inputs(self.spec, self.rootfs, self.idmap, layers.mount_point(self.idmap.host_root),
+                               self._rundir)
 
     async def _create(self) -> None:
         resources.check(resources.Limits.of(self.spec))  # strict_limits: before anything exists
@@ -307,22 +254,24 @@ class Sandbox:
         collect_in_background()  # once per process: what killed processes of this user left
         self.idmap = idmap.detect(self.spec.id_mapping)  # type: ignore[arg-type]
         if self.spec.privileged:
-            _note_privileged()
+            _note_once(PRIVILEGED_NOTE)
         self.id = secrets.token_hex(6)
         self.hostname = self.spec.hostname or self.id
         if self.spec.gpus is not None:
             self._use_gpus(self.spec.gpus)
+        service_net = None
         if self.spec.network.startswith(NET):  # this process's network, or a named one it reaches now
-            (await network_mod.lookup(self.spec.network)).check_mapping(self.idmap)
-        netmodes.check(self.spec)  # nat without a usable tun device: one line, before anything exists
+            service_net = await network_mod.lookup(self.spec.network)
+            service_net.check_mapping(self.idmap)
+        netmodes.check(self.spec, service_net)  # nat without a usable tun device: one line, before anything exists
         if extra_env := netmodes.environment(self.spec):
             self.spec = self.spec.replace(env={**extra_env, **self.spec.env})
         self._layer = layers.layers_dir() / self.id
         self._rundir = dirs.runtime_dir() / self.id
         self._rundir.mkdir(mode=0o700)
-        service_net = netmodes.service_network(self.spec)
         if service_net is not None:
-            await service_net._reserve(self, self.spec.network_aliases)
+            await service_net.reserve(self.hostname, self.id, self._write_hosts, aliases=self.spec.network_aliases,
+                                      extra_hosts=netmodes.extra_hosts(self.spec))
         etc_written = False
 
         def prepare_layer() -> None:
@@ -330,21 +279,23 @@ class Sandbox:
             assert self.idmap is not None and self._layer is not None
             self.rootfs.prepare(self._layer, self.hostname, self.idmap.host_root)
             etc_written = netmodes.prepare_layer(self.spec, self.rootfs, self._layer, self.hostname,
-                                                self.idmap.host_root)
+                                                self.idmap.host_root, service_net)
 
         # A plan copied from a template names the layer without looking at
         # it: the layer is then prepared while the zygote clones.
-        plan = self._plan_from_template()
+        inputs = self._plan_inputs()
+        plan = templates.copy(inputs, self.id, self.hostname)
         prepare_later = plan is not None
         if plan is None:
             prepare_layer()
-            plan = self._plan()
+            plan = templates.build(inputs, self._layer, self.id, self.hostname)
         # Known now or later: record the sandbox while its setup runs.
-        self.workdir = self.spec.workdir or self._known_default_home() or ""
+        self.workdir = (self.spec.workdir or users.known_home(self.user, self.rootfs.identity_files(),
+                                                              self._fresh_image_key()) or "")
         plan.join = netmodes.open_join(self.spec, self.idmap)
         if service_net is not None:
             plan.userns = service_net.owner_userns()
-            plan.alongside.append(lambda pid: service_net._join(self, pid, self._launched.pidfd))
+            plan.alongside.append(lambda pid: service_net.join(self.hostname, pid, self._launched.pidfd))
         try:
             await launch(plan, self._launched, sandbox_id=self.id, socket_path=self._rundir / live.SOCKET,
                          layer=self._layer, on_cloned=self._register,
@@ -359,10 +310,10 @@ class Sandbox:
         if netmodes.private(self.spec):
             self._net = await netmodes.attach(self.spec, self.pid, self._launched.pidfd)
         if netmodes.needs_etc(self.spec) and not etc_written:
-            for path, text in netmodes.etc_files(self.spec, self.hostname).items():
+            for path, text in netmodes.etc_files(self.spec, self.hostname, service_net).items():
                 await self._write_as_root(path, text)
         if service_net is not None:
-            await service_net._settle(self)
+            await service_net.settle(self.hostname)
 
     def _use_gpus(self, request: str) -> None:
         """The GPUs' device nodes, driver files and environment, as binds
@@ -376,23 +327,16 @@ class Sandbox:
         """A file nsbox keeps in the sandbox (/etc/hosts, resolv.conf)."""
         await files.write_file(self._setup_client(), _creds(users.ROOT), path, text)
 
+    async def _write_hosts(self, text: str) -> None:
+        """Its service network's call as members come and go (Network.reserve)."""
+        if self._client is not None:  # running, or starting
+            await self._write_as_root("/etc/hosts", text)
+
     @property
     def host_ports(self) -> list[int]:
         """The host port of each published port, in the order of `ports`
         (the port bound when HOSTPORT was 0)."""
         return list(self._net.host_ports) if self._net is not None else []
-
-    def _known_default_home(self) -> str | None:
-        known = self.rootfs.identity_files()
-        image = self._fresh_image_key()
-        files = _image_identity_files.get(image) if image is not None else None
-        if known:
-            identity = users.lookup(self.user, known["passwd"], known["group"])
-        elif files is not None:
-            identity = _lookup_in(self.user, files)
-        else:
-            return None
-        return identity.home if identity else None
 
     def _register(self) -> None:
         assert self.idmap is not None and self._layer is not None
@@ -402,29 +346,15 @@ class Sandbox:
             layer=os.fspath(self._layer), hostname=self.hostname, user=self.user, workdir=self.workdir,
             idmap=self.idmap.to_dict(), origin=self.origin, label=self.label,
             lowers=[os.fspath(p) for p in (self.image.layers if self.image else ())],
-            network=netmodes.mode(self.spec),
+            network=netmodes.mode(self.spec, network_mod.local(self.spec.network)),
         ))
 
     async def _settle_identity(self) -> None:
         """Resolves the default user and makes sure the working directory exists."""
+        assert self.idmap is not None
+        client, image = self._setup_client(), self._fresh_image_key()
         known = self.rootfs.identity_files() if not self._attached else {}
-        image = self._fresh_image_key()
-        if known:
-            # The sandbox was created a moment ago from files we wrote.
-            identity = users.lookup(self.user, known["passwd"], known["group"])
-        elif image is not None:
-            files = _image_identity_files.get(image)
-            if files is None:
-                files = await self._identity_files()
-                _remember(_image_identity_files, image, files)
-            identity = _lookup_in(self.user, files)
-        else:
-            identity = await self._lookup_user(self.user)
-        if identity is None:
-            if self.user not in ("root", "0"):
-                raise SandboxSetupError(f"user {self.user!r} does not exist in the sandbox's /etc/passwd")
-            identity = users.ROOT
-        self._check_mapped(identity, self.user)
+        identity = await users.default_identity(client, self.user, known, image, self._users, self.idmap)
         self._identity = identity
         workdir = self.spec.workdir or identity.home
         if workdir != self.workdir and not self._attached:
@@ -433,18 +363,8 @@ class Sandbox:
         self.workdir = workdir
         if self.workdir in self.rootfs.known_dirs() and not self._attached:
             return
-        seen = (image, self.workdir, identity) if image is not None else None
-        if seen in _image_workdirs:
-            return
-        try:
-            fd, is_dir = await self._setup_client().open(_creds(identity), self.workdir, os.O_RDONLY)
-            os.close(fd)
-            if not is_dir:
-                raise SandboxSetupError(f"the working directory {self.workdir} is not a directory")
-            if seen is not None:
-                _remember(_image_workdirs, seen, True)
-        except FileNotFoundError:
-            await self._make_workdir(identity)
+        await users.ensure_workdir(client, workdir, identity, image,
+                                   lambda cmd: self._run(client, list(cmd), users.ROOT, cwd="/"))
 
     def _fresh_image_key(self) -> tuple[Path, ...] | None:
         """The layers of this sandbox's image if what a just-created
@@ -461,17 +381,6 @@ class Sandbox:
         if self._client is None:
             raise SandboxUnavailable(f"sandbox {self.id} is not running")
         return self._client
-
-    async def _make_workdir(self, identity: users.Identity) -> None:
-        # Created by root, like a Dockerfile's WORKDIR, then given to the user.
-        commands = [["mkdir", "-p", "--", self.workdir]]
-        if identity.uid != 0:
-            commands.append(["chown", f"{identity.uid}:{identity.gid}", "--", self.workdir])
-        for cmd in commands:
-            r = await self._run(self._setup_client(), cmd, users.ROOT, cwd="/")
-            if not r.success:
-                raise SandboxSetupError(f"creating the working directory {self.workdir} failed: "
-                                        f"{(r.stderr or r.stdout).strip()}")
 
     @classmethod
     async def attach(cls, sandbox_id: str) -> "Sandbox":
@@ -550,7 +459,7 @@ class Sandbox:
     async def _leave_network(self) -> None:
         service_net = network_mod.local(self.spec.network) if not self._attached else None
         if service_net is not None:
-            await service_net._leave(self)
+            await service_net.leave(self.hostname, self.id)
 
     async def _teardown(self) -> None:
         self._state = "closed"
@@ -626,57 +535,6 @@ class Sandbox:
             raise SandboxUnavailable(f"sandbox {self.id or '(not started)'} is not running "
                                      f"({'closed' if self._state == 'closed' else 'not started'})")
 
-    def _check_mapped(self, identity: users.Identity, asked: str) -> None:
-        assert self.idmap is not None
-        if identity.uid == 0 and identity.gid == 0:
-            return
-        if self.idmap.mode == "single":
-            raise UserUnsupported(
-                f"cannot run as {asked!r} (uid {identity.uid}): this sandbox maps only your own uid, "
-                f"because {self.idmap.reason}")
-        top = max(identity.uid, identity.gid, *identity.groups)
-        if top >= self.idmap.size:
-            raise UserUnsupported(
-                f"cannot run as {asked!r}: id {top} is outside the ids mapped into this sandbox "
-                f"(0..{self.idmap.size - 1})")
-
-    async def _read_as_root(self, path: str) -> bytes:
-        try:
-            data = await files.read_file(self._setup_client(), _creds(users.ROOT), path, text=False)
-        except FileNotFoundError:
-            return b""
-        assert isinstance(data, bytes)
-        return data
-
-    async def _lookup_user(self, user: str) -> users.Identity | None:
-        passwd, group = await self._identity_files()
-        cached = self._user_cache.get(user)
-        if cached is not None and cached[0] == passwd and cached[1] == group:
-            return cached[2]
-        identity = _lookup_in(user, (passwd, group))
-        self._user_cache[user] = (passwd, group, identity)
-        return identity
-
-    async def _identity_files(self) -> tuple[bytes, bytes]:
-        """The sandbox's /etc/passwd and /etc/group, read inside it."""
-        found: dict[str, bytes | Exception] = {}
-
-        async def read(path: str) -> None:
-            try:
-                found[path] = await self._read_as_root(path)
-            except Exception as e:  # raised below as itself, not in a group
-                found[path] = e
-
-        async with anyio.create_task_group() as tg:
-            for path in ("/etc/passwd", "/etc/group"):
-                tg.start_soon(read, path)
-        passwd, group = found["/etc/passwd"], found["/etc/group"]
-        for result in (passwd, group):
-            if isinstance(result, Exception):
-                raise result
-        assert isinstance(passwd, bytes) and isinstance(group, bytes)
-        return passwd, group
-
     async def identity(self, user: str | None = None) -> users.Identity:
         """Who `user` (default: the sandbox's user) is in this sandbox.
 
@@ -686,10 +544,11 @@ class Sandbox:
             # The default user, resolved when the sandbox started: no reads
             # (Inspect probes root access as user "root" on every sample).
             return self._identity
-        found = await self._lookup_user(str(user))
+        assert self.idmap is not None
+        found = await self._users.lookup(self._setup_client(), str(user))
         if found is None:
             raise UserUnsupported(f"unable to find user {user}: no matching entries in passwd file")
-        self._check_mapped(found, str(user))
+        users.check_mapped(found, str(user), self.idmap)
         return found
 
     def command(self, argv: Sequence[str], identity: users.Identity, cwd: str | None = None,
@@ -852,6 +711,13 @@ class Sandbox:
         return await self.client.status()
 
 
+def confined(binds: Sequence[Bind], *, id_mapping: idmap.Requested, label: str = "") -> Sandbox:
+    """The sandbox storage unpacks in (storage/confined.py's Runner): the
+    host-composed root, network none, working in /, seeing only `binds` of
+    the host's files."""
+    return Sandbox(mounts=binds, id_mapping=id_mapping, workdir="/", label=label)
+
+
 _noted: set[str] = set()
 
 
@@ -879,35 +745,6 @@ def _note_once(text: str) -> None:
 
 def _creds(identity: users.Identity) -> protocol.Creds:
     return protocol.Creds(identity.uid, identity.gid, identity.groups)
-
-
-# Plans by what they depend on (Sandbox._plan), with marks where each
-# sandbox has its id (in its layer's path too) and its hostname. A mark is
-# as long as an id (see Plan.packed()) and holds characters no id or
-# hostname nsbox makes has, around random ones no path will.
-_plan_templates: dict[object, plan_mod.Plan] = {}
-_PLAN_TEMPLATES_MAX = 64
-_ID_MARK = f"@{secrets.token_hex(5)}@"
-_HOST_MARK = f"%{secrets.token_hex(5)}%"
-assert len(_ID_MARK) == len(_HOST_MARK) == len(secrets.token_hex(6))
-
-# What sandboxes found in their images (Sandbox._fresh_image_key): the
-# identity files, and the working directories that exist, by who opened them.
-_image_identity_files: dict[object, tuple[bytes, bytes]] = {}
-_image_workdirs: dict[object, bool] = {}
-_IMAGE_FACTS_MAX = 256
-
-
-def _remember(cache: dict[object, Any], key: object, value: Any, limit: int = _IMAGE_FACTS_MAX) -> None:
-    """cache[key] = value, starting the cache over once it holds `limit`."""
-    if len(cache) >= limit:
-        cache.clear()
-    cache[key] = value
-
-
-def _lookup_in(user: str, files: tuple[bytes, bytes]) -> users.Identity | None:
-    """`user` in the contents of an /etc/passwd and an /etc/group."""
-    return users.lookup(user, files[0].decode(errors="replace"), files[1].decode(errors="replace"))
 
 
 def _exited(pidfd: int) -> bool:

@@ -10,7 +10,7 @@ import ipaddress
 import os
 import posixpath
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Literal, Mapping, Sequence
 
 from .errors import SandboxSetupError
@@ -298,3 +298,7 @@ class SandboxSpec:
 
     def replace(self, **changes: object) -> "SandboxSpec":
         return replace(self, **changes)  # type: ignore[arg-type]
+
+
+# The option names: each door passes what it was given through by them.
+FIELDS = frozenset(f.name for f in fields(SandboxSpec))

@@ -15,7 +15,7 @@ from ..host import idmap, live
 from ..errors import CommandTimeout, NsboxError
 from ..sandbox import Sandbox
 from .doctor import doctor
-from ..spec import Bind, SandboxSpec
+from ..spec import FIELDS, PULL_POLICIES, Bind, SandboxSpec
 from . import image as image_cli
 from .image import image as image_group
 from .build import build as build_command
@@ -47,11 +47,11 @@ def _parse_binds(values: Sequence[str]) -> list[Bind]:
 def sandbox_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """The options that describe a sandbox, shared by the commands that make one."""
     options = [
-        click.option("--rootfs", default="host", show_default=True, metavar="DIR",
+        click.option("--rootfs", default=SandboxSpec.rootfs, show_default=True, metavar="DIR",
                      help="Root filesystem: 'host' (composed from this host) or a directory."),
         click.option("--image", default=None, metavar="REF",
                      help="Run an OCI/Docker image (pulled if missing) instead of --rootfs."),
-        click.option("--pull", type=click.Choice(["missing", "always", "never"]), default="missing",
+        click.option("--pull", type=click.Choice(PULL_POLICIES), default=SandboxSpec.pull,
                      show_default=True, help="When to pull --image."),
         click.option("--platform", default=None, metavar="OS/ARCH", help="Platform of --image (default: this host's)."),
         click.option("-u", "--user", default=None, help="User to run as (default: root; for `shell ID`: the sandbox's)."),
@@ -59,7 +59,7 @@ def sandbox_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("-e", "--env", "env", multiple=True, metavar="KEY=VALUE", help="Set an environment variable."),
         click.option("-v", "--volume", "volumes", multiple=True, metavar="SRC:DST[:ro]",
                      help="Bind a host file or directory into the sandbox."),
-        click.option("--network", default="none", show_default=True,
+        click.option("--network", default=SandboxSpec.network, show_default=True,
                      metavar="none|host|nat|proxy|container:ID|net:NAME",
                      help="'none': loopback only; 'host': the host's network; 'nat': outbound access (the host's "
                           "loopback only with --host-loopback); 'proxy': only the hosts --allow names, through a proxy; "
@@ -83,7 +83,7 @@ def sandbox_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--privileged", is_flag=True,
                      help="As rootless podman's: nested user namespaces, no seccomp filter, every capability of "
                           "the sandbox's user namespace, a sysfs at /sys; never host root."),
-        click.option("--id-mapping", type=click.Choice(["auto", "single", "host-root"]), default="auto",
+        click.option("--id-mapping", type=click.Choice(idmap.REQUESTS), default=SandboxSpec.id_mapping,
                      show_default=True,
                      help="'single' maps only your own uid, even when subordinate ids exist; "
                           "'host-root' (as root only) maps host root into the sandbox."),
@@ -104,30 +104,38 @@ def sandbox_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
-def make_sandbox(rootfs: str, image: str | None, pull: str, platform: str | None, user: str | None,
-                 workdir: str | None, env: Sequence[str], volumes: Sequence[str], network: str,
-                 id_mapping: str, nested_userns: bool, privileged: bool = False, memory: str | None = None, pids_limit: int | None = None,
-                 cpus: float | None = None, disk: str | None = None, strict_limits: bool = False, publish: Sequence[str] = (),
-                 allow: Sequence[str] = (), add_hosts: Sequence[str] = (), hostname: str | None = None,
-                 network_aliases: Sequence[str] = (), host_loopback: bool = False,
-                 gpus: str | None = None) -> Sandbox:
+def _parse_hosts(values: Sequence[str]) -> dict[str, str]:
+    hosts = {}
+    for item in values:
+        name, sep, address = item.partition(":")
+        if not sep:
+            raise ValueError(f"--add-host takes NAME:IP, not {item!r}")
+        hosts[name] = address
+    return hosts
+
+
+# The sandbox options whose parameter is not named as its SandboxSpec field
+# (every other one is passed through by name): the parameter, and how its
+# values become the field's.
+RENAMED: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "env": ("env", _parse_env),
+    "mounts": ("volumes", lambda values: tuple(_parse_binds(values))),
+    "ports": ("publish", tuple),
+    "hosts": ("add_hosts", _parse_hosts),
+}
+
+
+def make_sandbox(**options: Any) -> Sandbox:
+    """The sandbox the options of sandbox_options describe."""
+    fields = {name: value for name, value in options.items() if name in FIELDS and name not in RENAMED}
+    unknown = set(options) - FIELDS - {param for param, _ in RENAMED.values()}
+    if unknown:
+        raise TypeError(f"make_sandbox: unknown options {', '.join(sorted(unknown))}")
     try:
-        hosts = {}
-        for item in add_hosts:
-            name, sep, address = item.partition(":")
-            if not sep:
-                raise ValueError(f"--add-host takes NAME:IP, not {item!r}")
-            hosts[name] = address
-        return Sandbox(spec=SandboxSpec(rootfs=rootfs, image=image, pull=pull, platform=platform,  # type: ignore[arg-type]
-                                        user=user, workdir=workdir, env=_parse_env(env),
-                                        mounts=tuple(_parse_binds(volumes)), network=network,  # type: ignore[arg-type]
-                                        ports=tuple(publish), allow=tuple(allow), hosts=hosts, hostname=hostname,
-                                        host_loopback=host_loopback,
-                                        network_aliases=tuple(network_aliases),
-                                        id_mapping=id_mapping, nested_userns=nested_userns, privileged=privileged,
-                                        origin="cli",
-                                        memory=memory, pids_limit=pids_limit, cpus=cpus, disk=disk,
-                                        strict_limits=strict_limits, gpus=gpus))  # type: ignore[arg-type]
+        for name, (param, convert) in RENAMED.items():
+            if param in options:
+                fields[name] = convert(options[param])
+        return Sandbox(spec=SandboxSpec(**fields, origin="cli"))
     except ValueError as e:
         raise click.UsageError(str(e)) from None
 
@@ -216,12 +224,17 @@ def import_(tarball: Path, directory: Path, id_mapping: str) -> None:
     modify them (in their private layers). The archive is unpacked inside a
     sandbox that can write nowhere else.
     """
+    from ..sandbox import confined
     from ..storage.tarball import import_tarball
 
     def progress(msg: str) -> None:
         click.echo(f"nsbox: {msg}", err=True)
 
-    dest = run_async(import_tarball, tarball, directory, id_mapping, progress)
+    async def go() -> Path:
+        return await import_tarball(tarball, directory, runner=confined, id_mapping=id_mapping,  # type: ignore[arg-type]
+                                    progress=progress)
+
+    dest = run_async(go)
     click.echo(os.fspath(dest))
 
 

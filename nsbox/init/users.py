@@ -1,9 +1,21 @@
-"""Users inside a sandbox, looked up in the sandbox's own /etc/passwd."""
+"""Users inside a sandbox, looked up in the sandbox's own /etc/passwd; the
+default user and working directory of a sandbox, settled as it starts."""
 
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Hashable, Sequence
+
+import anyio
+
+from ..errors import SandboxSetupError, UserUnsupported
+
+if TYPE_CHECKING:
+    from ..host.idmap import IdMap
+    from .client import ExecResult, InitClient
+    from .protocol import Creds
 
 
 @dataclass(frozen=True)
@@ -81,3 +93,156 @@ def _group_id(name: str, group: str) -> int | None:
             except ValueError:
                 return None
     return None
+
+
+def lookup_in(user: str, files: tuple[bytes, bytes]) -> Identity | None:
+    """`user` in the contents of an /etc/passwd and an /etc/group."""
+    return lookup(user, files[0].decode(errors="replace"), files[1].decode(errors="replace"))
+
+
+def check_mapped(identity: Identity, asked: str, mapping: "IdMap") -> None:
+    """Raises UserUnsupported if the id mapping cannot represent `identity`."""
+    if identity.uid == 0 and identity.gid == 0:
+        return
+    if mapping.mode == "single":
+        raise UserUnsupported(
+            f"cannot run as {asked!r} (uid {identity.uid}): this sandbox maps only your own uid, "
+            f"because {mapping.reason}")
+    top = max(identity.uid, identity.gid, *identity.groups)
+    if top >= mapping.size:
+        raise UserUnsupported(
+            f"cannot run as {asked!r}: id {top} is outside the ids mapped into this sandbox "
+            f"(0..{mapping.size - 1})")
+
+
+def creds(identity: Identity) -> "Creds":
+    """What the init is told to run as."""
+    # Imported here, as `files` below: looking users up needs no compiled extension.
+    from .protocol import Creds
+
+    return Creds(identity.uid, identity.gid, identity.groups)
+
+
+async def identity_files(client: "InitClient") -> tuple[bytes, bytes]:
+    """The sandbox's /etc/passwd and /etc/group, read inside it as root
+    (empty where missing)."""
+    from . import files
+
+    found: dict[str, bytes | Exception] = {}
+
+    async def read(path: str) -> None:
+        try:
+            data = await files.read_file(client, creds(ROOT), path, text=False)
+            assert isinstance(data, bytes)
+            found[path] = data
+        except FileNotFoundError:
+            found[path] = b""
+        except Exception as e:  # raised below as itself, not in a group
+            found[path] = e
+
+    async with anyio.create_task_group() as tg:
+        for path in ("/etc/passwd", "/etc/group"):
+            tg.start_soon(read, path)
+    passwd, group = found["/etc/passwd"], found["/etc/group"]
+    for result in (passwd, group):
+        if isinstance(result, Exception):
+            raise result
+    assert isinstance(passwd, bytes) and isinstance(group, bytes)
+    return passwd, group
+
+
+class Users:
+    """The users of one running sandbox, looked up in its identity files
+    (read again on each lookup; an answer is kept while they stay the same)."""
+
+    def __init__(self) -> None:
+        self._cache: dict[str, tuple[bytes, bytes, Identity | None]] = {}
+
+    async def lookup(self, client: "InitClient", user: str) -> Identity | None:
+        passwd, group = await identity_files(client)
+        cached = self._cache.get(user)
+        if cached is not None and cached[0] == passwd and cached[1] == group:
+            return cached[2]
+        identity = lookup_in(user, (passwd, group))
+        self._cache[user] = (passwd, group, identity)
+        return identity
+
+
+# What sandboxes found in their images (keyed by the image's layers, see
+# Sandbox._fresh_image_key): the identity files, and the working directories
+# that exist, by who opened them.
+_image_identity_files: dict[object, tuple[bytes, bytes]] = {}
+_image_workdirs: dict[object, bool] = {}
+IMAGE_FACTS_MAX = 256
+
+
+def _remember(cache: dict[object, Any], key: object, value: Any) -> None:
+    """cache[key] = value, starting the cache over once it holds IMAGE_FACTS_MAX."""
+    if len(cache) >= IMAGE_FACTS_MAX:
+        cache.clear()
+    cache[key] = value
+
+
+def known_home(user: str, known: dict[str, str], image: Hashable | None) -> str | None:
+    """`user`'s home directory if it is known before the sandbox runs: from
+    the identity files nsbox wrote (`known`), or those a sandbox of the same
+    image found."""
+    files = _image_identity_files.get(image) if image is not None else None
+    if known:
+        identity = lookup(user, known["passwd"], known["group"])
+    elif files is not None:
+        identity = lookup_in(user, files)
+    else:
+        return None
+    return identity.home if identity else None
+
+
+async def default_identity(client: "InitClient", user: str, known: dict[str, str], image: Hashable | None,
+                           users: Users, mapping: "IdMap") -> Identity:
+    """Who a sandbox's default `user` is: from the identity files nsbox
+    wrote (`known`), those a sandbox of the same `image` found, or those it
+    has. Raises SandboxSetupError if there is no such user (root is root
+    without an entry), UserUnsupported if the mapping cannot represent it."""
+    if known:
+        # The sandbox was created a moment ago from files we wrote.
+        identity = lookup(user, known["passwd"], known["group"])
+    elif image is not None:
+        files = _image_identity_files.get(image)
+        if files is None:
+            files = await identity_files(client)
+            _remember(_image_identity_files, image, files)
+        identity = lookup_in(user, files)
+    else:
+        identity = await users.lookup(client, user)
+    if identity is None:
+        if user not in ("root", "0"):
+            raise SandboxSetupError(f"user {user!r} does not exist in the sandbox's /etc/passwd")
+        identity = ROOT
+    check_mapped(identity, user, mapping)
+    return identity
+
+
+async def ensure_workdir(client: "InitClient", workdir: str, identity: Identity, image: Hashable | None,
+                         run_as_root: Callable[[Sequence[str]], Awaitable["ExecResult"]]) -> None:
+    """Makes sure `workdir` exists for `identity`: created by root where
+    missing, like a Dockerfile's WORKDIR, then given to the user. What a
+    sandbox of `image` found is remembered for the next ones."""
+    seen = (image, workdir, identity) if image is not None else None
+    if seen in _image_workdirs:
+        return
+    try:
+        fd, is_dir = await client.open(creds(identity), workdir, os.O_RDONLY)
+        os.close(fd)
+        if not is_dir:
+            raise SandboxSetupError(f"the working directory {workdir} is not a directory")
+        if seen is not None:
+            _remember(_image_workdirs, seen, True)
+    except FileNotFoundError:
+        commands = [["mkdir", "-p", "--", workdir]]
+        if identity.uid != 0:
+            commands.append(["chown", f"{identity.uid}:{identity.gid}", "--", workdir])
+        for cmd in commands:
+            r = await run_as_root(cmd)
+            if not r.success:
+                raise SandboxSetupError(f"creating the working directory {workdir} failed: "
+                                        f"{(r.stderr or r.stdout).strip()}")

@@ -33,6 +33,7 @@ from ..errors import NsboxError, SandboxSetupError
 from ..host import dirs
 from ..host.idmap import detect as detect_idmap
 from ..spec import NET, NETWORKS, Bind, SandboxSpec, normalize_gpus, parse_size
+from ..sandbox import confined
 from ..storage.tarball import import_tarball
 from .compose import is_docker_config
 
@@ -312,7 +313,7 @@ async def resolve_rootfs(rootfs: str, id_mapping: Literal["auto", "single", "hos
     mapping = detect_idmap(id_mapping).key
     dest = dirs.data_dir() / "images" / f"{digest[:24]}-{mapping}"
     if not dest.exists():
-        await import_tarball(rootfs, dest, id_mapping=id_mapping,
+        await import_tarball(rootfs, dest, runner=confined, id_mapping=id_mapping,
                              progress=lambda msg: print(f"nsbox: {msg}", file=sys.stderr))
     return os.fspath(dest)
 

@@ -34,7 +34,7 @@ from inspect_ai.util import (
 from .. import manage
 from ..init.output_limits import exec_output_limit, human_size
 from ..network import Network
-from ..sandbox import Sandbox
+from ..sandbox import Sandbox, confined
 from ..spec import NET
 from .compose import (
     COMPOSE_FILES,
@@ -189,9 +189,10 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
                 # Pulled and unpacked once per task, never per sample.
                 from ..storage import Store
                 from ..storage.progress import Progress
+                from ..storage.resolve import resolve
 
-                await Store().resolve(spec.image, id_mapping=cfg.id_mapping, pull=spec.pull, platform=spec.platform,
-                                      progress=Progress(sys.stderr, label=spec.image))
+                await resolve(Store(runner=confined), spec.image, id_mapping=cfg.id_mapping, pull=spec.pull,
+                              platform=spec.platform, progress=Progress(sys.stderr, label=spec.image))
                 cls._pulled.add((spec.image, spec.platform))
         # Start and stop one sandbox now, so that a host that cannot run
         # them fails the task with a clear message before any sample starts.

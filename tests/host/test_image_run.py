@@ -18,7 +18,9 @@ import pytest
 
 import nsbox
 from nsbox.inspect.provider import NsboxConfig
+from nsbox.sandbox import confined
 from nsbox.storage import Store
+from nsbox.storage.resolve import resolve
 
 from tests.conftest import MODE
 from tests.imagekit import Registry, busybox_oci, fixture_tar, push, registry, self_check_failures, umoci_image  # noqa: F401
@@ -66,7 +68,7 @@ async def test_image_sandboxes_are_copy_on_write(app_image: str) -> None:
         assert not (await b.exec(["test", "-e", "/srv/only-a"])).success
         assert (await b.exec(["cat", "/etc/passwd"])).stdout.startswith("root:")
     # The shared layers were not touched.
-    image = await Store().resolve(app_image, pull="never")
+    image = await resolve(Store(runner=confined), app_image, pull="never")
     assert not any((layer / "srv" / "only-a").exists() for layer in image.layers)
 
 
@@ -77,15 +79,17 @@ async def test_what_a_new_sandbox_finds_in_an_image_is_read_once(
     empty. A sandbox with binds (which may cover them) reads its own, and a
     user created in one sandbox is not taken for the image's."""
     reads: list[str] = []
-    real = nsbox.Sandbox._identity_files
+    from nsbox.init import users
 
-    async def counted(self: nsbox.Sandbox) -> tuple[bytes, bytes]:
-        reads.append(self.id)
-        return await real(self)
+    real = users.identity_files
 
-    monkeypatch.setattr(nsbox.Sandbox, "_identity_files", counted)
-    monkeypatch.setattr(nsbox.sandbox, "_image_identity_files", {})
-    monkeypatch.setattr(nsbox.sandbox, "_image_workdirs", {})
+    async def counted(client: object) -> tuple[bytes, bytes]:
+        reads.append(repr(client))
+        return await real(client)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(users, "identity_files", counted)
+    monkeypatch.setattr(users, "_image_identity_files", {})
+    monkeypatch.setattr(users, "_image_workdirs", {})
     async with nsbox.Sandbox(image=app_image) as a:
         assert len(reads) == 1
         assert (await a.exec(["id", "-un"])).stdout.strip() == ("root" if MODE.mode == "single" else "app")

@@ -1,5 +1,6 @@
-"""A sandbox's plan as Sandbox builds it: built once per set of inputs and
-copied for each sandbox (nsbox/sandbox.py), checked against real sandboxes."""
+"""Plan templates (nsbox/plan/templates.py) with real sandboxes: a plan
+copied from a template is the plan assembled for the sandbox, down to its
+packed bytes. (The plan as plain data: tests/unit/plan/test_plan.py.)"""
 
 from __future__ import annotations
 
@@ -9,29 +10,28 @@ pytestmark = pytest.mark.timeout(60)
 
 
 async def test_a_plan_from_the_cache_is_the_plan_built_for_the_sandbox(tmp_path) -> None:
-    """Sandbox._plan builds a plan once per set of inputs, which
-    _plan_from_template copies with each sandbox's layer and hostname: the
+    """templates.build builds a plan once per set of inputs, which
+    templates.copy copies with each sandbox's layer and hostname: the
     copy equals a plan built for that sandbox, and an input that changes
     the plan is not served the old one."""
     import nsbox
-    from nsbox.plan import procmask
-    from nsbox import sandbox as sandbox_mod
+    from nsbox.plan import assemble, procmask, templates
 
     def fields(plan) -> list[tuple]:
         return [(s.kind, s.what, s.a, s.b, s.c, s.d, s.flags, s.mode, s.slot) for s in plan.steps()]
 
     def plan_of(sb):  # as Sandbox._create gets it
-        return sb._plan_from_template() or sb._plan()
+        inputs = sb._plan_inputs()
+        return templates.copy(inputs, sb.id, sb.hostname) or templates.build(inputs, sb._layer, sb.id, sb.hostname)
 
-    sandbox_mod._plan_templates.clear()
-    async with nsbox.Sandbox() as first:
+    templates.cache.clear()
+    async with nsbox.Sandbox():
         pass
-    assert len(sandbox_mod._plan_templates) == 1
+    assert len(templates.cache) == 1
     async with nsbox.Sandbox(hostname="named") as sb:
-        copied = sb._plan_from_template()
+        copied = templates.copy(sb._plan_inputs(), sb.id, sb.hostname)
         assert copied is not None
-        mount_dir = nsbox.host.layers.mount_point(sb.idmap.host_root)
-        built = sb._build_plan(mount_dir, sb._layer, sb.id, sb.hostname)
+        built = assemble.build(sb._plan_inputs(), sb._layer, sb.id, sb.hostname)
         assert fields(copied) == fields(built)
         assert sb._layer is not None and any(st.a == f"{sb._layer}/upper" for st in copied.steps())
         assert (await sb.exec(["hostname"])).stdout == "named\n"
@@ -56,28 +56,28 @@ async def test_a_templated_spec_is_the_spec_packed_for_the_sandbox() -> None:
     than the id's packs the plan itself."""
     import nsbox
     from nsbox.create import zygote
-    from nsbox import sandbox as sandbox_mod
+    from nsbox.plan import assemble, templates
 
-    sandbox_mod._plan_templates.clear()
+    templates.cache.clear()
     async with nsbox.Sandbox():
         pass
-    (template,) = sandbox_mod._plan_templates.values()
+    (template,) = templates.cache.values()
     shape = dict(clone_flags=zygote.clone_flags(template.namespaces), idmaps=template.idmap.how_to_write(),
                  keep_fds=[3, 4, -1, -1], exec_fd=5, envp=[], keep_stdio=False, new_session=True)
 
     def pack(p) -> bytes:
-        return zygote.pack_request(steps=p.steps(), argv=["nsbox-init", p.sandbox_id, *p.init_args], **shape)
+        return zygote.pack_spec(steps=p.steps(), argv=["nsbox-init", p.sandbox_id, *p.init_args], **shape)
 
     for hostname in (None, "twelve-chars", "short", "a-much-longer-hostname"):
         async with nsbox.Sandbox(hostname=hostname) as sb:
-            copy = sb._plan_from_template()
+            copy = templates.copy(sb._plan_inputs(), sb.id, sb.hostname)
             assert copy is not None and copy.sandbox_id == sb.id
             packed = copy.packed("key", pack)
             assert (packed is not None) == (len(sb.hostname) == len(sb.id)), sb.hostname
-            whole = pack(sb._build_plan(nsbox.host.layers.mount_point(sb.idmap.host_root), sb._layer, sb.id, sb.hostname))
+            whole = pack(assemble.build(sb._plan_inputs(), sb._layer, sb.id, sb.hostname))
             assert pack(copy) == whole  # the lazy copy's steps, asked for
             if packed is not None:
                 assert packed == whole
-                assert sb.id.encode() in packed and sandbox_mod._ID_MARK.encode() not in packed
+                assert sb.id.encode() in packed and templates.ID_MARK.encode() not in packed
             assert (await sb.exec(["hostname"])).stdout == f"{sb.hostname}\n"
     assert "key" in template._packs and template._packs["key"]

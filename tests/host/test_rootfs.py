@@ -52,13 +52,14 @@ async def test_etc_upper_in_memory_or_on_disk(monkeypatch: pytest.MonkeyPatch, i
     the layer directory: either way /etc takes what a sandbox does to it,
     and with the upper in memory nothing of it reaches the host's disk."""
     from nsbox.host import layers, removal
-    from nsbox import manage, sandbox as sandbox_mod
+    from nsbox import manage
+    from nsbox.plan import templates
     from nsbox.plan.rootfs import HostRootfs
 
     if in_memory and not layers.etc_upper_in_memory():
         pytest.skip(f"this kernel ({os.uname().release}) keeps /etc's upper layer on disk: tmpfs has no user xattrs")
     monkeypatch.setattr("nsbox.plan.rootfs.etc_upper_in_memory", lambda: in_memory)
-    monkeypatch.setattr(sandbox_mod, "_plan_templates", {})
+    monkeypatch.setattr(templates, "cache", {})
     kind = HostRootfs.layer_kind()
     manage.gc(nsbox.host.idmap.detect())  # an empty pool
     async with nsbox.Sandbox() as sb:
@@ -90,7 +91,7 @@ async def test_etc_upper_in_memory_or_on_disk(monkeypatch: pytest.MonkeyPatch, i
             pass
         assert [layers._of_kind(name, kind) for name in kept()] == [True]
     monkeypatch.setattr("nsbox.plan.rootfs.etc_upper_in_memory", lambda: not in_memory)
-    monkeypatch.setattr(sandbox_mod, "_plan_templates", {})
+    monkeypatch.setattr(templates, "cache", {})
     async with nsbox.Sandbox() as other:
         assert sorted(os.listdir(other._layer)) == sorted(layers.layer_dirs(HostRootfs.layer_kind()))
         assert (await other.exec(["test", "-e", "/etc/big"])).returncode == 1

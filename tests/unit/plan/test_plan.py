@@ -16,21 +16,18 @@ import json, sys
 sys.modules["nsbox._native"] = None  # importing it now fails
 from pathlib import Path
 from nsbox.host import idmap
-from nsbox.plan import mounts, plan, rootfs, steps
-from nsbox.spec import Bind
+from nsbox.plan import assemble, rootfs
+from nsbox.spec import SandboxSpec
 mapping = idmap.detect()  # this user's: the cached layers the plan names are built for it
+spec = SandboxSpec(mounts=("/etc/hostname:/mnt/hn:ro",))
 out = {}
 for name, root in (("host", rootfs.HostRootfs()), ("dir", rootfs.DirectoryRootfs(Path("/srv/image")))):
-    p = plan.Plan(mapping, root="")
-    mounts.contribute(p, root, Path("/data/sandboxes/x"), Path("/data/mnt/owner"),
-                      [Bind("/etc/hostname", "/mnt/hn", readonly=True)])
-    plan.contribute_hostname(p, "box")
-    plan.contribute_network(p, "none")
+    inputs = assemble.Inputs(spec, root, mapping, Path("/data/mnt/owner"), Path("/run/nsbox/x"))
+    p = assemble.build(inputs, Path("/data/sandboxes/x"), "x", "box")
     out[name] = {"namespaces": sorted(p.namespaces), "root": p.root,
                  "steps": [[s.kind.name, s.a, s.b, s.c, s.d, sorted(s.flags)] for s in p.steps()]}
 print(json.dumps(out))
 """
-
 
 @pytest.fixture(scope="module")
 def plans() -> dict:
@@ -51,7 +48,7 @@ def test_plan_order(plans: dict, kind: str) -> None:
     # before the pivot, only sandbox paths after it.
     for kind_, a, b, c, d, flags in p["steps"][become + 1:]:
         assert kind_ not in ("PATH_FD", "TREE_CLONE"), kind_
-        assert b is None or b.startswith(("/proc/self/fd/", "/dev", "/tmp", "/run", "/usr", "/mnt")), (kind_, b)
+        assert b is None or b.startswith(("/proc/", "/dev", "/tmp", "/run", "/usr", "/mnt")), (kind_, b)
         if kind_ == "MOUNT" and c == "overlay":
             assert "/data" not in d and "/srv" not in d and "userxattr" in d
     # The root is mounted through the mount directory's alias, then entered.
@@ -59,11 +56,15 @@ def test_plan_order(plans: dict, kind: str) -> None:
     assert p["steps"][pivot][2] == p["root"]
     proc = [s for s in p["steps"][:pivot] if s[0] == "MOUNT" and s[3] == "proc"]
     assert proc and sorted(proc[0][5]) == ["MS_NODEV", "MS_NOEXEC", "MS_NOSUID"]
-    # Inside: hostname, loopback, and the bind attached last of the mounts.
+    # Inside: the bind attached last of the mounts (over what they made),
+    # then the hostname, loopback, and last the masks over /proc.
     after = p["steps"][pivot + 1:]
-    assert ["HOSTNAME", None, None, None, None, []] != after[-1]
-    assert [s for s in after if s[0] == "HOSTNAME"][0][1] == "box"
-    assert after[-1][0] == "LOOPBACK_UP"
+    named = [s[0] for s in after].index("HOSTNAME")
+    mounts_inside = [s for s in after[:named] if s[0] in ("MOUNT", "TREE_ATTACH")]
+    assert mounts_inside[-1][:3] == ["TREE_ATTACH", None, "/mnt/hn"], mounts_inside[-1]
+    assert after[named][1] == "box" and after[named + 1][0] == "LOOPBACK_UP"
+    masks = after[named + 2:]
+    assert masks and all(s[0] in ("MOUNT", "REMOUNT") and s[2].startswith("/proc/") for s in masks), masks
     assert "CLONE_NEWNET" in p["namespaces"] and "CLONE_NEWUTS" in p["namespaces"]
 
 
