@@ -66,7 +66,7 @@ async def test_a_templated_spec_is_the_spec_packed_for_the_sandbox() -> None:
                  keep_fds=[3, 4, -1, -1], exec_fd=5, envp=[], keep_stdio=False, new_session=True)
 
     def pack(p) -> bytes:
-        return zygote.pack_spec(steps=p.steps(), argv=["nsbox-init", p.sandbox_id, *p.init_args], **shape)
+        return zygote.pack_request(steps=p.steps(), argv=["nsbox-init", p.sandbox_id, *p.init_args], **shape)
 
     for hostname in (None, "twelve-chars", "short", "a-much-longer-hostname"):
         async with nsbox.Sandbox(hostname=hostname) as sb:
