@@ -249,7 +249,7 @@ class Sandbox:
                                self._rundir)
 
     async def _create(self) -> None:
-        resources.check(resources.Limits.of(self.spec))  # strict_limits: before anything exists
+        resources.check(resources.ResourceLimits.of(self.spec))  # strict_limits: before anything exists
         rlimits.raise_nofile_limit()  # once per process: soft NOFILE up to the hard limit
         collect_in_background()  # once per process: what killed processes of this user left
         self.idmap = idmap.detect(self.spec.id_mapping)  # type: ignore[arg-type]

@@ -86,7 +86,7 @@ def build(inputs: Inputs, layer: Path, sandbox_id: str, hostname: str) -> Plan:
     """The plan of one sandbox, every contributor in its order."""
     spec = _Reading(inputs.spec)
     plan = Plan(inputs.idmap, root="", sandbox_id=sandbox_id)
-    resources.contribute(plan, resources.Limits.of(spec), sandbox_id, inputs.rundir, inputs.mount_dir)  # before mounts
+    resources.contribute(plan, resources.ResourceLimits.of(spec), sandbox_id, inputs.rundir, inputs.mount_dir)  # before mounts
     mounts.contribute(plan, inputs.rootfs, layer, inputs.mount_dir, spec.mounts)  # type: ignore[arg-type]
     contribute_hostname(plan, hostname)
     contribute_network(plan, spec.network)  # type: ignore[arg-type]

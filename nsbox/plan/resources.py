@@ -72,7 +72,7 @@ UNBOUNDED = ("it cannot bound memfd or SysV shared memory, pipe or socket buffer
 
 
 @dataclass(frozen=True)
-class Limits:
+class ResourceLimits:
     memory: int | None = None
     pids_limit: int | None = None
     cpus: float | None = None
@@ -80,7 +80,7 @@ class Limits:
     strict: bool = False  # refuse what no cgroup enforces (strict_limits)
 
     @classmethod
-    def of(cls, spec: object) -> "Limits":
+    def of(cls, spec: object) -> "ResourceLimits":
         return cls(*(getattr(spec, name) for name in LIMITS), strict=getattr(spec, "strict_limits", False))
 
     def scratch(self) -> int | None:
@@ -109,7 +109,7 @@ def note_once(text: str) -> None:
         print(f"nsbox: warning: {text}", file=sys.stderr)
 
 
-def plan_limits(limits: Limits) -> tuple[dict[str, tuple[str, str]], dict[int, int], list[str]]:
+def plan_limits(limits: ResourceLimits) -> tuple[dict[str, tuple[str, str]], dict[int, int], list[str]]:
     """(cgroup limit -> (version, parent dir), rlimit -> value, what is
     approximated or not enforced, in words) for `limits` on this host."""
     sup = support()
@@ -137,7 +137,7 @@ def plan_limits(limits: Limits) -> tuple[dict[str, tuple[str, str]], dict[int, i
     return cgroups, rlimits, notes
 
 
-def check(limits: Limits) -> None:
+def check(limits: ResourceLimits) -> None:
     """With strict_limits: refuses a limit that no cgroup enforces here,
     before anything of the sandbox exists."""
     if not limits.strict:
@@ -153,7 +153,7 @@ def check(limits: Limits) -> None:
                                     "approximation (`nsbox doctor` says what this host enforces)")
 
 
-def contribute(plan: Plan, limits: Limits, sandbox_id: str, run_dir: Path, mount_dir: Path) -> None:
+def contribute(plan: Plan, limits: ResourceLimits, sandbox_id: str, run_dir: Path, mount_dir: Path) -> None:
     """Before mounts.contribute (the tmpfs holds /tmp, /dev/shm, /run, and
     the upper layers under a disk limit)."""
     if not enabled or not limits.requested():
@@ -192,7 +192,7 @@ def _write(path: Path, value: str) -> None:
         os.close(fd)
 
 
-def _settings(limits: Limits, name: str, version: str) -> list[tuple[str, str, bool]]:
+def _settings(limits: ResourceLimits, name: str, version: str) -> list[tuple[str, str, bool]]:
     """(file, value, required) for limit `name` in a cgroup of `version`."""
     if name == "memory":
         if version == "v1":
@@ -209,7 +209,7 @@ def _settings(limits: Limits, name: str, version: str) -> list[tuple[str, str, b
     return [("cpu.max", f"{quota} {CFS_PERIOD}", True)]
 
 
-def enter_cgroups(pid: int, limits: Limits, cgroups: dict[str, tuple[str, str]], sandbox_id: str,
+def enter_cgroups(pid: int, limits: ResourceLimits, cgroups: dict[str, tuple[str, str]], sandbox_id: str,
                   run_dir: Path) -> None:
     """Creates the sandbox's cgroups, sets the limits and moves `pid` in."""
     by_dir: dict[Path, tuple[str, list[str]]] = {}

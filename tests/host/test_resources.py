@@ -297,7 +297,7 @@ def test_v2_delegated_cgroup(tmp_path: Path) -> None:
     (parent / "cgroup.subtree_control").write_text("")
     for name in ("memory.max", "memory.swap.max", "pids.max", "cpu.max", "cgroup.procs"):
         (d / name).write_text("")
-    limits = resources.Limits(memory=64 * MiB, pids_limit=10, cpus=1.5)
+    limits = resources.ResourceLimits(memory=64 * MiB, pids_limit=10, cpus=1.5)
     run = tmp_path / "run"
     run.mkdir()
     resources.enter_cgroups(4242, limits, {k: ("v2", str(parent)) for k in ("memory", "pids_limit", "cpus")},
