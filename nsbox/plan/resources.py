@@ -48,13 +48,12 @@ import errno
 import functools
 import os
 import resource
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import steps as s
-from ..errors import HostPrerequisiteError
+from ..errors import HostPrerequisiteError, warn_once
 from ..host import probe
 from .plan import Phase, Plan, Writable
 
@@ -65,7 +64,6 @@ LIMITS = ("memory", "pids_limit", "cpus", "disk")
 
 # Tests switch the enforcement off to show that their tests fail without it.
 enabled = True
-_noted: set[str] = set()
 # What the rlimit fallback for memory leaves unbounded, as warnings and `nsbox doctor` say it.
 UNBOUNDED = ("it cannot bound memfd or SysV shared memory, pipe or socket buffers or other kernel memory "
              "(the tmpfs mounts share one of the limit's size); strict_limits refuses it")
@@ -101,12 +99,6 @@ def support() -> probe.LimitSupport:
 def _kernel_counts_nproc_per_userns() -> bool:
     version = probe.kernel_version()
     return version is not None and version >= (5, 14)
-
-
-def note_once(text: str) -> None:
-    if text not in _noted:
-        _noted.add(text)
-        print(f"nsbox: warning: {text}", file=sys.stderr)
 
 
 def plan_limits(limits: ResourceLimits) -> tuple[dict[str, tuple[str, str]], dict[int, int], list[str]]:
@@ -169,7 +161,7 @@ def contribute(plan: Plan, limits: ResourceLimits, sandbox_id: str, run_dir: Pat
         plan.writable = Writable(where, size, layers=limits.disk is not None)
     cgroups, rlimits, notes = plan_limits(limits)
     for text in notes:
-        note_once(f"{text}; `nsbox doctor` says why")
+        warn_once(f"{text}; `nsbox doctor` says why")
     if not cgroups and not rlimits:
         return
 
@@ -286,6 +278,6 @@ def remove_cgroups(run_dir: Path, wait: float = 2.0) -> None:
             break
     if left:
         record.write_text("".join(f"{d}\n" for d in left))
-        note_once(f"cannot remove the cgroups {', '.join(map(str, left))}: `nsbox gc` tries again")
+        warn_once(f"cannot remove the cgroups {', '.join(map(str, left))}: `nsbox gc` tries again")
     else:
         record.unlink(missing_ok=True)

@@ -20,6 +20,7 @@ import anyio
 import pytest
 
 import nsbox
+from nsbox import errors
 from nsbox.host import layers, live
 from nsbox.plan import resources
 from nsbox.errors import HostPrerequisiteError
@@ -31,7 +32,7 @@ MiB = 1 << 20
 
 @pytest.fixture(autouse=True)
 def _switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(resources, "_noted", set())  # each test sees the warnings it causes
+    monkeypatch.setattr(errors, "_said", set())  # each test sees the warnings it causes
     if "resources" in os.environ.get("NSBOX_TEST_SWITCH_OFF", ""):
         monkeypatch.setattr(resources, "enabled", False)
 
