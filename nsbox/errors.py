@@ -1,10 +1,12 @@
-"""Exceptions nsbox raises.
+"""Exceptions nsbox raises, and the notes and warnings it prints once.
 
 They do not depend on Inspect; the Inspect provider translates them into
 Inspect's own exception types.
 """
 
 from __future__ import annotations
+
+import sys
 
 
 class NsboxError(Exception):
@@ -63,3 +65,23 @@ class CommandTimeout(TimeoutError):
     @property
     def truncated_output(self) -> str:
         return self.stdout + self.stderr
+
+
+# What note_once and warn_once have printed in this process.
+_said: set[str] = set()
+
+
+def note_once(text: str) -> None:
+    """Says something a person should know, once per process."""
+    _say_once(f"nsbox: note: {text}")
+
+
+def warn_once(text: str) -> None:
+    """Says what is not enforced or was left behind, once per process."""
+    _say_once(f"nsbox: warning: {text}")
+
+
+def _say_once(line: str) -> None:
+    if line not in _said:
+        _said.add(line)
+        print(line, file=sys.stderr)

@@ -1,11 +1,11 @@
 """Managing sandboxes from outside their owner: list, remove, collect garbage.
 
 Used by `nsbox ps / rm / gc` and by `inspect sandbox cleanup nsbox`. A
-sandbox is found through the registry (nsbox/host/live.py); it is removed by
-killing its init (which takes every process of the sandbox with it), then
-deleting its writable layer and its registry entry. Each sandbox and layer
-is handled on its own: one that cannot be removed is reported, in one line,
-and the others are still removed.
+sandbox is found through the live-sandbox list (nsbox/host/live.py); it is
+removed by killing its init (which takes every process of the sandbox with
+it), then deleting its writable layer and its live entry. Each sandbox and
+layer is handled on its own: one that cannot be removed is reported, in one
+line, and the others are still removed.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from .create.unshare import remove_layer
 from .host.removal import SWEEP_WAIT, wait_swept
 from .host.layers import REUSE, TRASH
 
-# A layer directory without a registry entry may belong to a sandbox being
+# A layer directory without a live entry may belong to a sandbox being
 # created right now; only older ones are garbage.
 ORPHAN_LAYER_AGE = 60.0
 KILL_WAIT = 5.0

@@ -38,6 +38,7 @@ from .errors import (
     SandboxSetupError,
     SandboxUnavailable,
     UserUnsupported,
+    note_once,
 )
 from .create import unshare
 from .create.launch import Launched, launch
@@ -212,7 +213,7 @@ class Sandbox:
         config = self.image.config
         user, note = config.effective_user(mapping, self.spec.user)
         if note:
-            _note_once(note)
+            note_once(note)
         self.rootfs = rootfs_mod.ImageRootfs.of(self.image)
         self.spec = self.spec.replace(user=user, env=config.merge_env(self.spec.env),
                                       workdir=self.spec.workdir or config.workdir)
@@ -249,12 +250,12 @@ class Sandbox:
                                self._rundir)
 
     async def _create(self) -> None:
-        resources.check(resources.Limits.of(self.spec))  # strict_limits: before anything exists
+        resources.check(resources.ResourceLimits.of(self.spec))  # strict_limits: before anything exists
         rlimits.raise_nofile_limit()  # once per process: soft NOFILE up to the hard limit
         collect_in_background()  # once per process: what killed processes of this user left
         self.idmap = idmap.detect(self.spec.id_mapping)  # type: ignore[arg-type]
         if self.spec.privileged:
-            _note_once(PRIVILEGED_NOTE)
+            note_once(PRIVILEGED_NOTE)
         self.id = secrets.token_hex(6)
         self.hostname = self.spec.hostname or self.id
         if self.spec.gpus is not None:
@@ -320,7 +321,7 @@ class Sandbox:
         and variables of this sandbox's spec (nsbox/plan/gpu.py)."""
         setup = gpu.resolve(request, host_root=isinstance(self.rootfs, rootfs_mod.HostRootfs))
         for note in setup.notes:
-            _note_once(f"gpus: {note}")
+            note_once(f"gpus: {note}")
         self.spec = self.spec.replace(mounts=(*self.spec.mounts, *setup.binds), env=setup.apply_env(dict(self.spec.env)))
 
     async def _write_as_root(self, path: str, text: str) -> None:
@@ -718,9 +719,6 @@ def confined(binds: Sequence[Bind], *, id_mapping: idmap.Requested, label: str =
     return Sandbox(mounts=binds, id_mapping=id_mapping, workdir="/", label=label)
 
 
-_noted: set[str] = set()
-
-
 def _release_layer(sandbox_id: str, layer: Path, rootfs: rootfs_mod.Rootfs, mapping: idmap.IdMap) -> None:
     """Keeps the layer of a closed sandbox for the next one if it is
     untouched (a few syscalls), else deletes it, as long as that takes."""
@@ -734,13 +732,6 @@ def _release_layer(sandbox_id: str, layer: Path, rootfs: rootfs_mod.Rootfs, mapp
     except (OSError, NsboxError) as e:
         print(f"nsbox: could not delete the writable layer of sandbox {sandbox_id} ({layer}): {describe(e)}; "
               "`nsbox gc` tries again", file=sys.stderr)
-
-
-def _note_once(text: str) -> None:
-    """Says something a person should know, once per process."""
-    if text not in _noted:
-        _noted.add(text)
-        print(f"nsbox: note: {text}", file=sys.stderr)
 
 
 def _creds(identity: users.Identity) -> protocol.Creds:

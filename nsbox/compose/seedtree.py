@@ -13,7 +13,7 @@ the mount point is resolved inside the image, as Docker does, `..` stopping
 at the image's root. Owners are kept (sandbox root can give any mapped id);
 in single mode every file is root's, all a sandbox can represent.
 Hardlinks stay links and holes stay holes, and what is written is counted
-against the image bounds ("max_bytes", "max_files": storage/limits.py), so
+against the image bounds ("max_bytes", "max_files": storage/bounds.py), so
 an image cannot make a volume larger than its own unpacked tree.
 """
 

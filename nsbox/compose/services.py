@@ -37,7 +37,7 @@ import anyio
 from ..init.client import Channel
 from ..errors import NsboxError
 from ..plan import netmodes
-from ..init import protocol, streaming
+from ..init import streaming
 from ..sandbox import Sandbox
 from ..spec import SandboxSpec
 
@@ -71,10 +71,8 @@ class Watched:
     def returncode(self) -> int | None:
         """Its exit status, once it exited (128+N for signal N)."""
         if self._code is None and self.chan.fileno() >= 0:
-            replies, closed = self.chan.read_replies()
-            for reply in replies:
-                if reply.kind == protocol.REPLY_EXIT:
-                    self._code = reply.code
+            closed = self.chan.read_status()
+            self._code = self.chan.returncode
             if closed and self._code is None:
                 self._code = 128 + signal.SIGKILL  # the sandbox went away under it
         return self._code

@@ -22,7 +22,7 @@ from pathlib import Path
 from .mapping import volume_dir
 from .model import Project, Service
 from ..errors import NsboxError
-from ..storage.limits import Limits
+from ..storage.bounds import ImageBounds
 from ..storage.store import Image
 
 SEEDER = Path(__file__).with_name("seedtree.py")
@@ -71,9 +71,9 @@ async def seed(image: Image, targets: Iterable[tuple[str, Path]], id_mapping: st
     layers = [Bind(os.fspath(p), f"/layers/{i}", readonly=True) for i, p in enumerate(image.layers)]
     volumes = [Bind(os.fspath(d), f"/volumes/{i}") for i, (_, d) in enumerate(targets)]
     box = confined([*layers, *volumes, *binds], id_mapping=id_mapping, label="nsbox volume seed")  # type: ignore[arg-type]
-    limits = Limits.from_env()
+    bounds = ImageBounds.from_env()
     args = {"layers": [b.target for b in layers], "single": False,
-            "max_bytes": limits.size, "max_files": limits.files,
+            "max_bytes": bounds.size, "max_files": bounds.files,
             "seeds": [[path, v.target] for (path, _), v in zip(targets, volumes)]}
     async with box:
         args["single"] = box.idmap is not None and box.idmap.mode == "single"

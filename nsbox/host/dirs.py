@@ -1,6 +1,6 @@
 """Where nsbox keeps its state: XDG directories, checked before each use.
 
-- runtime: $XDG_RUNTIME_DIR/nsbox (registry of live sandboxes, sockets),
+- runtime: $XDG_RUNTIME_DIR/nsbox (the live-sandbox list, sockets),
            else a private /dev/shm/nsbox-$UID (tmpfs), else $TMPDIR/nsbox-$UID
 - data:    $XDG_DATA_HOME/nsbox (the sandboxes' writable layers)
 - cache:   $XDG_CACHE_HOME/nsbox
@@ -175,7 +175,7 @@ def _usable_runtime_base(value: str | None) -> Path | None:
 
 
 def runtime_dir() -> Path:
-    """Registry and sockets of live sandboxes: small files, best on tmpfs."""
+    """The live-sandbox list and the sandboxes' sockets: small files, best on tmpfs."""
     override = os.environ.get("NSBOX_STATE_DIR")
     if override:
         return _checked_private_dir(Path(override) / "run")

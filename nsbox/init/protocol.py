@@ -42,6 +42,10 @@ STATUS_SHARED_SPAWN = lib.NSBOX_STATUS_SHARED_SPAWN
 REPLY_EXIT = lib.NSBOX_REPLY_EXIT
 REPLY_FAIL = lib.NSBOX_REPLY_FAIL
 REPLY_FD = lib.NSBOX_REPLY_FD
+# Never compared in Python: on an EXEC channel any reply but FAIL means the
+# command started (InitClient.spawn; Channel.answered, where an EXIT may come
+# in the same read as its STARTED, or alone under F_NO_STARTED). Named so that
+# every reply of protocol.h has its name here.
 REPLY_STARTED = lib.NSBOX_REPLY_STARTED
 
 STAGE_REQUEST = lib.NSBOX_STAGE_REQUEST

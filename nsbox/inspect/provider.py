@@ -447,7 +447,7 @@ async def shell_command(sb: Sandbox, user: str | None = None) -> str:
         await sb.identity(user)  # exists, and the id mapping can run it
     script = Path(sys.executable).parent / "nsbox"
     cli = [os.fspath(script)] if os.access(script, os.X_OK) else [sys.executable, "-m", "nsbox"]
-    # The sandbox is found in the registry under the state directory.
+    # The sandbox is found in the live-sandbox list under the state directory.
     env = [f"NSBOX_STATE_DIR={os.environ['NSBOX_STATE_DIR']}"] if os.environ.get("NSBOX_STATE_DIR") else []
     return shlex.join([*(["env", *env] if env else []), *cli, "shell", sb.id, *(["-u", user] if user else [])])
 

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 from ..host import dirs
 from ..host.idmap import IdMap
 from . import mounts, procmask, resources
-from .plan import Plan, contribute_hostname, contribute_network, contribute_seccomp, contribute_sysfs
+from .plan import (Plan, contribute_hostname, contribute_network, contribute_seccomp_relaxation,
+                   contribute_sysfs)
 from .rootfs import Rootfs
 
 if TYPE_CHECKING:
@@ -86,11 +87,11 @@ def build(inputs: Inputs, layer: Path, sandbox_id: str, hostname: str) -> Plan:
     """The plan of one sandbox, every contributor in its order."""
     spec = _Reading(inputs.spec)
     plan = Plan(inputs.idmap, root="", sandbox_id=sandbox_id)
-    resources.contribute(plan, resources.Limits.of(spec), sandbox_id, inputs.rundir, inputs.mount_dir)  # before mounts
+    resources.contribute(plan, resources.ResourceLimits.of(spec), sandbox_id, inputs.rundir, inputs.mount_dir)  # before mounts
     mounts.contribute(plan, inputs.rootfs, layer, inputs.mount_dir, spec.mounts)  # type: ignore[arg-type]
     contribute_hostname(plan, hostname)
     contribute_network(plan, spec.network)  # type: ignore[arg-type]
-    contribute_seccomp(plan, bool(spec.nested_userns or spec.privileged), unfiltered=bool(spec.privileged))
+    contribute_seccomp_relaxation(plan, bool(spec.nested_userns or spec.privileged), unfiltered=bool(spec.privileged))
     if spec.privileged:
         contribute_sysfs(plan, spec.network)  # type: ignore[arg-type]
     procmask.contribute(plan)

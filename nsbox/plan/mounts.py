@@ -40,8 +40,8 @@ def contribute(plan: Plan, rootfs: Rootfs, layer: Path, mount_dir: Path, binds: 
     procmask.mount_proc(plan, proc)  # or, where the host's /proc is masked, a bind of it
     # From here on every path is inside the sandbox: a symlink in the root
     # filesystem can only lead somewhere else inside it.
-    # A build's RUN keeps the image's own /tmp (nsbox/dockerfile/run.py), as docker build does.
-    _dev_tmp(plan, tmpfs_tmp=getattr(rootfs, "tmpfs_tmp", True))
+    # An image keeps its own /tmp, as in Docker (ImageRootfs.tmpfs_tmp).
+    _dev_tmp(plan, tmpfs_tmp=rootfs.tmpfs_tmp)
     for i, bind in enumerate(binds):
         _attach_bind(plan, bind, plan.slot(f"bind{i}"))
 

@@ -84,7 +84,7 @@ _modes_of: dict[str, str] = {}  # sandbox id -> its network mode, which never ch
 
 def _joined_mode(sandbox_id: str) -> str:
     """The network mode of the sandbox `container:ID` joins, read from its
-    registry entry once (a creation asks several times)."""
+    live entry once (a creation asks several times)."""
     if sandbox_id not in _modes_of:
         info = live.read(sandbox_id)
         if info is None:

@@ -242,11 +242,13 @@ def contribute_hostname(plan: Plan, hostname: str) -> None:
     plan.add(Phase.INSIDE, steps.hostname(hostname))
 
 
-def contribute_seccomp(plan: Plan, nested_userns: bool, unfiltered: bool = False) -> None:
-    """Every command runs under nsbox's seccomp filter (csrc/init/seccomp.c, set
-    up by the init); nested_userns lets commands create namespaces (and
-    mount), for tasks that run a sandbox inside the sandbox; `unfiltered`
-    (privileged) installs no filter: the user namespace alone confines."""
+def contribute_seccomp_relaxation(plan: Plan, nested_userns: bool, unfiltered: bool = False) -> None:
+    """The init's flags that relax its seccomp filter, if any. Every command
+    runs under nsbox's seccomp filter (csrc/init/seccomp.c, set up by the
+    init, which needs nothing from the plan for it); nested_userns lets
+    commands create namespaces (and mount), for tasks that run a sandbox
+    inside the sandbox; `unfiltered` (privileged) installs no filter: the
+    user namespace alone confines."""
     if nested_userns:
         plan.init_args.append("--nested-userns")
     if unfiltered:

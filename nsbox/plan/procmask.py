@@ -32,9 +32,9 @@ from __future__ import annotations
 import functools
 import os
 import select
-import sys
 
 from . import steps as s
+from ..errors import note_once
 from ..host.probe import MOUNTINFO, mountinfo as read_mountinfo
 from .plan import Phase, Plan
 
@@ -47,7 +47,6 @@ FALLBACK_NOTE = ("the host's /proc has masked paths (inside a container?), so th
 
 # Tests switch the masks off to show that their tests fail without them.
 enabled = True
-_noted = False
 
 
 def host_proc_covered(mountinfo: str = MOUNTINFO) -> list[str]:
@@ -106,13 +105,10 @@ def _existing() -> tuple[tuple[str, bool], ...]:
 def mount_proc(plan: Plan, proc: str) -> None:
     """Mounts the sandbox's /proc at `proc` (MOUNT phase): a fresh procfs,
     or, where the host's /proc is masked, a recursive bind of it."""
-    global _noted
     if not covered():
         plan.add(Phase.MOUNT, s.mount("proc", proc, "proc", PROC_FLAGS, None, "mount a fresh /proc"))
         return
-    if not _noted:
-        _noted = True
-        print(f"nsbox: note: {FALLBACK_NOTE}", file=sys.stderr)
+    note_once(FALLBACK_NOTE)
     slot = plan.slot("/proc")
     plan.add(Phase.HOST, s.tree_clone("/proc", slot, "take a copy of the host's /proc", recursive=True, nosuid=True))
     plan.add(Phase.MOUNT, s.tree_attach(slot, proc, "attach the copy of the host's /proc"))

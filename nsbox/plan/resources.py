@@ -48,13 +48,12 @@ import errno
 import functools
 import os
 import resource
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import steps as s
-from ..errors import HostPrerequisiteError
+from ..errors import HostPrerequisiteError, warn_once
 from ..host import probe
 from .plan import Phase, Plan, Writable
 
@@ -65,14 +64,13 @@ LIMITS = ("memory", "pids_limit", "cpus", "disk")
 
 # Tests switch the enforcement off to show that their tests fail without it.
 enabled = True
-_noted: set[str] = set()
 # What the rlimit fallback for memory leaves unbounded, as warnings and `nsbox doctor` say it.
 UNBOUNDED = ("it cannot bound memfd or SysV shared memory, pipe or socket buffers or other kernel memory "
              "(the tmpfs mounts share one of the limit's size); strict_limits refuses it")
 
 
 @dataclass(frozen=True)
-class Limits:
+class ResourceLimits:
     memory: int | None = None
     pids_limit: int | None = None
     cpus: float | None = None
@@ -80,7 +78,7 @@ class Limits:
     strict: bool = False  # refuse what no cgroup enforces (strict_limits)
 
     @classmethod
-    def of(cls, spec: object) -> "Limits":
+    def of(cls, spec: object) -> "ResourceLimits":
         return cls(*(getattr(spec, name) for name in LIMITS), strict=getattr(spec, "strict_limits", False))
 
     def scratch(self) -> int | None:
@@ -103,13 +101,7 @@ def _kernel_counts_nproc_per_userns() -> bool:
     return version is not None and version >= (5, 14)
 
 
-def note_once(text: str) -> None:
-    if text not in _noted:
-        _noted.add(text)
-        print(f"nsbox: warning: {text}", file=sys.stderr)
-
-
-def plan_limits(limits: Limits) -> tuple[dict[str, tuple[str, str]], dict[int, int], list[str]]:
+def plan_limits(limits: ResourceLimits) -> tuple[dict[str, tuple[str, str]], dict[int, int], list[str]]:
     """(cgroup limit -> (version, parent dir), rlimit -> value, what is
     approximated or not enforced, in words) for `limits` on this host."""
     sup = support()
@@ -137,7 +129,7 @@ def plan_limits(limits: Limits) -> tuple[dict[str, tuple[str, str]], dict[int, i
     return cgroups, rlimits, notes
 
 
-def check(limits: Limits) -> None:
+def check(limits: ResourceLimits) -> None:
     """With strict_limits: refuses a limit that no cgroup enforces here,
     before anything of the sandbox exists."""
     if not limits.strict:
@@ -153,7 +145,7 @@ def check(limits: Limits) -> None:
                                     "approximation (`nsbox doctor` says what this host enforces)")
 
 
-def contribute(plan: Plan, limits: Limits, sandbox_id: str, run_dir: Path, mount_dir: Path) -> None:
+def contribute(plan: Plan, limits: ResourceLimits, sandbox_id: str, run_dir: Path, mount_dir: Path) -> None:
     """Before mounts.contribute (the tmpfs holds /tmp, /dev/shm, /run, and
     the upper layers under a disk limit)."""
     if not enabled or not limits.requested():
@@ -169,7 +161,7 @@ def contribute(plan: Plan, limits: Limits, sandbox_id: str, run_dir: Path, mount
         plan.writable = Writable(where, size, layers=limits.disk is not None)
     cgroups, rlimits, notes = plan_limits(limits)
     for text in notes:
-        note_once(f"{text}; `nsbox doctor` says why")
+        warn_once(f"{text}; `nsbox doctor` says why")
     if not cgroups and not rlimits:
         return
 
@@ -192,7 +184,7 @@ def _write(path: Path, value: str) -> None:
         os.close(fd)
 
 
-def _settings(limits: Limits, name: str, version: str) -> list[tuple[str, str, bool]]:
+def _settings(limits: ResourceLimits, name: str, version: str) -> list[tuple[str, str, bool]]:
     """(file, value, required) for limit `name` in a cgroup of `version`."""
     if name == "memory":
         if version == "v1":
@@ -209,7 +201,7 @@ def _settings(limits: Limits, name: str, version: str) -> list[tuple[str, str, b
     return [("cpu.max", f"{quota} {CFS_PERIOD}", True)]
 
 
-def enter_cgroups(pid: int, limits: Limits, cgroups: dict[str, tuple[str, str]], sandbox_id: str,
+def enter_cgroups(pid: int, limits: ResourceLimits, cgroups: dict[str, tuple[str, str]], sandbox_id: str,
                   run_dir: Path) -> None:
     """Creates the sandbox's cgroups, sets the limits and moves `pid` in."""
     by_dir: dict[Path, tuple[str, list[str]]] = {}
@@ -286,6 +278,6 @@ def remove_cgroups(run_dir: Path, wait: float = 2.0) -> None:
             break
     if left:
         record.write_text("".join(f"{d}\n" for d in left))
-        note_once(f"cannot remove the cgroups {', '.join(map(str, left))}: `nsbox gc` tries again")
+        warn_once(f"cannot remove the cgroups {', '.join(map(str, left))}: `nsbox gc` tries again")
     else:
         record.unlink(missing_ok=True)

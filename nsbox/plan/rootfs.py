@@ -1,6 +1,6 @@
 """Root filesystems: the kinds a sandbox can start from.
 
-Two kinds of root:
+Three kinds of root (each a Rootfs):
 
 - HostRootfs, the built-in default: composed from this host. The host's /usr
   (and the merged-usr links) read-only; a per-sandbox writable /etc that
@@ -10,6 +10,8 @@ Two kinds of root:
 - DirectoryRootfs: a directory holding a root filesystem (an unpacked
   image). It is the read-only lower layer of an overlayfs whose upper layer
   is private to the sandbox, so sandboxes never change it or each other.
+- ImageRootfs: an image's unpacked layers, stacked as the lower layers of
+  such an overlay.
 
 Either way the writable layer lives in the sandbox's layer directory on the
 host (nsbox/host/layers.py). Each kind contributes its mounts to the sandbox's
@@ -24,7 +26,7 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from . import steps
 from ..errors import SandboxSetupError
@@ -51,8 +53,40 @@ from .plan import Phase, Plan
 USR_LINK_NAMES = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 
 
+class Rootfs:
+    """What every kind of root filesystem offers a sandbox and its plan."""
+
+    # Whether the sandbox gets a fresh tmpfs on /tmp (nsbox/plan/mounts.py).
+    tmpfs_tmp: ClassVar[bool] = True
+
+    def describe(self) -> str:
+        """The root in words, for messages."""
+        raise NotImplementedError
+
+    def prepare(self, layer: Path, hostname: str, owner: tuple[int, int]) -> None:
+        """Makes (or reuses) the sandbox's writable layer directory."""
+        raise NotImplementedError
+
+    def release_layer(self, layer: Path, owner: tuple[int, int]) -> bool:
+        """Keeps `layer` for the next sandbox if it is exactly as a new one
+        would be (so nothing of this sandbox carries over); True if kept."""
+        raise NotImplementedError
+
+    def identity_files(self) -> dict[str, str]:
+        """The sandbox's /etc/passwd and /etc/group where known without it."""
+        raise NotImplementedError
+
+    def known_dirs(self) -> set[str]:
+        """Directories known to exist in the root without looking."""
+        raise NotImplementedError
+
+    def contribute(self, plan: Plan, layer: Path) -> None:
+        """The root's mounts, in the sandbox's plan."""
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
-class HostRootfs:
+class HostRootfs(Rootfs):
     """The built-in default root filesystem, composed from this host.
 
     Its root is an overlayfs whose lower layer is a cached skeleton (the
@@ -174,17 +208,13 @@ class HostRootfs:
         plan.tmpfs("/run", 0o755, "mount a tmpfs on /run")
 
 
-@dataclass(frozen=True)
-class DirectoryRootfs:
-    """A directory holding a root filesystem, used as an overlay's lower layer."""
+class OverlayRootfs(Rootfs):
+    """A root that is one overlay over read-only lower directories, its upper
+    layer in the sandbox's layer directory."""
 
-    path: Path
-
-    def __str__(self) -> str:
-        return os.fspath(self.path)
-
-    def describe(self) -> str:
-        return f"the directory {self.path}"
+    def lower_dirs(self) -> list[Path]:
+        """The overlay's lower directories, topmost first."""
+        raise NotImplementedError
 
     def prepare(self, layer: Path, hostname: str, owner: tuple[int, int]) -> None:
         # As for the host root, an untouched layer of a closed sandbox is
@@ -207,43 +237,53 @@ class DirectoryRootfs:
     def known_dirs(self) -> set[str]:
         return set()
 
-    def lower_dirs(self) -> list[Path]:
-        """The overlay's lower directories, topmost first."""
-        return [self.path]
-
     def contribute(self, plan: Plan, layer: Path) -> None:
         overlay(plan, self.lower_dirs(), layer / "upper", layer / "work", plan.root,
                 f"mount the root filesystem (overlayfs over {self.describe()})")
 
 
 @dataclass(frozen=True)
-class ImageRootfs(DirectoryRootfs):
+class DirectoryRootfs(OverlayRootfs):
+    """A directory holding a root filesystem, used as an overlay's lower layer."""
+
+    path: Path
+
+    def __str__(self) -> str:
+        return os.fspath(self.path)
+
+    def describe(self) -> str:
+        return f"the directory {self.path}"
+
+    def lower_dirs(self) -> list[Path]:
+        return [self.path]
+
+
+@dataclass(frozen=True)
+class ImageRootfs(OverlayRootfs):
     """An image's layers (nsbox/storage), each unpacked once and shared by
     every image that has it, stacked as the lower layers of one overlay:
     a sandbox costs no copy."""
 
-    name: str = ""
-    layers: tuple[Path, ...] = ()  # lowest first
-    # An image's /tmp is its own (in the writable layer), as in Docker: a
-    # file a Dockerfile left there stays visible (nsbox/plan/mounts.py).
-    tmpfs_tmp: bool = False
+    name: str
+    layers: tuple[Path, ...]  # lowest first
+    # An image's /tmp is its own (in the writable layer), as in Docker and
+    # docker build: a file a Dockerfile left there stays visible, and what a
+    # RUN writes there is kept (nsbox/dockerfile/run.py).
+    tmpfs_tmp: ClassVar[bool] = False
 
     @classmethod
     def of(cls, image: Any) -> "ImageRootfs":
         """The root filesystem of a resolved nsbox.storage Image."""
-        return cls(image.layers[-1], image.name, tuple(image.layers))
+        return cls(image.name, tuple(image.layers))
 
     def __str__(self) -> str:
-        return self.name or os.fspath(self.path)
+        return self.name or os.fspath(self.layers[-1])
 
     def describe(self) -> str:
         return f"the image {self.name} ({len(self.layers)} layers)"
 
     def lower_dirs(self) -> list[Path]:
         return list(reversed(self.layers))
-
-
-Rootfs = HostRootfs | DirectoryRootfs
 
 
 def resolve(rootfs: str | os.PathLike[str] | None) -> Rootfs:

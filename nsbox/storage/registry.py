@@ -33,7 +33,7 @@ from ..host import idmap
 from ..errors import NsboxError
 from . import oci
 from .config import ImageConfig
-from .limits import Budget
+from .bounds import Budget
 from .progress import Progress
 from .reference import DOCKER_HUB, DOCKER_HUB_API, Reference, is_loopback, parse
 from .store import Image, ImageNotFound, Store, task_group

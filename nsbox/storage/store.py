@@ -51,7 +51,7 @@ from . import oci
 from .apply import ApplyReport, CorruptLayer, Exceeded, Unpacker
 from .config import ImageConfig
 from .confined import Confined, Runner
-from .limits import Budget, TooLarge
+from .bounds import Budget, TooLarge
 from .progress import Progress
 from .reference import ReferenceError, parse
 

@@ -33,7 +33,7 @@ from inspect_ai.solver import TaskState, generate, use_tools
 from inspect_ai.tool import bash
 from inspect_ai.util import sandbox
 
-from nsbox.host import live as sandbox_registry
+from nsbox.host import live
 from nsbox.errors import NsboxError
 from nsbox.inspect.provider import NsboxSandboxEnvironment
 
@@ -95,7 +95,7 @@ def _check(log: Any, samples: int) -> list[Any]:
         score = s.scores["output_has"]
         assert score.value == CORRECT, score.explanation
         for sid in (score.metadata or {}).get("ids", {}).values():
-            assert sandbox_registry.read(sid) is None  # every service's sandbox is gone
+            assert live.read(sid) is None  # every service's sandbox is gone
     return log.samples
 
 
@@ -204,7 +204,7 @@ def test_unsupported_keys_fail_the_task_in_one_message(images: dict[str, str], t
             pid: host
             devices: ["/dev/kvm:/dev/kvm"]
         """, "nsbox_compose_bad", output_has("x"))
-    before = {i.id for i in sandbox_registry.entries()}
+    before = {i.id for i in live.entries()}
     script = scripted([])
     # Inspect runs task_init before it opens the log: the error surfaces as
     # the exception itself, before any sample or sandbox.
@@ -214,7 +214,7 @@ def test_unsupported_keys_fail_the_task_in_one_message(images: dict[str, str], t
     assert "nsbox cannot honour: devices (host devices other than GPUs are not passed through; GPUs: use gpus), " \
            "pid: host" in message and "service default" in message, message
     assert script.calls == []  # type: ignore[attr-defined]
-    assert {i.id for i in sandbox_registry.entries()} == before
+    assert {i.id for i in live.entries()} == before
 
 
 DOCKERFILE = """\
@@ -352,11 +352,11 @@ def test_no_sandbox_cleanup_keeps_every_service(images: dict[str, str], tmp_path
         volumes = nsbox.host.dirs.data_dir() / "volumes"
         assert [p for p in volumes.iterdir() if p.is_dir()]
         anyio.run(NsboxSandboxEnvironment.cli_cleanup, None)
-        assert all(sandbox_registry.read(i.id) is None for i in kept.values())
+        assert all(live.read(i.id) is None for i in kept.values())
         assert list(volumes.iterdir()) == []  # the sample's volumes went with its last sandbox
     finally:
         for info in kept.values():
-            if sandbox_registry.read(info.id) is not None:
+            if live.read(info.id) is not None:
                 manage.remove(info, force=True)
 
 
@@ -461,7 +461,7 @@ async def test_a_service_that_never_gets_healthy_fails_the_sample(images: dict[s
     try:
         with pytest.raises(NsboxError, match=r"service web is unhealthy after .*exit status 1: web is not ready"):
             await NsboxSandboxEnvironment.sample_init(name, str(compose), {"__sample_id__": "1"})
-        assert [i for i in sandbox_registry.entries() if name in i.label] == []
+        assert [i for i in live.entries() if name in i.label] == []
     finally:
         await NsboxSandboxEnvironment.task_cleanup(name, str(compose), cleanup=True)
 

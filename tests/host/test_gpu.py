@@ -175,7 +175,7 @@ async def test_cdi_refuses_what_it_does_not_have(cdi: Path, request_: object, me
     with pytest.raises(SandboxSetupError) as e:
         await sb.start()
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
-    # Refused before anything was made: no runtime dir, registry entry or layer.
+    # Refused before anything was made: no runtime dir, live entry or layer.
     assert sb.id and live.read(sb.id) is None
     assert not (dirs.runtime_dir() / sb.id).exists() and not (layers.layers_dir() / sb.id).exists()
 

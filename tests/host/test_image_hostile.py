@@ -234,15 +234,15 @@ async def test_image_size_bound(tmp_path: Path, store: Store, monkeypatch: pytes
 
 
 def test_limits_setting_errors(monkeypatch: pytest.MonkeyPatch) -> None:
-    from nsbox.storage.limits import Limits
+    from nsbox.storage.bounds import ImageBounds
 
     monkeypatch.setenv("NSBOX_IMAGE_LIMITS", "layer-size=2G, files=10k")
-    lim = Limits.from_env()
+    lim = ImageBounds.from_env()
     assert lim.layer_size == 2 << 30 and lim.files == 10_000
     for bad in ("layer-size=lots", "colour=red", "size"):
         monkeypatch.setenv("NSBOX_IMAGE_LIMITS", bad)
         with pytest.raises(NsboxError, match="NSBOX_IMAGE_LIMITS"):
-            Limits.from_env()
+            ImageBounds.from_env()
 
 
 # ---- the applier, fuzzed --------------------------------------------------

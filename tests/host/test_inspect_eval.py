@@ -177,7 +177,7 @@ KEEP_STEPS: list[tuple[str, dict[str, Any]]] = [("bash", {"command": "echo {INPU
 
 
 def inspect_entries(task_name: str) -> dict[str, manage.Entry]:
-    """The registry's sandboxes of the samples of `task_name`, by marker."""
+    """The live sandboxes of the samples of `task_name`, by marker."""
     return {e.info.label: e for e in manage.entries() if e.info.origin == "inspect" and task_name in e.info.label}
 
 

@@ -110,7 +110,7 @@ async def fingerprint(sb: nsbox.Sandbox) -> tuple[str, str, int]:
 def image_sandbox(lower: Path) -> nsbox.Sandbox:
     """A sandbox whose root is an ImageRootfs of one layer, `lower`."""
     sb = nsbox.Sandbox(workdir="/")
-    sb.rootfs = ImageRootfs(lower, "test-image", (lower,))
+    sb.rootfs = ImageRootfs("test-image", (lower,))
     return sb
 
 

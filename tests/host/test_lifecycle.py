@@ -69,7 +69,7 @@ async def test_context_manager_and_explicit_lifecycle() -> None:
 def host_state() -> tuple[set[str], set[str], str]:
     """What sandboxes leave on the host once this process's closed ones are
     released (layers, on the sweeper's thread): layers but for the pool and
-    the trash, registry entries, this process's mounts."""
+    the trash, live entries, this process's mounts."""
     assert removal.wait_swept(10)
     layers = set(os.listdir(layer_store.layers_dir())) - {layer_store.REUSE, layer_store.TRASH}
     return layers, set(os.listdir(dirs.runtime_dir())), Path("/proc/self/mountinfo").read_text()
@@ -133,7 +133,7 @@ def test_sigkill_of_the_owner_leaves_no_process() -> None:
         owner.send_signal(signal.SIGKILL)
         owner.wait()
         assert wait_until_empty(info["ns"], 5) == []
-        # The registry now shows an entry whose owner is gone (for `nsbox gc`).
+        # The live-sandbox list now shows an entry whose owner is gone (for `nsbox gc`).
         # The init leaves its namespaces before it has finished exiting
         # (unmounting its tree): allow it that moment.
         deadline = time.monotonic() + 5
@@ -218,7 +218,7 @@ async def test_a_layer_failing_while_the_zygote_clones_leaves_nothing(monkeypatc
     """With a cached plan the layer is prepared after the request went to
     the zygote (launch's before_go). If that fails, the cloned process gets
     no go: it exits without running a step, is reaped, and its layer and
-    registry entry go; the next sandbox is fine."""
+    live entry go; the next sandbox is fine."""
     from nsbox.create import launch as launch_mod
     from nsbox.plan import rootfs as rootfs_mod
 

@@ -20,6 +20,7 @@ import anyio
 import pytest
 
 import nsbox
+from nsbox import errors
 from nsbox.host import layers, live
 from nsbox.plan import resources
 from nsbox.errors import HostPrerequisiteError
@@ -30,7 +31,7 @@ MiB = 1 << 20
 
 @pytest.fixture(autouse=True)
 def _switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(resources, "_noted", set())  # each test sees the warnings it causes
+    monkeypatch.setattr(errors, "_said", set())  # each test sees the warnings it causes
     if "resources" in os.environ.get("NSBOX_TEST_SWITCH_OFF", ""):
         monkeypatch.setattr(resources, "enabled", False)
 
@@ -272,7 +273,7 @@ def test_v2_delegated_cgroup(tmp_path: Path) -> None:
     (parent / "cgroup.subtree_control").write_text("")
     for name in ("memory.max", "memory.swap.max", "pids.max", "cpu.max", "cgroup.procs"):
         (d / name).write_text("")
-    limits = resources.Limits(memory=64 * MiB, pids_limit=10, cpus=1.5)
+    limits = resources.ResourceLimits(memory=64 * MiB, pids_limit=10, cpus=1.5)
     run = tmp_path / "run"
     run.mkdir()
     resources.enter_cgroups(4242, limits, {k: ("v2", str(parent)) for k in ("memory", "pids_limit", "cpus")},

@@ -185,7 +185,7 @@ def test_a_thousand_live_sandboxes_with_a_soft_limit_of_1024(mode: str) -> None:
     assert m["created"] == N
     assert m["execs_ok"] == N
     assert m["fds_per_sandbox"] <= FDS_PER_SANDBOX, "more host descriptors per sandbox than FDS_PER_SANDBOX"
-    # Everything closed: no descriptor, child, init, registry entry or layer left.
+    # Everything closed: no descriptor, child, init, live entry or layer left.
     assert m["swept"], "the trash was not swept within 60 s"
     assert m["fds_left_over"] <= 0, f"{m['fds_left_over']} descriptors left open after closing"
     assert m["children_left"] == []

@@ -24,18 +24,18 @@ _COUNTS = {"": 1, "k": 1000, "m": 1000_000}
 
 
 class TooLarge(NsboxError):
-    """A layer or image over a bound of `Limits`."""
+    """A layer or image over a bound of `ImageBounds`."""
 
 
 @dataclass(frozen=True)
-class Limits:
+class ImageBounds:
     layer_size: int = 16 << 30
     layer_files: int = 1_000_000
     size: int = 64 << 30
     files: int = 4_000_000
 
     @classmethod
-    def from_env(cls) -> Limits:
+    def from_env(cls) -> ImageBounds:
         lim = cls()
         text = os.environ.get(ENV, "").strip()
         names = {f.name.replace("_", "-"): f.name for f in fields(cls)}
@@ -65,26 +65,26 @@ def refusal(what: str, key: str, limit: int) -> TooLarge:
 
 
 class Budget:
-    """One image's share of the limits while its layers unpack (side by
+    """One image's share of the bounds while its layers unpack (side by
     side): each layer may use the rest of the image's bound, and what the
     layers used is summed when each is done, so concurrent layers can
     overshoot only until the sum is checked."""
 
-    def __init__(self, what: str, limits: Limits | None = None) -> None:
+    def __init__(self, what: str, bounds: ImageBounds | None = None) -> None:
         self.what = what
-        self.limits = limits or Limits.from_env()
+        self.bounds = bounds or ImageBounds.from_env()
         self.size = 0
         self.files = 0
         self.published: list[Path] = []  # layers unpacked for it by this pull or import
 
     def for_layer(self) -> tuple[int, int]:
         """(bytes, files) the next layer may unpack to."""
-        lim = self.limits
+        lim = self.bounds
         return min(lim.layer_size, lim.size - self.size), min(lim.layer_files, lim.files - self.files)
 
     def refusal(self, layer: str, kind: str, allowed: tuple[int, int]) -> TooLarge:
         """The error for a layer stopped at `allowed` (from for_layer)."""
-        lim = self.limits
+        lim = self.bounds
         if kind == "size":
             if allowed[0] < lim.layer_size:
                 return refusal(f"image {self.what}", "size", lim.size)
@@ -97,8 +97,8 @@ class Budget:
         """Counts a layer in; the error if the image is now over a bound."""
         self.size += size
         self.files += files
-        if self.size > self.limits.size:
-            return refusal(f"image {self.what}", "size", self.limits.size)
-        if self.files > self.limits.files:
-            return refusal(f"image {self.what}", "files", self.limits.files)
+        if self.size > self.bounds.size:
+            return refusal(f"image {self.what}", "size", self.bounds.size)
+        if self.files > self.bounds.files:
+            return refusal(f"image {self.what}", "files", self.bounds.files)
         return None
