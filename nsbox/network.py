@@ -185,14 +185,16 @@ class Network:
             del self.members[name]  # refused: nothing of ours to forget
             raise
 
-    async def _join(self, sandbox: "Sandbox", pid: int, pidfd: int) -> None:
-        """While the member's setup runs: its interface, address and
-        outbound (its init keeps its user and network namespace)."""
+    async def _join(self, sandbox: "Sandbox", pid: int, pidfd: int, *, ifname: str = "eth0",
+                    outbound: bool = True) -> None:
+        """While the member's setup runs: its interface `ifname`, address
+        and (`outbound`, not internal) outbound access (its init keeps its
+        user and network namespace)."""
         ns = Namespaces.of_pid(pid)  # with its user namespace (unprivileged: for pasta to enter)
         try:
             if fdwait.readable_now(pidfd):  # its init exited
                 raise NetError(f"{sandbox.hostname} exited while joining network {self.name}")
-            await self._net.connect(sandbox.hostname, ns, watch_pidfd=pidfd)
+            await self._net.connect(sandbox.hostname, ns, watch_pidfd=pidfd, ifname=ifname, outbound=outbound)
         finally:
             ns.close()
 
@@ -222,8 +224,9 @@ class Network:
 
         sb = self.members.get(name)
         if sb is not None:
-            if sb._client is not None:  # running, or starting
-                await sb._write_as_root("/etc/hosts", self.hosts_for(name))
+            if sb._client is not None:  # running, or starting: its peers on all its networks
+                nets = [net for net, _ in netmodes.service_networks(sb.spec)]
+                await sb._write_as_root("/etc/hosts", member_hosts(name, nets))
             return
         if sandbox_id is None:
             return
@@ -256,6 +259,15 @@ class Network:
 
     def address_of(self, name: str) -> str:
         return self._net.members[name].ip
+
+
+def member_hosts(name: str, nets: Sequence[Network]) -> str:
+    """The /etc/hosts of member `name` of `nets`: its peers on each network
+    by their names there (its first network, which carries its outbound
+    traffic, gives its own address and the host's entry)."""
+    first, *more = nets
+    peers = [(address, [n for n in names if n != name]) for net in more for address, names in net._net.peers(name)]
+    return first.hosts_for(name) + "".join(f"{address}\t{' '.join(names)}\n" for address, names in peers if names)
 
 
 def check_network_name(name: str) -> None:

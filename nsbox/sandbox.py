@@ -315,15 +315,17 @@ class Sandbox:
             self._use_gpus(self.spec.gpus)
         if self.spec.network.startswith(NET):  # this process's network, or a named one it reaches now
             (await network_mod.lookup(self.spec.network)).check_mapping(self.idmap)
+        netmodes.check_more_networks(self.spec)
         netmodes.check(self.spec)  # nat without a usable tun device: one line, before anything exists
         if extra_env := netmodes.environment(self.spec):
             self.spec = self.spec.replace(env={**extra_env, **self.spec.env})
         self._layer = layers.layers_dir() / self.id
         self._rundir = dirs.runtime_dir() / self.id
         self._rundir.mkdir(mode=0o700)
-        service_net = netmodes.service_network(self.spec)
-        if service_net is not None:
-            await service_net._reserve(self, self.spec.network_aliases)
+        service_nets = netmodes.service_networks(self.spec)  # [] unless on service networks
+        service_net = service_nets[0][0] if service_nets else None
+        for net, aliases in service_nets:
+            await net._reserve(self, aliases)
         etc_written = False
 
         def prepare_layer() -> None:
@@ -345,7 +347,8 @@ class Sandbox:
         plan.join = netmodes.open_join(self.spec, self.idmap)
         if service_net is not None:
             plan.userns = service_net.owner_userns()
-            plan.alongside.append(lambda pid: service_net._join(self, pid, self._launched.pidfd))
+        for i, (net, _) in enumerate(service_nets):  # eth0, eth1...: outbound through the first
+            plan.alongside.append(functools.partial(self._join_network, net, i))
         try:
             await launch(plan, self._launched, sandbox_id=self.id, socket_path=self._rundir / live.SOCKET,
                          layer=self._layer, on_cloned=self._register,
@@ -362,8 +365,11 @@ class Sandbox:
         if netmodes.needs_etc(self.spec) and not etc_written:
             for path, text in netmodes.etc_files(self.spec, self.hostname).items():
                 await self._write_as_root(path, text)
-        if service_net is not None:
-            await service_net._settle(self)
+        for net, _ in service_nets:
+            await net._settle(self)
+
+    async def _join_network(self, net: network_mod.Network, index: int, pid: int) -> None:
+        await net._join(self, pid, self._launched.pidfd, ifname=f"eth{index}", outbound=index == 0)
 
     def _use_gpus(self, request: str) -> None:
         """The GPUs' device nodes, driver files and environment, as binds
@@ -549,9 +555,10 @@ class Sandbox:
             await self._reap()
 
     async def _leave_network(self) -> None:
-        service_net = network_mod.local(self.spec.network) if not self._attached else None
-        if service_net is not None:
-            await service_net._leave(self)
+        for value in ([self.spec.network, *self.spec.more_networks] if not self._attached else []):
+            service_net = network_mod.local(value)
+            if service_net is not None:
+                await service_net._leave(self)
 
     async def _teardown(self) -> None:
         self._state = "closed"

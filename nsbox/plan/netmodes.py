@@ -99,6 +99,33 @@ def service_network(spec: SandboxSpec) -> Any:
     return net
 
 
+def service_networks(spec: SandboxSpec) -> list[tuple[Any, tuple[str, ...]]]:
+    """The nsbox.Networks the sandbox joins, each with its aliases there:
+    `network` first, then `more_networks` (empty for other modes)."""
+    first = service_network(spec)
+    if first is None:
+        return []
+    from ..network import local
+
+    more = [(local(value), aliases) for value, aliases in spec.more_networks.items()]
+    return [(first, spec.network_aliases), *more]
+
+
+def check_more_networks(spec: SandboxSpec) -> None:
+    """more_networks: networks of this process, on one owner user namespace
+    (a member is created in it, and linked into each; named networks each
+    have their own)."""
+    from ..network import local
+
+    if not spec.more_networks:
+        return
+    for value in (spec.network, *spec.more_networks):
+        net = local(value)
+        if net is None or net.named:
+            raise NetError(f"network {value[len(NET):]}: a sandbox on several networks joins networks of "
+                           f"this process only, not named ones")
+
+
 def host_loopback(spec: SandboxSpec) -> bool:
     """Whether the sandbox asked for the host's loopback (host_loopback, or
     a `hosts` entry "host-gateway"). Only nat opens it, and only then:
@@ -218,9 +245,11 @@ def environment(spec: SandboxSpec) -> dict[str, str]:
 def etc_files(spec: SandboxSpec, hostname: str) -> dict[str, str]:
     """The /etc files the mode (and extra hosts) need written into the sandbox once it runs."""
     peers = [(address, [name]) for name, address in extra_hosts(spec).items()]
-    net = service_network(spec)
-    if net is not None:  # a member, reserved already
-        hosts = net.hosts_for(hostname)
+    nets = service_networks(spec)
+    if nets:  # a member, reserved already
+        from ..network import member_hosts
+
+        hosts = member_hosts(hostname, [net for net, _ in nets])
     elif mode(spec) == "nat":
         hosts = hosts_mod.render_hosts(hostname, peers,
                                        host_address=usernet.GATEWAY if host_loopback(spec) else None)
