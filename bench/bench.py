@@ -351,12 +351,14 @@ async def bench_image_create(n: int, warmup: int, notes: list[str]) -> list[Row]
         why = f"n/a: {OCI_LAYOUT} missing (rootfs/images.sh)"
         return [Row(op, 0, None, f"host rootfs ({why})", None, "ms", "<= +1 ms vs host"),
                 Row(op, 0, None, podman_text, None, "ms", "report")]
+    from nsbox.sandbox import confined
     from nsbox.storage import Store
     from nsbox.storage.archive import import_image
+    from nsbox.storage.resolve import resolve
 
-    store = Store()
+    store = Store(runner=confined)
     try:
-        await store.resolve(BENCH_IMAGE, pull="never")
+        await resolve(store, BENCH_IMAGE, pull="never")
     except Exception:  # not there yet, or not unpacked: import the layout
         await import_image(store, OCI_LAYOUT, name=BENCH_IMAGE, tag=OCI_TAG)
     parts: dict[str, list[float]] = {}
@@ -495,6 +497,7 @@ async def bench_pull(n: int, notes: list[str]) -> list[Row]:
     if missing:
         return [Row(op, 0, None, f"{baseline} (n/a: missing {', '.join(missing)})", None, "ms", "ratio <= 1.50")]
     from nsbox.host import idmap
+    from nsbox.sandbox import confined
     from nsbox.storage import Store
     from nsbox.storage.registry import pull
 
@@ -512,7 +515,7 @@ async def bench_pull(n: int, notes: list[str]) -> list[Row]:
 
         async def ns(dest: str) -> None:
             nonlocal size
-            image = await pull(Store(Path(dest)), ref)
+            image = await pull(Store(Path(dest), runner=confined), ref)
             size = sum(e.stat(follow_symlinks=False).st_size for layer in image.layers
                        for e in _walk(os.fspath(layer))) if not size else size
 

@@ -36,24 +36,34 @@ import contextlib
 import fcntl
 import ipaddress
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import Awaitable, Callable, Iterator, Mapping, Sequence
 
 import anyio
 
-from .host import dirs, idmap
-from .init import fdwait
+from .host import dirs, idmap, live
+from .init import fdwait, files, protocol
+from .init.client import InitClient
+from .init.users import ROOT
 from .create import zygote
-from .plan import netmodes
 from .net import bridge
 from .net.client import Namespaces, NetError
 from .spec import NET, NETWORK_NAME
 
-if TYPE_CHECKING:
-    from .sandbox import Sandbox
-
 _networks: dict[str, "Network"] = {}  # this process's networks and the named ones it reached
 OTHERS_TIMEOUT = 5.0  # rewriting another process's member's /etc/hosts
+_AS_ROOT = protocol.Creds(ROOT.uid, ROOT.gid, ROOT.groups)
+
+
+@dataclass
+class Member:
+    """A member of this process: its sandbox, and how its /etc/hosts is
+    rewritten as members come and go (`write_hosts(text)`, which skips a
+    member that does not run yet)."""
+
+    sandbox_id: str
+    write_hosts: Callable[[str], Awaitable[None]]
 
 
 class Network:
@@ -69,7 +79,7 @@ class Network:
         self.host_access = host_access
         self.named = named
         self.mapping = idmap.detect(id_mapping)
-        self.members: dict[str, "Sandbox"] = {}  # this process's members
+        self.members: dict[str, Member] = {}  # this process's members, by hostname
         self._net = bridge.Network(name, internal=internal, host_access=host_access)
         self._owner: int | None = None  # a named network's user namespace (unprivileged)
 
@@ -159,7 +169,12 @@ class Network:
         return {"name": self.name, "internal": self.internal, "host_access": self.host_access,
                 "subnet": str(self._net.subnet), "members": {n: m.ip for n, m in self._net.members.items()}}
 
-    # ---- membership (Sandbox calls these) ---------------------------------
+    # ---- membership ------------------------------------------------------
+    # A member (nsbox.Sandbox) calls, by its hostname: reserve() before its
+    # clone, join() while its setup runs, settle() once it runs, leave() when
+    # it closes or fails. The network never holds a Sandbox: a member of this
+    # process rewrites its own /etc/hosts when asked (Member.write_hosts);
+    # another process's is written through its init's socket.
 
     def owner_userns(self) -> int | None:
         """For a named network of an unprivileged user: its user namespace,
@@ -172,29 +187,28 @@ class Network:
             raise NetError(f"network {self.name} was created with another id mapping than this sandbox's",
                            hint="create its members with the id_mapping the network was created with")
 
-    async def _reserve(self, sandbox: "Sandbox", aliases: Sequence[str] = ()) -> None:
+    async def reserve(self, name: str, sandbox_id: str, write_hosts: Callable[[str], Awaitable[None]], *,
+                      aliases: Sequence[str] = (), extra_hosts: dict[str, str] | None = None) -> None:
         """Before its clone: the member's name and address (so its own
         /etc/hosts is written with its other files)."""
-        name = sandbox.hostname
         if name in self.members:
             raise NetError(f"network {self.name} already has a member called {name}")
-        self.members[name] = sandbox  # first: a reservation cut short is still forgotten on leave
+        self.members[name] = Member(sandbox_id, write_hosts)  # first: a reservation cut short is still forgotten on leave
         try:
-            await self._net.reserve(name, aliases, sandbox=sandbox.id, extra=netmodes.extra_hosts(sandbox.spec))
+            await self._net.reserve(name, aliases, sandbox=sandbox_id, extra=extra_hosts)
         except NetError:
             del self.members[name]  # refused: nothing of ours to forget
             raise
 
-    async def _join(self, sandbox: "Sandbox", pid: int, pidfd: int, *, ifname: str = "eth0",
-                    outbound: bool = True) -> None:
+    async def join(self, name: str, pid: int, pidfd: int, *, ifname: str = "eth0", outbound: bool = True) -> None:
         """While the member's setup runs: its interface `ifname`, address
         and (`outbound`, not internal) outbound access (its init keeps its
         user and network namespace)."""
         ns = Namespaces.of_pid(pid)  # with its user namespace (unprivileged: for pasta to enter)
         try:
             if fdwait.readable_now(pidfd):  # its init exited
-                raise NetError(f"{sandbox.hostname} exited while joining network {self.name}")
-            await self._net.connect(sandbox.hostname, ns, watch_pidfd=pidfd, ifname=ifname, outbound=outbound)
+                raise NetError(f"{name} exited while joining network {self.name}")
+            await self._net.connect(name, ns, watch_pidfd=pidfd, ifname=ifname, outbound=outbound)
         finally:
             ns.close()
 
@@ -202,12 +216,12 @@ class Network:
         """A member's /etc/hosts: its peers, its own extra hosts, the host."""
         return self._net.hosts_for(hostname)
 
-    async def _settle(self, sandbox: "Sandbox") -> None:
+    async def settle(self, name: str) -> None:
         """Once the member runs: the other members' /etc/hosts. (Its own was
         written with its files, but on a named network members of other
         processes may have come since. Its resolver, on an outbound network,
         is nat mode's: nsbox/plan/netmodes.py.)"""
-        await self._announce(but=None if self.named else sandbox.hostname)
+        await self._announce(but=None if self.named else name)
 
     async def _announce(self, but: str | None = None) -> None:
         """Rewrites /etc/hosts in every member (after a join or a leave),
@@ -220,39 +234,38 @@ class Network:
                     tg.start_soon(self._rewrite_hosts, name, member.sandbox)
 
     async def _rewrite_hosts(self, name: str, sandbox_id: str | None) -> None:
-        from .sandbox import Sandbox
-
-        sb = self.members.get(name)
-        if sb is not None:
-            if sb._client is not None:  # running, or starting: its peers on all its networks
-                nets = [net for net, _ in netmodes.service_networks(sb.spec)]
-                await sb._write_as_root("/etc/hosts", member_hosts(name, nets))
+        mine = self.members.get(name)
+        if mine is not None:
+            await mine.write_hosts(self.hosts_for(name))
             return
         if sandbox_id is None:
             return
-        # Another process's member: through its init, bounded (a member
-        # that does not answer keeps its old file).
+        # Another process's member: through its init's socket, bounded (a
+        # member that does not answer keeps its old file).
         with anyio.move_on_after(OTHERS_TIMEOUT):
-            try:
-                other = await Sandbox.attach(sandbox_id)
-            except Exception:
+            info = live.read(sandbox_id)
+            if info is None or not info.init_alive:
                 return  # gone: the worker forgets it when its init exits
             try:
-                await other._write_as_root("/etc/hosts", self.hosts_for(name))
+                client = InitClient.connect(os.fspath(live.sandbox_dir(sandbox_id) / live.SOCKET), sandbox_id)
+            except OSError:
+                return
+            try:
+                await files.write_file(client, _AS_ROOT, "/etc/hosts", self.hosts_for(name))
             except Exception:
                 pass
             finally:
-                with anyio.CancelScope(shield=True):
-                    await other.close()
+                client.close()
 
-    async def _leave(self, sandbox: "Sandbox") -> None:
+    async def leave(self, name: str, sandbox_id: str) -> None:
         """Its leaving (or failed) member: the others forget it."""
-        if self.members.get(sandbox.hostname) is not sandbox:
-            return
-        del self.members[sandbox.hostname]
+        mine = self.members.get(name)
+        if mine is None or mine.sandbox_id != sandbox_id:
+            return  # never reserved (the name was another member's)
+        del self.members[name]
         with anyio.CancelScope(shield=True):
             try:
-                await self._net.forget(sandbox.hostname, sandbox=sandbox.id)  # its veth pair goes with its namespace
+                await self._net.forget(name, sandbox=sandbox_id)  # its veth pair goes with its namespace
                 await self._announce()
             except Exception:
                 pass  # a member closing at the same time: its next join rewrites all
@@ -261,13 +274,40 @@ class Network:
         return self._net.members[name].ip
 
 
-def member_hosts(name: str, nets: Sequence[Network]) -> str:
-    """The /etc/hosts of member `name` of `nets`: its peers on each network
-    by their names there (its first network, which carries its outbound
-    traffic, gives its own address and the host's entry)."""
-    first, *more = nets
-    peers = [(address, [n for n in names if n != name]) for net in more for address, names in net._net.peers(name)]
-    return first.hosts_for(name) + "".join(f"{address}\t{' '.join(names)}\n" for address, names in peers if names)
+def more_networks(first: Network, more: Mapping[str, Sequence[str]]) -> list[tuple[Network, Sequence[str]]]:
+    """The networks of a member's `more_networks` ("net:NAME" -> its aliases
+    there), besides `first`: networks of this process, which share its
+    holder user namespace, where the member is created and from which it
+    can be linked into each (a named network has an owner of its own)."""
+    nets = []
+    for value, aliases in more.items():
+        net = local(value)
+        if net is None or net.named or first.named:
+            raise NetError(f"network {value[len(NET):]}: a sandbox on several networks joins networks of "
+                           "this process only, not named ones")
+        nets.append((net, aliases))
+    return nets
+
+
+@dataclass
+class Joined:
+    """A member's several networks, as the network modes read one
+    (netmodes.ServiceNetwork): the first, which carries its outbound
+    traffic, decides `internal`, its own address and the host's entry;
+    its /etc/hosts names its peers on each network by their names there."""
+
+    nets: Sequence[Network]
+
+    @property
+    def internal(self) -> bool:
+        return self.nets[0].internal
+
+    def hosts_for(self, hostname: str) -> str:
+        first, *more = self.nets
+        peers = [(address, [n for n in names if n != hostname])
+                 for net in more for address, names in net._net.peers(hostname)]
+        return first.hosts_for(hostname) + "".join(f"{address}\t{' '.join(names)}\n"
+                                                   for address, names in peers if names)
 
 
 def check_network_name(name: str) -> None:

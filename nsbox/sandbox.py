@@ -149,6 +149,8 @@ class Sandbox:
         self._detached = False
         self._attached = False  # connected to a sandbox another process owns
         self._user_cache: dict[str, tuple[bytes, bytes, users.Identity | None]] = {}
+        # Its service networks (this process's), each with its aliases there.
+        self._networks: list[tuple[network_mod.Network, Sequence[str]]] = []
         self._net: netmodes.Attached | None = None  # what this process serves for nat, proxy and ports
 
     # What the spec says, under the names this class always had.
@@ -215,11 +217,11 @@ class Sandbox:
         what the sandbox's own settings leave open, as `docker run` does."""
         from .storage import Store
         from .storage.progress import Progress
+        from .storage.resolve import resolve
 
         mapping = idmap.detect(self.spec.id_mapping)  # type: ignore[arg-type]
-        self.image = await Store().resolve(ref, id_mapping=self.spec.id_mapping,  # type: ignore[arg-type]
-                                           pull=self.spec.pull, platform=self.spec.platform,
-                                           progress=Progress(sys.stderr))
+        self.image = await resolve(Store(runner=confined), ref, id_mapping=self.spec.id_mapping,  # type: ignore[arg-type]
+                                   pull=self.spec.pull, platform=self.spec.platform, progress=Progress(sys.stderr))
         config = self.image.config
         user, note = config.effective_user(mapping, self.spec.user)
         if note:
@@ -313,19 +315,24 @@ class Sandbox:
         self.hostname = self.spec.hostname or self.id
         if self.spec.gpus is not None:
             self._use_gpus(self.spec.gpus)
+        service_net = service_view = None
         if self.spec.network.startswith(NET):  # this process's network, or a named one it reaches now
-            (await network_mod.lookup(self.spec.network)).check_mapping(self.idmap)
-        netmodes.check_more_networks(self.spec)
-        netmodes.check(self.spec)  # nat without a usable tun device: one line, before anything exists
+            service_net = await network_mod.lookup(self.spec.network)
+            service_net.check_mapping(self.idmap)
+            service_view = service_net
+            more = network_mod.more_networks(service_net, self.spec.more_networks)
+            self._networks = [(service_net, self.spec.network_aliases), *more]
+            if more:  # one view of them all for the network modes (/etc/hosts)
+                service_view = network_mod.Joined([net for net, _ in self._networks])
+        netmodes.check(self.spec, service_view)  # nat without a usable tun device: one line, before anything exists
         if extra_env := netmodes.environment(self.spec):
             self.spec = self.spec.replace(env={**extra_env, **self.spec.env})
         self._layer = layers.layers_dir() / self.id
         self._rundir = dirs.runtime_dir() / self.id
         self._rundir.mkdir(mode=0o700)
-        service_nets = netmodes.service_networks(self.spec)  # [] unless on service networks
-        service_net = service_nets[0][0] if service_nets else None
-        for net, aliases in service_nets:
-            await net._reserve(self, aliases)
+        for net, aliases in self._networks:
+            await net.reserve(self.hostname, self.id, self._write_hosts, aliases=aliases,
+                              extra_hosts=netmodes.extra_hosts(self.spec))
         etc_written = False
 
         def prepare_layer() -> None:
@@ -333,7 +340,7 @@ class Sandbox:
             assert self.idmap is not None and self._layer is not None
             self.rootfs.prepare(self._layer, self.hostname, self.idmap.host_root)
             etc_written = netmodes.prepare_layer(self.spec, self.rootfs, self._layer, self.hostname,
-                                                self.idmap.host_root)
+                                                self.idmap.host_root, service_view)
 
         # A plan copied from a template names the layer without looking at
         # it: the layer is then prepared while the zygote clones.
@@ -347,7 +354,7 @@ class Sandbox:
         plan.join = netmodes.open_join(self.spec, self.idmap)
         if service_net is not None:
             plan.userns = service_net.owner_userns()
-        for i, (net, _) in enumerate(service_nets):  # eth0, eth1...: outbound through the first
+        for i, (net, _) in enumerate(self._networks):  # eth0, eth1...: outbound through the first
             plan.alongside.append(functools.partial(self._join_network, net, i))
         try:
             await launch(plan, self._launched, sandbox_id=self.id, socket_path=self._rundir / live.SOCKET,
@@ -363,13 +370,13 @@ class Sandbox:
         if netmodes.private(self.spec):
             self._net = await netmodes.attach(self.spec, self.pid, self._launched.pidfd)
         if netmodes.needs_etc(self.spec) and not etc_written:
-            for path, text in netmodes.etc_files(self.spec, self.hostname).items():
+            for path, text in netmodes.etc_files(self.spec, self.hostname, service_view).items():
                 await self._write_as_root(path, text)
-        for net, _ in service_nets:
-            await net._settle(self)
+        for net, _ in self._networks:
+            await net.settle(self.hostname)
 
     async def _join_network(self, net: network_mod.Network, index: int, pid: int) -> None:
-        await net._join(self, pid, self._launched.pidfd, ifname=f"eth{index}", outbound=index == 0)
+        await net.join(self.hostname, pid, self._launched.pidfd, ifname=f"eth{index}", outbound=index == 0)
 
     def _use_gpus(self, request: str) -> None:
         """The GPUs' device nodes, driver files and environment, as binds
@@ -382,6 +389,13 @@ class Sandbox:
     async def _write_as_root(self, path: str, text: str) -> None:
         """A file nsbox keeps in the sandbox (/etc/hosts, resolv.conf)."""
         await files.write_file(self._setup_client(), _creds(users.ROOT), path, text)
+
+    async def _write_hosts(self, text: str) -> None:
+        """Its service network's call as members come and go (Network.reserve)."""
+        if self._client is not None:  # running, or starting
+            if len(self._networks) > 1:  # one network's view: it lists its peers on all
+                text = network_mod.Joined([net for net, _ in self._networks]).hosts_for(self.hostname)
+            await self._write_as_root("/etc/hosts", text)
 
     @property
     def host_ports(self) -> list[int]:
@@ -409,7 +423,7 @@ class Sandbox:
             layer=os.fspath(self._layer), hostname=self.hostname, user=self.user, workdir=self.workdir,
             idmap=self.idmap.to_dict(), origin=self.origin, label=self.label,
             lowers=[os.fspath(p) for p in (self.image.layers if self.image else ())],
-            network=netmodes.mode(self.spec),
+            network=netmodes.mode(self.spec, network_mod.local(self.spec.network)),
         ))
 
     async def _settle_identity(self) -> None:
@@ -555,10 +569,10 @@ class Sandbox:
             await self._reap()
 
     async def _leave_network(self) -> None:
-        for value in ([self.spec.network, *self.spec.more_networks] if not self._attached else []):
-            service_net = network_mod.local(value)
-            if service_net is not None:
-                await service_net._leave(self)
+        if self._attached:
+            return
+        for net, _ in self._networks:
+            await net.leave(self.hostname, self.id)
 
     async def _teardown(self) -> None:
         self._state = "closed"
@@ -877,6 +891,13 @@ class Sandbox:
     async def status(self) -> dict[str, int]:
         """The init's counters: execs served and commands running."""
         return await self.client.status()
+
+
+def confined(binds: Sequence[rootfs_mod.Bind], *, id_mapping: idmap.Requested, label: str = "") -> Sandbox:
+    """The sandbox storage unpacks in (storage/confined.py's Runner): the
+    host-composed root, network none, working in /, seeing only `binds` of
+    the host's files."""
+    return Sandbox(mounts=binds, id_mapping=id_mapping, workdir="/", label=label)
 
 
 _noted: set[str] = set()

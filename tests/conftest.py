@@ -16,6 +16,7 @@ components it did without.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -27,6 +28,7 @@ import pytest
 
 import nsbox
 from nsbox.host import dirs, idmap, removal
+from nsbox.sandbox import confined
 from nsbox.storage.tarball import import_tarball
 from nsbox.host.removal import remove_layer
 
@@ -127,7 +129,7 @@ def _imported_rootfs(name: str) -> Path:
     if not dest.exists():
         for old in cache.glob(f"{name}-{where}-*"):
             remove_layer(old, MODE)
-        anyio.run(import_tarball, tar, dest)
+        anyio.run(functools.partial(import_tarball, runner=confined), tar, dest)
     return dest
 
 

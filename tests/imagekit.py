@@ -334,11 +334,12 @@ def store(tmp_path: Path) -> Any:
     """An empty image store of its own; deleted afterwards (files of other
     sandbox users included)."""
     from nsbox.host.removal import remove_layer
+    from nsbox.sandbox import confined
     from nsbox.storage.store import Store
 
     from .conftest import MODE
 
-    s = Store(tmp_path / "store")
+    s = Store(tmp_path / "store", runner=confined)
     yield s
     remove_layer(s.root, MODE)
 

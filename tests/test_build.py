@@ -28,6 +28,7 @@ import pytest
 import nsbox
 from nsbox.host import live
 from nsbox.dockerfile import BuildError, build, build_image
+from nsbox.sandbox import confined
 from nsbox.storage import ImageNotFound, Store
 from nsbox.storage.archive import import_image
 
@@ -45,7 +46,7 @@ def _base(name: str) -> str:
     try:
         Store().lookup(ref)
     except ImageNotFound:
-        anyio.run(lambda: import_image(Store(), tar, name=ref))
+        anyio.run(lambda: import_image(Store(runner=confined), tar, name=ref))
     return ref
 
 

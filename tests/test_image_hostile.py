@@ -22,6 +22,7 @@ import pytest
 
 from nsbox.errors import NsboxError
 from nsbox.storage.archive import import_image
+from nsbox.storage.resolve import resolve
 from nsbox.storage.store import Store
 
 from .conftest import MODE
@@ -87,7 +88,7 @@ async def test_pulled_diff_id_naming_a_host_directory(tmp_path: Path, store: Sto
                                             f"sha256:{secret}"], tag="evil")
     push(f"oci:{layout.path}:evil", registry, "hostile/diffid:1")
     with pytest.raises(NsboxError, match="invalid digest"):
-        await store.resolve(f"{registry.host}/hostile/diffid:1")
+        await resolve(store, f"{registry.host}/hostile/diffid:1")
     assert store.records() == {}
 
 
@@ -147,7 +148,7 @@ async def test_unverified_layer_directory_is_not_trusted(tmp_path: Path, store: 
     top = image.layers[-1]
     assert sorted(p.name for p in top.iterdir()) == ["real"]
     # Verified once: the next use trusts it without unpacking again.
-    again = await store.resolve("plant:1")
+    again = await resolve(store, "plant:1")
     assert again.layers == image.layers and os.lstat(top).st_ino == os.lstat(again.layers[-1]).st_ino
 
 
@@ -382,7 +383,7 @@ async def test_huge_config_from_a_registry(tmp_path: Path, store: Store, registr
                   headers={"Content-Type": "application/vnd.oci.image.manifest.v1+json"})
     assert r.status_code == 201, r.text
     with pytest.raises(NsboxError, match="larger than"):
-        await store.resolve(f"{registry.host}/hostile/cfg:1")
+        await resolve(store, f"{registry.host}/hostile/cfg:1")
     assert store.records() == {}
 
 

@@ -19,7 +19,9 @@ import pytest
 from nsbox.errors import NsboxError
 from nsbox.storage import oci
 from nsbox.storage import registry as reg_mod
+from nsbox.sandbox import confined
 from nsbox.storage.registry import AuthError, pull
+from nsbox.storage.resolve import resolve
 from nsbox.storage.store import Store
 
 from .conftest import MODE
@@ -77,7 +79,7 @@ async def test_pull_config_owners_and_user(registry: Registry, busybox_oci: Path
     again = await pull(store, f"{registry.host}/test/app:1")
     assert again.layers == image.layers and calls == 0
     push(f"oci:{busybox_oci}:plain", registry, "test/plain:1")
-    plain = await store.resolve(f"{registry.host}/test/plain:1")
+    plain = await resolve(store, f"{registry.host}/test/plain:1")
     assert plain.layers == image.layers[:1] and calls == 0
     assert not any(p.name.startswith(".staging") for p in image.layers[0].parent.iterdir())
     assert not list(store.tmp.iterdir())
@@ -180,7 +182,7 @@ async def test_token_auth(token_registry: tuple[Registry, TokenServer], busybox_
     monkeypatch.delenv("REGISTRY_AUTH_FILE")
     token.anonymous = True
     token.issued.clear()
-    await pull(Store(tmp_path / "store2"), ref)
+    await pull(Store(tmp_path / "store2", runner=confined), ref)
     assert token.issued and all(t["user"] is None for t in token.issued)
 
 
@@ -242,7 +244,7 @@ async def test_concurrent_pulls_share_work(registry: Registry, store: Store, tmp
 
     async def one() -> None:
         # A separate Store object: as another process would have.
-        results.append(await pull(Store(store.root), f"{registry.host}/test/shared:1"))
+        results.append(await pull(Store(store.root, runner=confined), f"{registry.host}/test/shared:1"))
 
     async with anyio.create_task_group() as tg:
         for _ in range(3):

@@ -18,7 +18,9 @@ import pytest
 
 import nsbox
 from nsbox.inspect.provider import NsboxConfig
+from nsbox.sandbox import confined
 from nsbox.storage import Store
+from nsbox.storage.resolve import resolve
 
 from .conftest import MODE
 from .imagekit import Registry, busybox_oci, fixture_tar, push, registry, self_check_failures, umoci_image  # noqa: F401
@@ -66,7 +68,7 @@ async def test_image_sandboxes_are_copy_on_write(app_image: str) -> None:
         assert not (await b.exec(["test", "-e", "/srv/only-a"])).success
         assert (await b.exec(["cat", "/etc/passwd"])).stdout.startswith("root:")
     # The shared layers were not touched.
-    image = await Store().resolve(app_image, pull="never")
+    image = await resolve(Store(runner=confined), app_image, pull="never")
     assert not any((layer / "srv" / "only-a").exists() for layer in image.layers)
 
 

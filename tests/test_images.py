@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import os
 import secrets
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -13,6 +15,7 @@ import pytest
 import nsbox
 import nsbox.plan.rootfs
 from nsbox import NsboxError
+from nsbox.sandbox import confined
 from nsbox.storage.tarball import import_tarball
 
 from .conftest import fixture_tar
@@ -35,11 +38,20 @@ def make_tar(path: Path, build) -> Path:  # type: ignore[no-untyped-def]
 async def test_import_then_use(tmp_path: Path, busybox_rootfs: Path) -> None:
     # busybox_rootfs itself came through import_tarball; use it again fresh.
     src = fixture_tar("busybox")
-    dest = await import_tarball(src, tmp_path / "bb")
+    dest = await import_tarball(src, tmp_path / "bb", runner=confined)
     async with nsbox.Sandbox(dest) as sb:
         assert (await sb.exec(["busybox", "true"])).success
     with pytest.raises(NsboxError, match="already exists"):
-        await import_tarball(src, dest)
+        await import_tarball(src, dest, runner=confined)
+
+
+def test_cli_import_unpacks_a_tarball(tmp_path: Path) -> None:
+    """`nsbox import TARBALL DIRECTORY`, as a person runs it."""
+    dest = tmp_path / "bb"
+    r = subprocess.run([sys.executable, "-m", "nsbox", "import", str(fixture_tar("busybox")), str(dest)],
+                       capture_output=True, text=True, timeout=120)
+    assert (r.returncode, r.stdout) == (0, f"{dest}\n"), r.stderr
+    assert os.path.lexists(dest / "bin" / "ash")
 
 
 async def test_hostile_members_stay_inside(tmp_path: Path) -> None:
@@ -64,7 +76,7 @@ async def test_hostile_members_stay_inside(tmp_path: Path) -> None:
     archive = make_tar(tmp_path / "hostile.tar", build)
     dest = tmp_path / "dest"
     try:
-        await import_tarball(archive, dest)
+        await import_tarball(archive, dest, runner=confined)
     except NsboxError:
         pass  # tar may refuse some members; either way nothing may leak
     assert sentinel.read_text() == "untouched\n"
@@ -80,10 +92,10 @@ async def test_broken_archive_leaves_nothing(tmp_path: Path) -> None:
     bad = tmp_path / "bad.tar"
     bad.write_bytes(b"this is not a tarball" * 100)
     with pytest.raises(NsboxError, match="unpacking"):
-        await import_tarball(bad, tmp_path / "dest")
+        await import_tarball(bad, tmp_path / "dest", runner=confined)
     assert sorted(os.listdir(tmp_path)) == ["bad.tar"]
     with pytest.raises(NsboxError, match="not a file"):
-        await import_tarball(tmp_path / "missing.tar", tmp_path / "dest")
+        await import_tarball(tmp_path / "missing.tar", tmp_path / "dest", runner=confined)
 
 
 async def test_confinement_holds_even_for_a_careless_tar(tmp_path: Path) -> None:
@@ -107,7 +119,7 @@ async def test_confinement_holds_even_for_a_careless_tar(tmp_path: Path) -> None
 
     archive = make_tar(tmp_path / "careless.tar", build)
     binds = [nsbox.plan.rootfs.Bind(str(dest), "/target"), nsbox.plan.rootfs.Bind(str(archive), "/image", readonly=True)]
-    async with nsbox.Sandbox(mounts=binds, workdir="/") as sb:
+    async with confined(binds, id_mapping="auto") as sb:
         r = await sb.exec(["tar", "-x", "-P", "-f", "/image", "-C", "/target"])
         # Inside, the writes landed in the sandbox's own private root...
         assert (await sb.exec(["cat", str(sentinel)])).stdout.startswith("overwritten")

@@ -168,7 +168,9 @@ async def test_seeding_keeps_links_and_is_bounded(tmp_path: Path, monkeypatch: p
     image could otherwise fill the host's disk through a volume)."""
     from nsbox.dockerfile import build_image
     from nsbox.host.layers import give
+    from nsbox.sandbox import confined
     from nsbox.storage import Store
+    from nsbox.storage.resolve import resolve
     from nsbox.compose.volumes import seed
 
     ctx = tmp_path / "ctx"
@@ -177,7 +179,7 @@ async def test_seeding_keeps_links_and_is_bounded(tmp_path: Path, monkeypatch: p
         f"FROM {_base('busybox')}\n"
         "RUN mkdir /d && head -c 1048576 /dev/urandom > /d/a && ln /d/a /d/b\n")
     result = await build_image(ctx, tag="localhost/nsbox-seed-test:sparse", network="none", progress=lambda _: None)
-    image = await Store().resolve(result.name, pull="never")
+    image = await resolve(Store(runner=confined), result.name, pull="never")
     volume = tmp_path / "vol"
     volume.mkdir()
     give(volume, MODE.host_root)

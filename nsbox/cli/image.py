@@ -77,12 +77,14 @@ def pull_cmd(ref: str, platform: str | None, id_mapping: str, quiet: bool) -> No
     docker.io mirror; NSBOX_INSECURE_REGISTRIES lists registries without
     verified TLS. Credentials come from podman's and Docker's auth files.
     """
+    from ..sandbox import confined
     from ..storage.registry import pull
 
     progress = Progress(sys.stderr, bar=False if quiet else None)
 
     async def go() -> None:
-        img = await pull(Store(), ref, platform=platform, progress=progress, id_mapping=id_mapping)  # type: ignore[arg-type]
+        img = await pull(Store(runner=confined), ref, platform=platform, progress=progress,
+                         id_mapping=id_mapping)  # type: ignore[arg-type]
         click.echo(f"{img.name} {img.id[7:19]} ({len(img.layers)} layers)")
     _run(go)
 
@@ -96,10 +98,11 @@ def pull_cmd(ref: str, platform: str | None, id_mapping: str, quiet: bool) -> No
 def import_cmd(source: str, name: str | None, tag: str | None, platform: str | None, id_mapping: str) -> None:
     """Import SOURCE: a docker/podman save archive, an OCI layout directory or
     oci-archive, a rootfs tarball (.tar, .tar.gz, .tar.zst) or a directory."""
+    from ..sandbox import confined
     from ..storage.archive import import_image
 
     async def go() -> None:
-        img = await import_image(Store(), source, name=name, tag=tag, platform=platform,
+        img = await import_image(Store(runner=confined), source, name=name, tag=tag, platform=platform,
                                  id_mapping=id_mapping, progress=Progress(sys.stderr))  # type: ignore[arg-type]
         click.echo(f"{img.name} {img.id[7:19]} ({len(img.layers)} layers)")
     _run(go)

@@ -230,12 +230,17 @@ def import_(tarball: Path, directory: Path, id_mapping: str) -> None:
     modify them (in their private layers). The archive is unpacked inside a
     sandbox that can write nowhere else.
     """
+    from ..sandbox import confined
     from ..storage.tarball import import_tarball
 
     def progress(msg: str) -> None:
         click.echo(f"nsbox: {msg}", err=True)
 
-    dest = run_async(import_tarball, tarball, directory, id_mapping, progress)
+    async def go() -> Path:
+        return await import_tarball(tarball, directory, runner=confined, id_mapping=id_mapping,  # type: ignore[arg-type]
+                                    progress=progress)
+
+    dest = run_async(go)
     click.echo(os.fspath(dest))
 
 

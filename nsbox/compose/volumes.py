@@ -61,17 +61,16 @@ async def seed(image: Image, targets: Iterable[tuple[str, Path]], id_mapping: st
     """Copies `image`'s content at each path into its volume directory if
     that is empty; returns the directories it seeded."""
     from ..plan.rootfs import Bind
-    from ..sandbox import Sandbox
-    from ..storage.apply import _python
+    from ..sandbox import confined
+    from ..storage.confined import host_python
 
     targets = list(targets)
     if not targets or not image.layers:
         return []
-    python, binds = _python()
+    python, binds = host_python()
     layers = [Bind(os.fspath(p), f"/layers/{i}", readonly=True) for i, p in enumerate(image.layers)]
     volumes = [Bind(os.fspath(d), f"/volumes/{i}") for i, (_, d) in enumerate(targets)]
-    box = Sandbox(mounts=[*layers, *volumes, *binds], id_mapping=id_mapping,  # type: ignore[arg-type]
-                  workdir="/", label="nsbox volume seed")
+    box = confined([*layers, *volumes, *binds], id_mapping=id_mapping, label="nsbox volume seed")  # type: ignore[arg-type]
     limits = Limits.from_env()
     args = {"layers": [b.target for b in layers], "single": False,
             "max_bytes": limits.size, "max_files": limits.files,

@@ -61,7 +61,10 @@ async def build_image(context: str | Path, *, dockerfile: str | Path | None = No
     if stage is None:
         raise BuildError(f"no stage named {target!r} in {path.name}",
                          hint=f"stages: {', '.join(s.name or str(s.index) for s in df.stages)}")
-    store = store or Store()
+    if store is None:
+        from ..sandbox import confined
+
+        store = Store(runner=confined)
     out = Output(progress)
     async with store.session(progress=None) as session:
         builder = Builder(store, session, df, ctx, build_args=build_args, platform=platform, no_cache=no_cache,

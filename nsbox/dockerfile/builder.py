@@ -27,6 +27,7 @@ from ..net.proxy import internal_reason
 from ..storage import oci
 from ..storage.config import ImageConfig
 from ..storage.progress import Progress
+from ..storage.resolve import resolve
 from ..storage.store import Session, Store
 from . import copy, metadata
 from .cache import Cache, chain
@@ -218,8 +219,8 @@ class Builder:
             doc["config"] = {}
             return State(doc, [], chain("scratch", str(plat)))
         try:
-            image = await self.store.resolve(ref, id_mapping=self._id_mapping, pull=self.pull,  # type: ignore[arg-type]
-                                             platform=platform, progress=Progress(self.out.stream()))
+            image = await resolve(self.store, ref, id_mapping=self._id_mapping, pull=self.pull,  # type: ignore[arg-type]
+                                  platform=platform, progress=Progress(self.out.stream()))
         except BuildError:
             raise
         except Exception as e:

@@ -16,7 +16,7 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..storage.apply import _python
+from ..storage.confined import host_python
 from ..storage.store import Session
 from .errors import BuildError
 
@@ -34,15 +34,13 @@ class Captured:
 
 async def capture(session: Session, upper: Path, exclude: tuple[str, ...] = NETWORK_FILES) -> Captured:
     from ..plan.rootfs import Bind
-    from ..sandbox import Sandbox
+    from ..sandbox import confined
 
-    python, binds = _python()
+    python, binds = host_python()
     name = f"run-{secrets.token_hex(6)}.tar"
     out = session.staging / name
-    box = Sandbox(mounts=[Bind(os.fspath(upper), "/upper", readonly=True), Bind(os.fspath(session.staging), "/out"),
-                          *binds],
-                  id_mapping="single" if session.mapping.mode == "single" else "auto", workdir="/",
-                  label="nsbox build capture")
+    box = confined([Bind(os.fspath(upper), "/upper", readonly=True), Bind(os.fspath(session.staging), "/out"), *binds],
+                   id_mapping="single" if session.mapping.mode == "single" else "auto", label="nsbox build capture")
     try:
         async with box:
             args = json.dumps({"upper": "/upper", "out": f"/out/{name}", "exclude": list(exclude)})

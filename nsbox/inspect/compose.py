@@ -50,6 +50,7 @@ from ..host.removal import remove_layer
 from ..compose.services import Healthcheck, ServiceSpec, Services, compose_deadline
 from ..storage import Store
 from ..storage.progress import Progress
+from ..storage.resolve import resolve
 from ..storage.store import Image
 from ..compose.volumes import seed, seeds, start_order
 
@@ -180,19 +181,21 @@ def _tag(project: Project, service: Service) -> str:
 
 
 async def _image(project: Project, service: Service, id_mapping: str) -> Image:
-    store = Store()
+    from ..sandbox import confined
+
+    store = Store(runner=confined)
     if service.build is not None:
         from ..dockerfile import build
 
         b = service.build
         ref = await build(b.context, dockerfile=b.dockerfile, tag=_tag(project, service), build_args=b.args,
                           target=b.target)
-        return await store.resolve(ref, id_mapping=id_mapping, pull="never")  # type: ignore[arg-type]
+        return await resolve(store, ref, id_mapping=id_mapping, pull="never")  # type: ignore[arg-type]
     if not service.image:  # "" when it names only variables that are unset (a sample's, say)
         raise ComposeError(f"service {service.name} has neither image nor build"
                            + (" (its image is empty: a variable it names is unset)" if service.image == "" else ""))
-    return await store.resolve(service.image, id_mapping=id_mapping, pull=pull_policy(service),  # type: ignore[arg-type]
-                               platform=service.platform, progress=Progress(sys.stderr, label=service.name))
+    return await resolve(store, service.image, id_mapping=id_mapping, pull=pull_policy(service),  # type: ignore[arg-type]
+                         platform=service.platform, progress=Progress(sys.stderr, label=service.name))
 
 
 @dataclass

@@ -63,7 +63,7 @@ from ..storage.tarball import import_tarball
 from ..init.output_limits import exec_output_limit, human_size
 from ..network import Network
 from ..plan.rootfs import Bind
-from ..sandbox import Sandbox
+from ..sandbox import Sandbox, confined
 from ..init.streaming import Exit, Output, Process, decoder
 from ..spec import NET, NETWORK_NAME, SandboxSpec, parse_size
 
@@ -289,7 +289,7 @@ async def _resolve_rootfs(rootfs: str, id_mapping: Literal["auto", "single", "ho
     mapping = detect_idmap(id_mapping).key
     dest = dirs.data_dir() / "images" / f"{digest[:24]}-{mapping}"
     if not dest.exists():
-        await import_tarball(rootfs, dest, id_mapping=id_mapping,
+        await import_tarball(rootfs, dest, runner=confined, id_mapping=id_mapping,
                              progress=lambda msg: print(f"nsbox: {msg}", file=sys.stderr))
     return os.fspath(dest)
 
@@ -417,9 +417,10 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
                 # Pulled and unpacked once per task, never per sample.
                 from ..storage import Store
                 from ..storage.progress import Progress
+                from ..storage.resolve import resolve
 
-                await Store().resolve(spec.image, id_mapping=cfg.id_mapping, pull=spec.pull, platform=spec.platform,
-                                      progress=Progress(sys.stderr, label=spec.image))
+                await resolve(Store(runner=confined), spec.image, id_mapping=cfg.id_mapping, pull=spec.pull,
+                              platform=spec.platform, progress=Progress(sys.stderr, label=spec.image))
                 cls._pulled.add((spec.image, spec.platform))
         # Start and stop one sandbox now, so that a host that cannot run
         # them fails the task with a clear message before any sample starts.

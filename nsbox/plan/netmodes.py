@@ -36,7 +36,7 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 from anyio.from_thread import BlockingPortal
@@ -57,15 +57,22 @@ PROXY_PORT = DEFAULT_PORT
 PROXY_HOSTS_ENV = "NSBOX_PROXY_HOSTS"
 
 
-def mode(spec: SandboxSpec) -> str:
+class ServiceNetwork(Protocol):
+    """What this module reads of the nsbox.Network a "net:NAME" sandbox
+    joins (the caller looked it up: nsbox/network.py is above the plan)."""
+
+    internal: bool
+
+    def hosts_for(self, hostname: str) -> str: ...
+
+
+def mode(spec: SandboxSpec, net: ServiceNetwork | None = None) -> str:
     """The network mode in effect: a sandbox joining another's network
-    (container:ID) has that sandbox's (its proxy, its nat and DNS forwarder)."""
+    (container:ID) has that sandbox's (its proxy, its nat and DNS forwarder).
+    `net`: the service network a "net:NAME" spec joins."""
     if spec.network.startswith(NET):
         # A service network member: outbound (and its resolver) as in nat,
         # unless the network is internal.
-        from ..network import local
-
-        net = local(spec.network)
         return "none" if net is None or net.internal else "nat"
     if not spec.network.startswith(CONTAINER):
         return spec.network
@@ -84,46 +91,6 @@ def _joined_mode(sandbox_id: str) -> str:
             return "none"  # not (yet) there: not remembered
         _modes_of[sandbox_id] = info.network
     return _modes_of[sandbox_id]
-
-
-def service_network(spec: SandboxSpec) -> Any:
-    """The nsbox.Network a "net:NAME" spec joins (None for other modes);
-    the sandbox has reached it already (network.lookup)."""
-    if not spec.network.startswith(NET):
-        return None
-    from ..network import local
-
-    net = local(spec.network)
-    if net is None:
-        raise NetError(f"network {spec.network[len(NET):]} is not open in this process")
-    return net
-
-
-def service_networks(spec: SandboxSpec) -> list[tuple[Any, tuple[str, ...]]]:
-    """The nsbox.Networks the sandbox joins, each with its aliases there:
-    `network` first, then `more_networks` (empty for other modes)."""
-    first = service_network(spec)
-    if first is None:
-        return []
-    from ..network import local
-
-    more = [(local(value), aliases) for value, aliases in spec.more_networks.items()]
-    return [(first, spec.network_aliases), *more]
-
-
-def check_more_networks(spec: SandboxSpec) -> None:
-    """more_networks: networks of this process, on one owner user namespace
-    (a member is created in it, and linked into each; named networks each
-    have their own)."""
-    from ..network import local
-
-    if not spec.more_networks:
-        return
-    for value in (spec.network, *spec.more_networks):
-        net = local(value)
-        if net is None or net.named:
-            raise NetError(f"network {value[len(NET):]}: a sandbox on several networks joins networks of "
-                           f"this process only, not named ones")
 
 
 def host_loopback(spec: SandboxSpec) -> bool:
@@ -149,9 +116,9 @@ def private(spec: SandboxSpec) -> bool:
     return spec.network in ("nat", "proxy") or bool(spec.ports)
 
 
-def check(spec: SandboxSpec) -> None:
+def check(spec: SandboxSpec, net: ServiceNetwork | None = None) -> None:
     """Fails (NetError, one line naming the fix) before anything is created."""
-    if mode(spec) == "nat":
+    if mode(spec, net) == "nat":
         usernet.check_tun(usernet.TUN_DEVICE)
         usernet.find_tool()
 
@@ -242,26 +209,24 @@ def environment(spec: SandboxSpec) -> dict[str, str]:
     return proxy_env(PROXY_PORT) if mode(spec) == "proxy" else {}
 
 
-def etc_files(spec: SandboxSpec, hostname: str) -> dict[str, str]:
-    """The /etc files the mode (and extra hosts) need written into the sandbox once it runs."""
+def etc_files(spec: SandboxSpec, hostname: str, net: ServiceNetwork | None = None) -> dict[str, str]:
+    """The /etc files the mode (and extra hosts) need written into the
+    sandbox once it runs. `net`: the service network it joins, if any."""
     peers = [(address, [name]) for name, address in extra_hosts(spec).items()]
-    nets = service_networks(spec)
-    if nets:  # a member, reserved already
-        from ..network import member_hosts
-
-        hosts = member_hosts(hostname, [net for net, _ in nets])
+    if net is not None:  # a member, reserved already
+        hosts = net.hosts_for(hostname)
     elif mode(spec) == "nat":
         hosts = hosts_mod.render_hosts(hostname, peers,
                                        host_address=usernet.GATEWAY if host_loopback(spec) else None)
     else:
         return {"/etc/hosts": hosts_mod.render_hosts(hostname, peers)} if peers else {}
-    if mode(spec) != "nat":
+    if mode(spec, net) != "nat":
         return {"/etc/hosts": hosts}
     return {"/etc/hosts": hosts, "/etc/resolv.conf": hosts_mod.render_resolv_conf(usernet.DNS)}
 
 
 def prepare_layer(spec: SandboxSpec, rootfs: object, layer: os.PathLike[str], hostname: str,
-                  owner: tuple[int, int]) -> bool:
+                  owner: tuple[int, int], net: ServiceNetwork | None = None) -> bool:
     """For the host-composed root, writes etc_files() with the sandbox's
     own /etc files (HostRootfs.etc_dir) before the clone, as its prepare()
     writes /etc/hosts (the host's own /etc/resolv.conf belongs to real
@@ -272,7 +237,7 @@ def prepare_layer(spec: SandboxSpec, rootfs: object, layer: os.PathLike[str], ho
 
     if not isinstance(rootfs, HostRootfs):
         return False
-    for path, text in etc_files(spec, hostname).items():
+    for path, text in etc_files(spec, hostname, net).items():
         write_file(HostRootfs.etc_dir(Path(layer)) / os.path.basename(path), text, owner)
     return True
 

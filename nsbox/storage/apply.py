@@ -1,27 +1,28 @@
 """Unpacking layer blobs into directories, inside a confined sandbox.
 
-One throwaway sandbox (the host-composed root, network none) serves a whole
-pull or import: it sees the blob directory read-only at /blobs and one
-staging directory at /staging, nothing else of the host's data. Each layer
-is applied there by applytar.py under the host's python3, as sandbox root
-with the owner's id mapping, so the kernel enforces both the confinement
-and the ownership (see applytar.py for the path rules it adds on top).
+One throwaway sandbox (the host-composed root, network none; made by the
+runner storage/confined.py describes) serves a whole pull or import: it
+sees the blob directory read-only at /blobs and one staging directory at
+/staging, nothing else of the host's data. Each layer is applied there by
+applytar.py under the host's python3, as sandbox root with the owner's id
+mapping, so the kernel enforces both the confinement and the ownership
+(see applytar.py for the path rules it adds on top).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any
 
 import anyio
 
 from ..errors import NsboxError
 from ..host.idmap import IdMap
+from ..plan.rootfs import Bind
+from .confined import Confined, Runner, host_python
 from .oci import check_digest
 
 APPLIER = Path(__file__).with_name("applytar.py")
@@ -59,28 +60,18 @@ class ApplyReport:
         return f"layer {self.diff_id[:19]}: skipped {'; '.join(parts)}{eg}"
 
 
-def _python() -> tuple[str, list[Any]]:
-    """A python3 the host-root sandbox can run, and the binds it needs."""
-    from ..plan.rootfs import Bind
-
-    for candidate in ("/usr/bin/python3", "/usr/local/bin/python3"):
-        if os.access(candidate, os.X_OK):
-            return candidate, []
-    # Elsewhere (conda, pyenv under $HOME): show this interpreter's prefix.
-    prefix = os.path.realpath(sys.base_prefix)
-    exe = os.path.realpath(sys.executable)
-    return exe, [Bind(prefix, prefix, readonly=True)]
-
-
 class Unpacker:
-    """Applies layers into `staging`; the sandbox starts on first use."""
+    """Applies layers into `staging`; the sandbox (made by `runner`) starts
+    on first use."""
 
-    def __init__(self, blobs: Path, staging: Path, mapping: IdMap, id_mapping: str = "auto") -> None:
+    def __init__(self, blobs: Path, staging: Path, mapping: IdMap, runner: Runner,
+                 id_mapping: str = "auto") -> None:
         self.blobs = blobs
         self.staging = staging
         self.mapping = mapping
         self._id_mapping = id_mapping
-        self._box: Any = None
+        self._runner = runner
+        self._box: Confined | None = None
         self._lock = anyio.Lock()
         self._slots = anyio.Semaphore(PARALLEL)
         self._source = APPLIER.read_text()
@@ -93,17 +84,14 @@ class Unpacker:
             with anyio.CancelScope(shield=True):
                 await self._box.close()
 
-    async def _sandbox(self) -> Any:
+    async def _sandbox(self) -> Confined:
         async with self._lock:
             if self._box is None:
-                from ..plan.rootfs import Bind
-                from ..sandbox import Sandbox
-
-                python, binds = _python()
+                python, binds = host_python()
                 self._python = python
-                box = Sandbox(mounts=[Bind(os.fspath(self.blobs), "/blobs", readonly=True),
-                                      Bind(os.fspath(self.staging), "/staging"), *binds],
-                              id_mapping=self._id_mapping, workdir="/", label="nsbox image unpack")  # type: ignore[arg-type]
+                box = self._runner([Bind(os.fspath(self.blobs), "/blobs", readonly=True),
+                                    Bind(os.fspath(self.staging), "/staging"), *binds],
+                                   id_mapping=self._id_mapping, label="nsbox image unpack")  # type: ignore[arg-type]
                 await box.start()
                 self._box = box
         return self._box

@@ -27,6 +27,7 @@ import anyio
 
 from ..host import idmap
 from ..errors import NsboxError
+from ..plan.rootfs import Bind
 from . import oci
 from .config import ImageConfig
 from .progress import Progress
@@ -326,15 +327,12 @@ async def _one_layer_image(s: Session, blob: str, want: oci.Platform) -> str:
 
 async def _from_directory(s: Session, src: Path, want: oci.Platform) -> str:
     """Archives the directory inside a sandbox with the owner's mapping (so
-    owners come out as sandbox ids), then imports that tar."""
-    from ..plan.rootfs import Bind
-    from ..sandbox import Sandbox
-
+    owners come out as sandbox ids; made by the store's runner), then
+    imports that tar."""
     name = f"dir-{os.urandom(6).hex()}.tar"
     out = s.staging / name
-    box = Sandbox(mounts=[Bind(os.fspath(src), "/src", readonly=True), Bind(os.fspath(s.staging), "/out")],
-                  id_mapping="single" if s.mapping.mode == "single" else "auto", workdir="/",
-                  label="nsbox image import")
+    box = s.store.confined([Bind(os.fspath(src), "/src", readonly=True), Bind(os.fspath(s.staging), "/out")],
+                           id_mapping="single" if s.mapping.mode == "single" else "auto", label="nsbox image import")
     try:
         async with box:
             r = await box.exec(["tar", "--format=posix", "--numeric-owner", "--sort=name", "-C", "/src",

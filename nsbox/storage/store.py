@@ -35,10 +35,10 @@ import secrets
 import stat
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Literal
+from typing import IO, Any
 
 import anyio
 import anyio.abc
@@ -46,15 +46,16 @@ import anyio.abc
 from ..host import idmap
 from ..host.dirs import data_dir
 from ..errors import NsboxError
+from ..plan.rootfs import Bind
 from . import oci
 from .apply import ApplyReport, CorruptLayer, Exceeded, Unpacker
 from .config import ImageConfig
+from .confined import Confined, Runner
 from .limits import Budget, TooLarge
 from .progress import Progress
 from .reference import ReferenceError, parse
 
-PullPolicy = Literal["missing", "always", "never"]
-_ID = re.compile(r"(?:sha256:)?([0-9a-f]{4,64})")
+IMAGE_ID = re.compile(r"(?:sha256:)?([0-9a-f]{4,64})")
 COPY_CHUNK = 1 << 20
 MARK = ".verified"
 
@@ -119,8 +120,13 @@ def _file_id(path: Path) -> tuple[int, int, int]:
 
 
 class Store:
-    def __init__(self, root: Path | None = None) -> None:
+    """This user's images. `runner` makes the sandbox layers are unpacked in
+    (storage/confined.py): a store without one reads, names and prunes, but
+    cannot pull or import."""
+
+    def __init__(self, root: Path | None = None, *, runner: Runner | None = None) -> None:
         self.root = Path(root) if root is not None else data_dir() / "images"
+        self.runner = runner
         self.blobs = self.root / "blobs"
         self.layers_root = self.root / "layers"
         self.tmp = self.root / "tmp"
@@ -280,10 +286,17 @@ class Store:
             if mapping.host_root != (os.geteuid(), os.getegid()):
                 os.chown(staging, *mapping.host_root)  # sandbox root writes there
             try:
-                async with Unpacker(self.blobs, staging, mapping, id_mapping) as unpacker:
+                async with Unpacker(self.blobs, staging, mapping, self.confined, id_mapping) as unpacker:
                     yield Session(self, mapping, staging, unpacker, progress or Progress())
             finally:
                 _remove(staging, mapping)
+
+    def confined(self, binds: Sequence[Bind], *, id_mapping: idmap.Requested, label: str = "") -> Confined:
+        """A sandbox to unpack in, made by the store's runner."""
+        if self.runner is None:
+            raise RuntimeError("this image store was made without a runner (storage/confined.py): "
+                               "it cannot pull or import")
+        return self.runner(binds, id_mapping=id_mapping, label=label)
 
     # ---- names -------------------------------------------------------
 
@@ -330,7 +343,7 @@ class Store:
     def _lookup(self, ref: str) -> tuple[Record, bool]:
         """(record, whether `ref` named it by id)."""
         records = self.records()
-        m = _ID.fullmatch(ref)
+        m = IMAGE_ID.fullmatch(ref)
         if m:
             hits = {r.id: r for r in records.values() if r.id.split(":")[1].startswith(m.group(1))}
             if len(hits) == 1:
@@ -372,21 +385,11 @@ class Store:
 
     # ---- resolving ---------------------------------------------------
 
-    async def resolve(self, ref: str, *, id_mapping: idmap.Requested = "auto", pull: PullPolicy = "missing",
-                      platform: str | None = None, progress: Progress | None = None) -> Image:
-        """The image `ref` (name or id) with its layers unpacked for this
-        user's id mapping: pulled first if missing (or always), unpacked
-        for this mapping if it was not yet."""
-        if pull == "always":
-            from .registry import pull as do_pull
-            return await do_pull(self, ref, platform=platform, progress=progress, id_mapping=id_mapping)
-        try:
-            rec = self.lookup(ref)
-        except ImageNotFound:
-            if pull == "never" or _ID.fullmatch(ref):
-                raise
-            from .registry import pull as do_pull
-            return await do_pull(self, ref, platform=platform, progress=progress, id_mapping=id_mapping)
+    async def unpacked(self, rec: Record, *, id_mapping: idmap.Requested = "auto",
+                       progress: Progress | None = None) -> Image:
+        """The stored image `rec` with its layers unpacked for this user's id
+        mapping (now, if they were not yet). Pulling what the store lacks is
+        storage/resolve.py's."""
         image = self.image(rec.digest, name=rec.name, key=idmap.detect(id_mapping).key)
         if image is not None:
             return image

@@ -2,7 +2,8 @@
 
 The files must end up owned by ids mapped into this user's sandboxes (or
 overlayfs cannot copy them up), so the archive is unpacked by `tar` running
-*inside* a sandbox with the user's id mapping. That sandbox sees only the
+*inside* a sandbox with the user's id mapping (made by the caller's runner,
+storage/confined.py). That sandbox sees only the
 host-composed root, the tarball (read-only) and the destination: a hostile
 archive (absolute paths, '..', symlinks pointing out) can at worst write
 into the destination or the throwaway sandbox, never elsewhere on the host.
@@ -22,17 +23,19 @@ from ..host import idmap
 from ..errors import NsboxError
 from ..host.removal import remove_layer
 from ..plan.rootfs import Bind
-from ..sandbox import Sandbox
+from .confined import Runner
 
 
 async def import_tarball(
     tarball: str | os.PathLike[str],
     dest: str | os.PathLike[str],
     *,
+    runner: Runner,
     id_mapping: idmap.Requested = "auto",
     progress: Callable[[str], None] | None = None,
 ) -> Path:
-    """Unpacks `tarball` (any compression GNU tar knows) into `dest`.
+    """Unpacks `tarball` (any compression GNU tar knows) into `dest`, in a
+    sandbox `runner` makes.
 
     `dest` must not exist; it appears only once the archive is complete, so
     an interrupted import leaves nothing half-written behind.
@@ -50,11 +53,11 @@ async def import_tarball(
     mapping = idmap.detect(id_mapping)
     if mapping.host_root != (os.geteuid(), os.getegid()):
         os.chown(work, *mapping.host_root)
-    box = Sandbox(mounts=[Bind(os.fspath(work), "/target"), Bind(os.fspath(src), "/image", readonly=True)],
-                  id_mapping=id_mapping, workdir="/")
+    box = runner([Bind(os.fspath(work), "/target"), Bind(os.fspath(src), "/image", readonly=True)],
+                 id_mapping=id_mapping)
     try:
         async with box:
-            single = box.idmap is not None and box.idmap.mode == "single"
+            single = mapping.mode == "single"
             owner = ["--no-same-owner"] if single else ["--same-owner", "--numeric-owner"]
             if progress:
                 progress(f"unpacking {src} ({src.stat().st_size / 1e6:.0f} MB) into {target}")
@@ -65,6 +68,6 @@ async def import_tarball(
             await box.exec(["chmod", "755", "/target"])
         os.rename(work, target)
     except BaseException:
-        remove_layer(work, box.idmap)
+        remove_layer(work, mapping)
         raise
     return target
