@@ -132,7 +132,8 @@ async def main(args: argparse.Namespace) -> None:
     try:
         from inspect_ai.util._sandbox.events import SandboxEnvironmentProxy
 
-        from nsbox.inspect.provider import NsboxConfig, NsboxSandboxEnvironment
+        from nsbox.inspect.config import NsboxConfig
+        from nsbox.inspect.provider import NsboxSandboxEnvironment
     except ImportError:
         print(row("Inspect exec_remote", "n/a (inspect_ai is not installed)", True))
         return

@@ -32,17 +32,15 @@ from .init import users
 from .plan import plan as plan_mod
 from .plan import rootfs as rootfs_mod
 from .init.capture import CappedBuffer, Forwarder
-from .init.client import DEFAULT_PATH, Channel, Command, ExecResult, InitClient, failed_start
+from .init.client import DEFAULT_PATH, Channel, Command, ExecResult, InitClient
 from .errors import (
-    CommandTimeout,
     NsboxError,
-    OutputLimitExceeded,
     SandboxSetupError,
     SandboxUnavailable,
     UserUnsupported,
 )
 from .create.launch import Launched, launch
-from .init.output_limits import exec_output_limit, human_size
+from .init.output_limits import exec_output_limit
 from .manage import collect_in_background, describe
 from .spec import NET, Network, OutputLimitMode, SandboxSpec
 
@@ -778,26 +776,7 @@ class Sandbox:
             client, command, input=data, timeout=timeout, stdout=out, stderr=err,
             stop_on_overflow=self.output_limit_mode == "raise", stdin_fd=_shared_devnull(),
         )
-        stdout, stderr = out.take_text(), err.take_text()
-        return self._result(outcome, command, timeout, stdout, stderr, limit)
-
-    def _result(self, outcome: process.Outcome, command: Command, timeout: float | None, stdout: str, stderr: str,
-                limit: int) -> ExecResult:
-        """What a command's outcome means to the caller: a result, or the
-        exception the contract names."""
-        name = command.argv[0]
-        if outcome.channel_lost:
-            raise SandboxUnavailable(f"sandbox {self.id} stopped while running {name!r}")
-        if outcome.timed_out:
-            raise CommandTimeout(f"command timed out after {timeout:g}s: {name}", stdout, stderr)
-        if outcome.overflowed:
-            raise OutputLimitExceeded(
-                f"The sandbox output stream limit of {human_size(limit)} was exceeded.", limit, stdout, stderr)
-        if outcome.failure is not None:
-            return failed_start(outcome.failure, name, command.cwd)
-        assert outcome.returncode is not None
-        return ExecResult(outcome.returncode == 0, outcome.returncode, stdout, stderr,
-                          outcome.stdout.dropped, outcome.stderr.dropped)
+        return outcome.result(command, self.id, timeout, limit, out.take_text(), err.take_text())
 
     async def run_forwarded(
         self,
@@ -826,7 +805,7 @@ class Sandbox:
             client, command, input=None, timeout=timeout, stdout=Forwarder(stdout), stderr=Forwarder(stderr),
             stop_on_overflow=False, stdin_fd=stdin_fd,
         )
-        result = self._result(outcome, command, timeout, "", "", 0)
+        result = outcome.result(command, self.id, timeout, 0, "", "")
         if outcome.failure is not None:
             os.write(stderr, result.stderr.encode())
         return result.returncode

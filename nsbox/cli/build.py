@@ -7,6 +7,8 @@ from typing import Any
 
 import click
 
+from .common import run_async
+
 
 @click.command("build")
 @click.option("-t", "--tag", "tags", multiple=True, required=True, metavar="NAME[:TAG]",
@@ -55,6 +57,4 @@ def build(tags: tuple[str, ...], dockerfile: str | None, build_args: tuple[str, 
                                    progress=(lambda _text: None) if quiet else sys.stderr, **options)
         return result.id
 
-    from .main import run_async  # Ctrl-C: one line, not a traceback
-
-    click.echo(run_async(go))
+    click.echo(run_async(go))  # Ctrl-C: one line, not a traceback

@@ -29,19 +29,15 @@ import click
 
 from .. import __version__
 from ..errors import NsboxError
+from .common import exit_with, fail
 
 MARK = "# nsbox docker shim"
 API_VERSION = "1.43"  # what `docker version` reports, for clients that check
 ARCH = {"x86_64": "amd64", "aarch64": "arm64"}.get(platform.machine(), platform.machine())
 
 
-def _fail(message: str, code: int = 1) -> NoReturn:
-    print(message, file=sys.stderr)
-    sys.exit(code)
-
-
 def _unsupported(words: list[str]) -> NoReturn:
-    _fail(f"nsbox's docker shim does not do `docker {' '.join(words)}`; it answers only `docker compose config`, "
+    exit_with(f"nsbox's docker shim does not do `docker {' '.join(words)}`; it answers only `docker compose config`, "
           "`docker image inspect|ls|pull|build`, `docker pull`, `docker build`, `docker images`, `docker version` "
           "and `docker info` (nsbox runs containers itself: inspect eval ... --sandbox nsbox)")
 
@@ -120,7 +116,7 @@ def run(argv: list[str]) -> None:
     try:
         handler(rest)
     except NsboxError as e:
-        _fail(f"Error: {e}")
+        exit_with(f"Error: {e}")
 
 
 def _options(rest: list[str], flags: set[str], valued: set[str], words: list[str]) -> tuple[dict[str, Any], list[str]]:
@@ -139,7 +135,7 @@ def _options(rest: list[str], flags: set[str], valued: set[str], words: list[str
             if not eq:
                 i += 1
                 if i >= len(rest):
-                    _fail(f"docker {' '.join(words)}: {name} needs a value")
+                    exit_with(f"docker {' '.join(words)}: {name} needs a value")
                 value = rest[i]
             found.setdefault(name, []).append(value)
         elif a in flags:
@@ -169,7 +165,7 @@ def _format(template: str, value: Any) -> str:
             if v is None:
                 return "<no value>"
             return v if isinstance(v, str) else json.dumps(v) if isinstance(v, (dict, list)) else str(v)
-        _fail(f"nsbox's docker shim does not do the template {{{{{expr}}}}}; it knows {{{{.Field.Sub}}}} "
+        exit_with(f"nsbox's docker shim does not do the template {{{{{expr}}}}}; it knows {{{{.Field.Sub}}}} "
               "and {{json .Field}}")
 
     return re.sub(r"\{\{(.*?)\}\}", one, template)
@@ -215,7 +211,7 @@ def image_inspect(rest: list[str]) -> None:
 
     opts, refs = _options(rest, set(), {"-f", "--format", "--platform"}, ["image", "inspect"])
     if not refs:
-        _fail('"docker image inspect" requires at least 1 argument.')
+        exit_with('"docker image inspect" requires at least 1 argument.')
     store, found, missing = Store(), [], []
     for ref in refs:
         try:
@@ -229,7 +225,7 @@ def image_inspect(rest: list[str]) -> None:
     else:
         print(json.dumps(found, indent=4))
     if missing:
-        _fail("\n".join(f"Error: No such image: {r}" for r in missing))
+        exit_with("\n".join(f"Error: No such image: {r}" for r in missing))
 
 
 def images(rest: list[str]) -> None:
@@ -276,7 +272,7 @@ def pull(rest: list[str]) -> None:
 
     opts, refs = _options(rest, {"-q", "--quiet", "-a", "--all-tags"}, {"--platform"}, ["pull"])
     if len(refs) != 1 or "-a" in opts or "--all-tags" in opts:
-        _fail('"docker pull" requires exactly 1 argument (and no --all-tags here).')
+        exit_with('"docker pull" requires exactly 1 argument (and no --all-tags here).')
     args = ["--quiet"] if "-q" in opts or "--quiet" in opts else []
     args += ["--platform", opts["--platform"][-1]] if "--platform" in opts else []
     pull_cmd.main([*args, refs[0]], prog_name="docker pull")
@@ -289,9 +285,9 @@ def build(rest: list[str]) -> None:
                          {"-t", "--tag", "-f", "--file", "--build-arg", "--target", "--platform", "--network"},
                          ["build"])
     if len(ctx) != 1:
-        _fail('"docker build" requires exactly 1 argument (the context directory; nsbox builds no URL or stdin).')
+        exit_with('"docker build" requires exactly 1 argument (the context directory; nsbox builds no URL or stdin).')
     if not opts.get("-t") and not opts.get("--tag"):
-        _fail("docker build: give the image a name with -t (nsbox's store keeps named images)")
+        exit_with("docker build: give the image a name with -t (nsbox's store keeps named images)")
     args: list[str] = []
     for name in ("-t", "--tag", "-f", "--file", "--build-arg", "--target", "--platform", "--network"):
         for v in opts.get(name, []):
@@ -317,7 +313,7 @@ def compose(rest: list[str]) -> None:
         if not eq:
             i += 1
             if i >= len(rest):
-                _fail(f"docker compose: {name} needs a value")
+                exit_with(f"docker compose: {name} needs a value")
             value = rest[i]
         if name in ("-f", "--file"):
             files.append(value)
@@ -465,7 +461,7 @@ def install_cmd(prefix: Path) -> None:
     try:
         target = install(prefix.absolute())
     except NsboxError as e:
-        _fail(f"nsbox: {e}")
+        fail(str(e))
     click.echo(target)
 
 

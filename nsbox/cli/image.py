@@ -11,31 +11,26 @@ import os
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
-import anyio
 import click
 
 from ..errors import NsboxError
 from ..storage.progress import Progress
 from ..storage.store import Store
+from .common import fail, run_async
 
 T = TypeVar("T")
 in_use_hook: Callable[[], Iterable[os.PathLike[str] | str]] | None = None
 
 
-def _fail(message: str, code: int = 1) -> NoReturn:
-    click.echo(f"nsbox: {message}", err=True)
-    sys.exit(code)
-
-
 def _run(fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+    """run_async, with nsbox's errors as one line here too: `docker pull`
+    of the docker shim runs pull_cmd outside nsbox's command group."""
     try:
-        return anyio.run(fn, *args)
+        return run_async(fn, *args)
     except NsboxError as e:
-        _fail(str(e))
-    except KeyboardInterrupt:
-        _fail("interrupted", 130)
+        fail(str(e))
 
 
 def _size(n: float) -> str:
@@ -131,7 +126,7 @@ def inspect_cmd(ref: str, as_json: bool) -> None:
     try:
         info = Store().inspect(ref)
     except NsboxError as e:
-        _fail(str(e))
+        fail(str(e))
     if as_json:
         click.echo(json.dumps(info, indent=2))
         return

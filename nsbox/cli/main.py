@@ -6,9 +6,8 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Awaitable, Callable, NoReturn, Sequence, TypeVar
+from typing import Any, Callable, Sequence
 
-import anyio
 import click
 
 from .. import __version__, manage
@@ -23,22 +22,10 @@ from .image import image as image_group
 from .build import build as build_command
 from .network import network as network_group
 from .docker_shim import docker_shim as docker_shim_group
+from .common import fail, run_async
 
-T = TypeVar("T")
 # Exit statuses of `nsbox run` for failures of nsbox itself (as docker run).
 EXIT_NSBOX, EXIT_CANNOT_RUN, EXIT_NOT_FOUND, EXIT_TIMEOUT = 125, 126, 127, 124
-
-
-def fail(message: str, code: int = 1) -> NoReturn:
-    click.echo(f"nsbox: {message}", err=True)
-    sys.exit(code)
-
-
-def run_async(fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-    try:
-        return anyio.run(fn, *args)
-    except KeyboardInterrupt:
-        fail("interrupted", 130)
 
 
 def _parse_env(values: Sequence[str]) -> dict[str, str]:

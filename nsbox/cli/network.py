@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 import sys
 
-import anyio
 import click
 
 from .. import network as network_mod
 from ..errors import NsboxError
+from .common import run_async, warn
 
 
 @click.group()
@@ -36,7 +36,7 @@ def create(name: str, internal: bool, host_access: bool, id_mapping: str) -> Non
         return subnet
 
     try:
-        subnet = anyio.run(go)
+        subnet = run_async(go)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     click.echo(name)
@@ -61,7 +61,7 @@ def ls(as_json: bool) -> None:
             await net.close()
         return found
 
-    rows = anyio.run(go)
+    rows = run_async(go)
     if as_json:
         for row in rows:
             click.echo(json.dumps(row))
@@ -83,9 +83,9 @@ def rm(names: tuple[str, ...]) -> None:
     failed = False
     for name in names:
         try:
-            anyio.run(_remove, name)
+            run_async(_remove, name)
         except (NsboxError, ValueError) as e:
-            click.echo(f"nsbox: {e}", err=True)
+            warn(str(e))
             failed = True
         else:
             click.echo(name)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import fcntl
 import math
 import os
@@ -25,9 +24,11 @@ from typing import Iterator, Sequence
 import anyio
 
 from ..init import protocol
+from ..init.capture import Forwarder
 from ..init.client import Channel, Command, failed_start
 from ..errors import SandboxUnavailable
 from ..init.fdwait import Poller
+from ..init.pump import drain
 from ..sandbox import Sandbox
 from ..init.users import Identity
 
@@ -109,22 +110,6 @@ async def interactive(sb: Sandbox, cmd: Sequence[str] | None = None, *, user: st
         os.close(master)
 
 
-def _drain(master: int, stdout: int) -> bool:
-    """Copies what the pty holds to stdout; False once its slave side is gone."""
-    while True:
-        try:
-            data = os.read(master, 65536)
-        except BlockingIOError:
-            return True
-        except OSError as e:
-            if e.errno == errno.EIO:  # every slave descriptor is closed
-                return False
-            raise
-        if not data:
-            return False
-        os.write(stdout, data)
-
-
 async def _relay(sb: Sandbox, chan: Channel, master: int, stdin: int, stdout: int, command: Command,
                  window: _WindowSize) -> int:
     os.set_blocking(master, False)
@@ -133,8 +118,7 @@ async def _relay(sb: Sandbox, chan: Channel, master: int, stdin: int, stdout: in
     resizable = window.resizable
     if resizable:
         loop.add_signal_handler(signal.SIGWINCH, window.sync)
-    code: int | None = None
-    failure: protocol.Reply | None = None
+    output = Forwarder(stdout)
     pending = b""  # input the pty has not taken yet (a large paste, say)
     stdin_open = master_open = True
     # After our input ends, a shell that has gone quiet waits for more: an
@@ -143,7 +127,7 @@ async def _relay(sb: Sandbox, chan: Channel, master: int, stdin: int, stdout: in
     eofs_left = 5
     try:
         poller.watch(chan.fileno(), read=True)
-        while code is None:
+        while chan.returncode is None:
             # Read more input only once the pty has taken what we have.
             poller.watch(stdin, read=stdin_open and not pending)
             poller.watch(master, read=master_open, write=bool(pending))
@@ -167,23 +151,18 @@ async def _relay(sb: Sandbox, chan: Channel, master: int, stdin: int, stdout: in
                 except BlockingIOError:
                     pass
             if master in ready and master_open:
-                master_open = _drain(master, stdout)
+                # EOF (EIO) once every slave descriptor is closed
+                master_open = not drain(master, output)
             if chan.fileno() in ready:
-                replies, closed = chan.read_replies()
-                for r in replies:
-                    if r.kind == protocol.REPLY_EXIT:
-                        code = r.code
-                    elif r.kind == protocol.REPLY_FAIL:
-                        failure = r
-                if closed and code is None:
+                if chan.read_status() and chan.returncode is None:
                     raise SandboxUnavailable(f"sandbox {sb.id} stopped during the session")
-        _drain(master, stdout)  # what the shell printed last
+        drain(master, output)  # what the shell printed last
     finally:
         poller.close()
         if resizable:
             loop.remove_signal_handler(signal.SIGWINCH)
-    if failure is not None:
-        result = failed_start(failure, command.argv[0], command.cwd)
+    if chan.failure is not None:
+        result = failed_start(chan.failure, command.argv[0], command.cwd)
         os.write(2, result.stderr.encode())
         return result.returncode
-    return code
+    return chan.returncode

@@ -72,6 +72,10 @@ class Channel:
             sock.setblocking(False)
         self._buf = bytearray()
         self._pending: list[protocol.Reply] = []  # read with an earlier one that next_reply() returned
+        # What read_status() has heard so far.
+        self.answered = False  # any reply (STARTED, FAIL or EXIT)
+        self.returncode: int | None = None  # EXIT
+        self.failure: protocol.Reply | None = None  # the first FAIL: the command did not start
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -90,6 +94,18 @@ class Channel:
                 return out, True
             self._buf += data
             out += protocol.parse_replies(self._buf)
+
+    def read_status(self) -> bool:
+        """Reads the replies that arrived into answered, returncode and
+        failure; returns whether the init closed the channel."""
+        replies, closed = self.read_replies()
+        for r in replies:
+            self.answered = True
+            if r.kind == protocol.REPLY_EXIT:
+                self.returncode = r.code
+            elif r.kind == protocol.REPLY_FAIL and self.failure is None:
+                self.failure = r
+        return closed
 
     async def next_reply(self, timeout: float) -> protocol.Reply | None:
         """The first reply, or None if the channel closed before one came;

@@ -3,8 +3,9 @@
 Sandbox.exec waits for a command and returns its output; Sandbox.start_process
 returns a Process at once (once the init says the command runs), and its
 output arrives as events, with no polling: the command writes into pipes
-whose host ends a background *pump* watches, together with the command's
-channel (nsbox/init/client.py), on which the init reports the exit.
+whose host ends a background *pump* watches (nsbox/init/pump.py, exec's
+too), together with the command's channel (nsbox/init/client.py), on which
+the init reports the exit.
 
 The pump never stops reading, so a command never blocks on a consumer that
 does not read. What waits for the consumer is held in one OutputQueue per
@@ -36,12 +37,10 @@ from typing import Any, Awaitable, Callable, Literal
 
 import anyio
 
-from . import protocol
 from .capture import READ_CHUNK, OutputQueue
 from .client import START_TIMEOUT, Channel, Command, ExecResult, InitClient, failed_start
 from ..errors import NsboxError, SandboxUnavailable
-from .fdwait import Poller
-from .process import DRAIN_BUDGET, EXIT_GRACE, KILL_WAIT, _feed, _grow_pipe
+from .pump import KILL_WAIT, Pump
 
 Stream = Literal["stdout", "stderr"]
 
@@ -90,6 +89,29 @@ def _background(fn: Callable[[], Awaitable[None]]) -> None:
     task.add_done_callback(_pumps.discard)
 
 
+class _Interleaved:
+    """The pump's sink for one stream: reads go into the stream's queue,
+    tagged so that the consumer gets both streams in the order they came."""
+
+    def __init__(self, queue: OutputQueue, order: list[Any]) -> None:
+        self.queue = queue
+        self.order = order  # shared by both streams: [sequence number, the stream read last]
+
+    @property
+    def total(self) -> int:
+        return self.queue.total
+
+    def read_from(self, fd: int) -> int:
+        data = os.read(fd, READ_CHUNK)
+        if data:
+            order = self.order
+            if order[1] is not self:
+                order[0] += 1
+                order[1] = self
+            self.queue.append(data, order[0])
+        return len(data)
+
+
 class Process:
     """A command running in a sandbox (from Sandbox.start_process).
 
@@ -108,22 +130,23 @@ class Process:
         self.command = command
         self.returncode: int | None = None
         self._chan = chan
-        self._out_r, self._err_r, self._in_w = out_r, err_r, in_w
-        self._input = memoryview(input) if input else memoryview(b"")
         self._keep_stdin = keep_stdin
+        # The pump owns stdin unless it stays open for write_stdin: then it is ours.
+        self._in_w = in_w if keep_stdin else -1
         self._sandbox_id = sandbox_id
         self._queues: dict[Stream, OutputQueue] = {"stdout": OutputQueue(limit), "stderr": OutputQueue(limit)}
         self._reported_drops: dict[Stream, int] = {"stdout": 0, "stderr": 0}
-        self._seq = 0
-        self._last_stream: Stream | None = None
-        self._failure: protocol.Reply | None = None
         self._started = anyio.Event()  # STARTED or FAIL arrived, or the pump ended
         self._input_done = anyio.Event()  # the initial input is written (or given up)
+        order: list[Any] = [0, None]
+        streams = {fd: _Interleaved(self._queues[name], order)
+                   for fd, name in ((out_r, "stdout"), (err_r, "stderr")) if fd >= 0}
+        self._pump = Pump(streams, input, stdin=in_w, keep_stdin=keep_stdin, on_input_done=self._input_done.set)
+        self._pump.chan = chan
         self._done = anyio.Event()  # the pump ended: every descriptor is closed
         self._wake = anyio.Event()  # replaced each time the pump has news
         self._scope = anyio.CancelScope()
         self._finished = False
-        self._lost = False  # the channel closed without an exit report
         self._error: BaseException | None = None
         self._killed = False
         self._exit_sent = False
@@ -157,64 +180,16 @@ class Process:
 
     # ---- the pump ---------------------------------------------------------
 
-    async def _pump(self) -> None:
-        poller = Poller()
-        streams: dict[int, Stream] = {self._out_r: "stdout", self._err_r: "stderr"}
-        chan_fd = self._chan.fileno()
-        deadline = math.inf
+    async def _run(self) -> None:
         try:
             with self._scope:
-                for fd in streams:
-                    os.set_blocking(fd, False)
-                    poller.want_read(fd)
-                poller.want_read(chan_fd)
-                feeding = self._in_w >= 0 and bool(self._input)
-                if feeding:
-                    poller.want_write(self._in_w)
-                else:
-                    self._input_fed()
-                while not self._lost and (streams or self.returncode is None):
-                    now = anyio.current_time()
-                    if now >= deadline:
-                        break  # exited, but something still holds its output
-                    ready: set[int] = set()
-                    with anyio.move_on_after(deadline - now):
-                        ready = await poller.wait()
-                    for fd in ready:
-                        if fd in streams:
-                            if self._drain(fd, streams[fd]):
-                                poller.forget(fd)
-                                self._close_fd(fd)
-                                del streams[fd]
-                        elif fd == chan_fd:
-                            replies, closed = self._chan.read_replies()
-                            for r in replies:
-                                if r.kind == protocol.REPLY_EXIT:
-                                    self.returncode = r.code
-                                    deadline = min(deadline, anyio.current_time() + EXIT_GRACE)
-                                elif r.kind == protocol.REPLY_FAIL and self._failure is None:
-                                    self._failure = r
-                                self._started.set()
-                            if closed:
-                                poller.forget(chan_fd)
-                                if self.returncode is None:
-                                    self._lost = True
-                        elif fd == self._in_w and feeding:
-                            self._input = _feed(self._in_w, self._input)
-                            if not self._input:
-                                feeding = False
-                                poller.forget(self._in_w)
-                                self._input_fed()
-                    self._notify()
+                await self._pump.run(on_news=self._news)
         except Exception as e:  # a bug or an unexpected OS error: reported to the consumer
             self._error = e
         finally:
-            poller.close()
-            for fd in (self._out_r, self._err_r):
-                self._close_fd(fd)
             # Closing the channel before the exit was reported makes the init
             # kill the command's tree (a kill that went unanswered, errors).
-            self._chan.close()
+            self._pump.close()
             self._finished = True
             if not self._writing:
                 self._close_stdin_fd()
@@ -223,41 +198,13 @@ class Process:
             self._done.set()
             self._notify()
 
-    def _drain(self, fd: int, stream: Stream) -> bool:
-        """Reads what is available, up to DRAIN_BUDGET; True at EOF."""
-        queue = self._queues[stream]
-        taken = 0
-        while taken < DRAIN_BUDGET:
-            try:
-                data = os.read(fd, READ_CHUNK)
-            except BlockingIOError:
-                return False
-            if not data:
-                return True
-            if stream != self._last_stream:
-                self._seq += 1
-                self._last_stream = stream
-            queue.append(data, self._seq)
-            if taken == 0 and len(data) == READ_CHUNK and queue.total == READ_CHUNK:
-                _grow_pipe(fd)
-            taken += len(data)
-        return False
-
-    def _close_fd(self, fd: int) -> None:
-        if fd == self._out_r:
-            self._out_r = -1
-        elif fd == self._err_r:
-            self._err_r = -1
-        else:
-            return
-        if fd >= 0:
-            os.close(fd)
-
-    def _input_fed(self) -> None:
-        self._input = memoryview(b"")
-        if not self._keep_stdin:
-            self._close_stdin_fd()
-        self._input_done.set()
+    def _news(self) -> None:
+        """The pump read something: output, or a reply."""
+        if self._chan.answered:
+            if self._chan.returncode is not None:
+                self.returncode = self._chan.returncode
+            self._started.set()
+        self._notify()
 
     def _close_stdin_fd(self) -> None:
         fd, self._in_w = self._in_w, -1
@@ -310,7 +257,7 @@ class Process:
         if self._error is not None:
             raise NsboxError(f"streaming the output of {self.command.argv[0]!r} failed: {self._error}") \
                 from self._error
-        if self._lost and not self._killed:
+        if self._pump.lost and not self._killed:
             raise SandboxUnavailable(f"sandbox {self._sandbox_id} stopped while running {self.command.argv[0]!r}")
 
     async def wait(self) -> ExecResult:
@@ -427,7 +374,9 @@ async def start(client: InitClient, command: Command, *, input: bytes | None, st
     for fd in (out_w, err_w, *([in_r] if in_w >= 0 else [])):
         os.close(fd)
     proc = Process(chan, out_r, err_r, in_w, input, stdin_open, limit, command, sandbox_id)
-    _background(proc._pump)
+    for fd in (out_r, err_r):
+        os.set_blocking(fd, False)
+    _background(proc._run)
     try:
         with anyio.fail_after(START_TIMEOUT):
             await proc._started.wait()
@@ -437,10 +386,10 @@ async def start(client: InitClient, command: Command, *, input: bytes | None, st
         if isinstance(e, TimeoutError):
             raise NsboxError(f"the sandbox did not start {command.argv[0]!r} within {START_TIMEOUT:g}s") from None
         raise
-    if proc._failure is not None:
+    if chan.failure is not None:
         with anyio.CancelScope(shield=True):
             await proc._done.wait()  # the helper exits at once
-        result = failed_start(proc._failure, command.argv[0], command.cwd)  # may raise, as exec does
+        result = failed_start(chan.failure, command.argv[0], command.cwd)  # may raise, as exec does
         proc._queues["stderr"].append(result.stderr.encode(), 1)
         proc.returncode = result.returncode
     elif proc._finished:

@@ -1,51 +1,41 @@
 """nsbox as an Inspect AI sandbox provider: `inspect eval task.py --sandbox nsbox`.
 
 A thin adapter: every behaviour lives in nsbox.Sandbox; this module maps
-Inspect's lifecycle onto it, loads the configuration, and translates
-nsbox's exceptions into Inspect's.
+Inspect's lifecycle onto it. The configuration is config.py's, the error
+mapping errors.py's, exec_remote's process exec_remote.py's, compose
+projects compose.py's.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import secrets
 import shlex
 import sys
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator, Literal, Union, overload
+from typing import Any, AsyncIterator, Literal, Union, overload
 
 import anyio
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel
 
 from inspect_ai.util import (
-    ExecResult,
-    OutputLimitExceededError,
-    SandboxConnection,
-    SandboxEnvironment,
-    SandboxEnvironmentConfigType,
-    SandboxUnavailableError,
-    SandboxUserUnsupportedError,
-    sandboxenv,
-)
-from inspect_ai.util import (
-    ExecCompleted,
-    ExecOutput,
     ExecRemoteAwaitableOptions,
     ExecRemoteProcess,
     ExecRemoteStreamingOptions,
-    ExecStderr,
-    ExecStdout,
+    ExecResult,
+    SandboxConnection,
+    SandboxEnvironment,
+    SandboxEnvironmentConfigType,
+    sandboxenv,
 )
 
-from ..host import dirs
-from ..plan import gpu
 from .. import manage
-from ..errors import NsboxError, OutputLimitExceeded, SandboxUnavailable, UserUnsupported
-from ..host.idmap import detect as detect_idmap
+from ..init.output_limits import exec_output_limit, human_size
+from ..network import Network
+from ..sandbox import Sandbox, confined
+from ..spec import NET
 from .compose import (
     COMPOSE_FILES,
     DOCKERFILES,
@@ -55,162 +45,26 @@ from .compose import (
     images_depend,
     is_docker_config,
     prepare,
-    sample_variables,
     remove_orphan_volumes,
+    sample_variables,
     start_sample,
 )
-from ..storage.tarball import import_tarball
-from ..init.output_limits import exec_output_limit, human_size
-from ..network import Network
-from ..plan.rootfs import Bind
-from ..sandbox import Sandbox, confined
-from ..init.streaming import Exit, Output, Process, decoder
-from ..spec import NET, NETWORK_NAME, SandboxSpec, parse_size
+from .config import (
+    CONFIG_FILES,
+    NetworkSettings,
+    NsboxConfig,
+    SandboxSettings,
+    config_key,
+    load_config,
+    resolve_rootfs,
+)
+from .errors import as_inspect_errors
+from .exec_remote import NsboxExecRemoteProcess, forward_exec_remote
 
-CONFIG_FILES = ["nsbox.yaml", "nsbox.yml"]
+__all__ = ["NsboxSandboxEnvironment", "NsboxExecRemoteProcess", "NsboxConfig", "SandboxSettings",
+           "NetworkSettings", "load_config", "shell_command"]
 
 logger = logging.getLogger(__name__)
-
-
-class SandboxSettings(BaseModel):
-    """Settings of one sandbox."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    rootfs: str = "host"
-    """'host' (the built-in root composed from this host), a directory, or a
-    root filesystem tarball (unpacked once, at task start)."""
-    image: str | None = None
-    """An OCI/Docker image instead of rootfs (pulled and unpacked once, at task start)."""
-    pull: Literal["missing", "always", "never"] = "missing"
-    platform: str | None = None
-    """The image's platform, e.g. linux/arm64 (default: this host's)."""
-    user: str | None = None
-    """The default user of exec, read_file and write_file (default: the image's USER, else root)."""
-    workdir: str | None = None
-    """Working directory; relative paths resolve against it (default: the user's home)."""
-    env: dict[str, str] = {}
-    network: str = "none"
-    """'none': a private network with loopback only; 'host': the host's network;
-    'nat': outbound access (pasta or slirp4netns; the host's loopback as
-    host.nsbox.internal only with host_loopback); 'proxy': only the hosts `allow` names, through a proxy;
-    'net:NAME': the sample's service network NAME (see `networks`), which
-    the sample's sandboxes naming it share, each with its own address."""
-    host_loopback: bool = False
-    """nat: the host's loopback reachable as host.nsbox.internal (off: the
-    host's 127.0.0.1 services stay closed to the sandbox)."""
-    allow: tuple[str, ...] = ()
-    """The proxy mode's allowlist: "example.com", "*.example.org", "host:443", "*"."""
-    network_aliases: tuple[str, ...] = ()
-    """On a service network: other names the sandbox answers to (besides its name in `sandboxes`)."""
-    ports: tuple[str, ...] = ()
-    """Published ports, "[IP:]HOSTPORT:PORT", on 127.0.0.1 unless IP is given."""
-    mounts: tuple[str, ...] = ()
-    """Host paths to bind in, as SOURCE:TARGET[:ro]."""
-    timeout: int | None = None
-    """Default timeout of exec, in seconds."""
-    nested_userns: bool = False
-    """Let commands create user namespaces and mount (to run a sandbox inside)."""
-    privileged: bool = False
-    """As rootless podman's --privileged: nested_userns, no seccomp filter, every
-    capability of the sandbox's own user namespace, a sysfs at /sys; never host root."""
-    memory: int | str | None = None
-    """Memory limit of the sandbox, as in Docker: bytes, or "512m", "2g"."""
-    pids_limit: int | None = Field(default=None, ge=1)
-    """Most processes the sandbox may have at once."""
-    cpus: float | None = Field(default=None, ge=0.01)
-    """CPU time, in CPUs (1.5: one and a half)."""
-    disk: int | str | None = None
-    """Size cap of the writable layer (with /tmp, /dev/shm and /run): bytes, or "2g"."""
-    strict_limits: bool = False
-    """Refuse memory, pids_limit or cpus where no cgroup enforces it (see `nsbox doctor`)."""
-    gpus: int | str | None = None
-    """NVIDIA GPUs to pass through: "all", a number, or "device=0,1"."""
-
-    @field_validator("gpus")
-    @classmethod
-    def _gpus(cls, v: int | str | None) -> str | None:
-        return gpu.normalize(v)
-
-    @field_validator("memory", "disk")
-    @classmethod
-    def _size(cls, v: int | str | None, info: ValidationInfo) -> int | None:
-        return None if v is None else parse_size(v, info.field_name or "size")
-
-    @model_validator(mode="after")
-    def _rootfs_or_image(self) -> "SandboxSettings":
-        if self.image is not None and self.rootfs != "host":
-            raise ValueError("give either rootfs or image, not both")
-        return self
-
-    @field_validator("network")
-    @classmethod
-    def _network(cls, v: str) -> str:
-        # net:NAME: a network name, short enough for the sample's suffix (_sample_network).
-        name = v[len(NET):]
-        if v not in ("none", "host", "nat", "proxy") and not (
-                v.startswith(NET) and NETWORK_NAME.fullmatch(name) and len(name) <= 41):
-            raise ValueError(f"Input should be 'none', 'host', 'nat', 'proxy' or 'net:NAME', not {v!r}")
-        return v
-
-    @field_validator("workdir")
-    @classmethod
-    def _absolute_workdir(cls, v: str | None) -> str | None:
-        if v is not None and not v.startswith("/"):
-            raise ValueError("must be an absolute path inside the sandbox")
-        return v
-
-    @field_validator("mounts")
-    @classmethod
-    def _mount_syntax(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        for m in v:
-            parts = m.split(":")
-            if not (len(parts) == 2 or (len(parts) == 3 and parts[2] in ("ro", "rw"))) or not all(parts[:2]):
-                raise ValueError(f"{m!r} is not SOURCE:TARGET[:ro]")
-        return v
-
-    def __hash__(self) -> int:  # Inspect keeps configs in sets; dict fields are not hashable
-        return hash(self.model_dump_json())
-
-
-class NetworkSettings(BaseModel):
-    """A service network of each sample (nsbox.Network)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    internal: bool = True
-    """No outbound access (false: outbound as the nat mode, /dev/net/tun needed)."""
-    host_access: bool = False
-    """The host's loopback reachable as host.nsbox.internal (outbound networks)."""
-
-
-class NsboxConfig(SandboxSettings):
-    """Configuration of the nsbox provider (nsbox.yaml, or this model in Python).
-
-    The top-level settings describe the "default" sandbox. `sandboxes` gives
-    a sample several named sandboxes; each entry starts from the top-level
-    settings and overrides what it names. The first is the default one.
-    """
-
-    output_limit_mode: Literal["truncate", "raise"] = "truncate"
-    """Output over the limit: 'truncate' keeps the last bytes; 'raise'
-    raises OutputLimitExceededError (Inspect's older contract)."""
-    id_mapping: Literal["auto", "single", "host-root"] = "auto"
-    """'single' maps only your uid; 'host-root' (real root only) maps host root."""
-    sandboxes: dict[str, SandboxSettings] | None = None
-    networks: dict[str, NetworkSettings] = {}
-    """Service networks of each sample, by the NAME sandboxes give as
-    `network: net:NAME` (one not listed here is internal)."""
-
-    def specs(self) -> list[tuple[str, SandboxSettings]]:
-        base = self.model_dump(include=set(SandboxSettings.model_fields))
-        if not self.sandboxes:
-            return [("default", SandboxSettings(**base))]
-        return [(name, SandboxSettings(**{**base, **spec.model_dump(exclude_unset=True)}))
-                for name, spec in self.sandboxes.items()]
-
-    def __hash__(self) -> int:
-        return hash(self.model_dump_json())
 
 
 async def _sample_network(cfg: NsboxConfig, value: str, networks: dict[str, Network]) -> Network:
@@ -224,96 +78,14 @@ async def _sample_network(cfg: NsboxConfig, value: str, networks: dict[str, Netw
     return networks[name]
 
 
-def _config_key(config: SandboxEnvironmentConfigType | None) -> Any:
-    """What identifies a configuration across task_init, the samples and
-    task_cleanup (models are compared by content)."""
-    if isinstance(config, BaseModel) and not isinstance(config, NsboxConfig):
-        return (type(config).__name__, config.model_dump_json())
-    return load_config(config) if not is_docker_config(config) else config
-
-
-def load_config(config: SandboxEnvironmentConfigType | None) -> NsboxConfig:
-    """The configuration, with relative host paths made absolute (a file's
-    against its directory). Invalid configuration raises one clear error."""
-    if config is None:
-        return NsboxConfig()
-    if isinstance(config, NsboxConfig):
-        return _absolute_paths(config, Path.cwd())
-    if isinstance(config, str):
-        path = Path(config)
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except OSError as e:
-            raise NsboxError(f"cannot read the nsbox configuration {path}: {e.strerror}") from None
-        except yaml.YAMLError as e:
-            raise NsboxError(f"{path} is not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise NsboxError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
-        try:
-            return _absolute_paths(NsboxConfig(**data), path.parent)
-        except ValidationError as e:
-            raise NsboxError(f"invalid nsbox configuration {path}:\n{_field_errors(e)}") from None
-    raise NsboxError(f"the nsbox provider takes an NsboxConfig or a YAML file name, not {type(config).__name__}")
-
-
-def _field_errors(e: ValidationError) -> str:
-    return "\n".join(f"  {'.'.join(map(str, err['loc'])) or '(top)'}: {err['msg']}" for err in e.errors())
-
-
-def _absolute_paths(config: NsboxConfig, base: Path) -> NsboxConfig:
-    def fix(spec: SandboxSettings) -> dict[str, Any]:
-        changes: dict[str, Any] = {}
-        if "rootfs" in spec.model_fields_set and spec.rootfs != "host":
-            changes["rootfs"] = str((base / os.path.expanduser(spec.rootfs)).resolve())
-        if spec.mounts:
-            changes["mounts"] = tuple(
-                ":".join([str((base / os.path.expanduser(m.split(":")[0])).resolve()), *m.split(":")[1:]])
-                for m in spec.mounts)
-        return changes
-
-    named = None
-    if config.sandboxes:
-        named = {k: v.model_copy(update=fix(v)) for k, v in config.sandboxes.items()}
-    return config.model_copy(update={**fix(config), "sandboxes": named})
-
-
-async def _resolve_rootfs(rootfs: str, id_mapping: Literal["auto", "single", "host-root"]) -> str:
-    """A directory for `rootfs`; a tarball is unpacked once per content and
-    id mapping, into the data directory."""
-    if rootfs == "host" or os.path.isdir(rootfs):
-        return rootfs
-    if not os.path.isfile(rootfs):
-        raise NsboxError(f"rootfs {rootfs} does not exist",
-                         hint="give 'host', a directory holding a root filesystem, or a tarball of one")
-    digest = await anyio.to_thread.run_sync(_sha256, rootfs)
-    mapping = detect_idmap(id_mapping).key
-    dest = dirs.data_dir() / "images" / f"{digest[:24]}-{mapping}"
-    if not dest.exists():
-        await import_tarball(rootfs, dest, runner=confined, id_mapping=id_mapping,
-                             progress=lambda msg: print(f"nsbox: {msg}", file=sys.stderr))
-    return os.fspath(dest)
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-@contextlib.contextmanager
-def _as_inspect_errors() -> Iterator[None]:
-    """nsbox's exceptions, as the ones Inspect's contract names."""
-    try:
-        yield
-    except UserUnsupported as e:
-        raise SandboxUserUnsupportedError(str(e)) from e
-    except SandboxUnavailable as e:
-        raise SandboxUnavailableError(str(e)) from e
-    except OutputLimitExceeded as e:
-        output = None if e.stdout is None else e.stdout + (e.stderr or "")
-        raise OutputLimitExceededError(human_size(e.limit), output) from e
+def _known_by(name: str, settings: SandboxSettings) -> dict[str, Any]:
+    """On a service network, the other members know a sandbox by its name in
+    the configuration: its hostname, else one of its aliases."""
+    if settings.hostname is None:
+        return {"hostname": name}
+    if name != settings.hostname and name not in settings.network_aliases:
+        return {"network_aliases": (*settings.network_aliases, name)}
+    return {}
 
 
 @contextlib.asynccontextmanager
@@ -384,12 +156,12 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
     async def _compose_task(cls, config: SandboxEnvironmentConfigType, variables: dict[str, str]) -> ComposeTask:
         """The project read with these sample variables, images ready: once
         per distinct set (samples starting at once wait for the first)."""
-        base = _config_key(config)
+        base = config_key(config)
         key = (base, tuple(sorted(variables.items())))
         if key not in cls._compose:
             async with cls._compose_locks.setdefault(base, anyio.Lock()):
                 if key not in cls._compose:
-                    with _as_inspect_errors():
+                    with as_inspect_errors():
                         cls._compose[key] = await prepare(config, variables=variables,
                                                           known=cls._compose_images.setdefault(base, {}))
         return cls._compose[key]
@@ -411,8 +183,8 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
             await cls._compose_task(config, environ_variables(config))
             return
         cfg = load_config(config)
-        for _, spec in cfg.specs():
-            cls._rootfs[(spec.rootfs, cfg.id_mapping)] = await _resolve_rootfs(spec.rootfs, cfg.id_mapping)
+        for _, spec in cfg.settings():
+            cls._rootfs[(spec.rootfs, cfg.id_mapping)] = await resolve_rootfs(spec.rootfs, cfg.id_mapping)
             if spec.image is not None:
                 # Pulled and unpacked once per task, never per sample.
                 from ..storage import Store
@@ -424,26 +196,17 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
                 cls._pulled.add((spec.image, spec.platform))
         # Start and stop one sandbox now, so that a host that cannot run
         # them fails the task with a clear message before any sample starts.
-        _, spec = cfg.specs()[0]
+        _, spec = cfg.settings()[0]
         async with cls._make(cfg, spec, f"{task_name}: startup check"):
             pass
 
     @classmethod
-    def _make(cls, cfg: NsboxConfig, settings: SandboxSettings, label: str, hostname: str | None = None) -> Sandbox:
+    def _make(cls, cfg: NsboxConfig, settings: SandboxSettings, label: str) -> Sandbox:
         rootfs = cls._rootfs.get((settings.rootfs, cfg.id_mapping), settings.rootfs)
         pulled = (settings.image, settings.platform) in cls._pulled
-        return Sandbox(spec=SandboxSpec(
-            rootfs=rootfs, image=settings.image, pull="missing" if pulled else settings.pull,
-            platform=settings.platform, user=settings.user, workdir=settings.workdir, env=settings.env,
-            network=settings.network, host_loopback=settings.host_loopback, allow=settings.allow, ports=settings.ports,
-            network_aliases=settings.network_aliases, output_limit_mode=cfg.output_limit_mode, id_mapping=cfg.id_mapping,
-            timeout=settings.timeout, mounts=tuple(Bind.parse(m) for m in settings.mounts), label=label,
-            nested_userns=settings.nested_userns, privileged=settings.privileged,
-            memory=settings.memory, hostname=hostname,  # type: ignore[arg-type]
-            pids_limit=settings.pids_limit, cpus=settings.cpus, disk=settings.disk,  # type: ignore[arg-type]
-            strict_limits=settings.strict_limits, gpus=settings.gpus,
-            origin="inspect",
-        ))
+        return Sandbox(spec=settings.spec(
+            rootfs=rootfs, pull="missing" if pulled else settings.pull, output_limit_mode=cfg.output_limit_mode,
+            id_mapping=cfg.id_mapping, label=label, origin="inspect"))
 
     @classmethod
     async def sample_init(cls, task_name: str, config: SandboxEnvironmentConfigType | None,
@@ -456,16 +219,16 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
         created: dict[str, NsboxSandboxEnvironment] = {}
         networks: dict[str, Network] = {}  # this sample's service networks, by the config's name
         try:
-            for name, spec in cfg.specs():
+            for name, spec in cfg.settings():
                 key = (spec.rootfs, cfg.id_mapping)
                 if key not in cls._rootfs:  # sample_init without task_init (tests, tools)
-                    cls._rootfs[key] = await _resolve_rootfs(spec.rootfs, cfg.id_mapping)
-                on_net = spec.network.startswith(NET)
-                if on_net:  # known to the other members by its name in the configuration
-                    spec = spec.model_copy(update={"network": (await _sample_network(cfg, spec.network, networks))
-                                                   .spec_value})
+                    cls._rootfs[key] = await resolve_rootfs(spec.rootfs, cfg.id_mapping)
+                if spec.network.startswith(NET):
+                    spec = spec.model_copy(update={
+                        "network": (await _sample_network(cfg, spec.network, networks)).spec_value,
+                        **_known_by(name, spec)})
                 label = f"{task_name} sample {sample} ({name})" if sample != "" else f"{task_name} ({name})"
-                sb = cls._make(cfg, spec, label, hostname=name if on_net else None)
+                sb = cls._make(cfg, spec, label)
                 await sb.start()
                 created[name] = cls(sb, cfg)
                 created[name]._networks = list(networks.values())
@@ -485,7 +248,7 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
                                    sample: str, variables: dict[str, str]) -> dict[str, SandboxEnvironment]:
         task = await cls._compose_task(config, variables)
         label = f"{task_name} sample {sample}" if sample != "" else task_name
-        with _as_inspect_errors():
+        with as_inspect_errors():
             services, sandboxes = await start_sample(task, label)
         cfg = NsboxConfig()
         envs: dict[str, SandboxEnvironment] = {}
@@ -493,7 +256,7 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
             env = cls(sb, cfg)
             env._services = services
             envs[name] = env
-            cls._live.setdefault(_config_key(config), set()).add(env)
+            cls._live.setdefault(config_key(config), set()).add(env)
         return envs
 
     @classmethod
@@ -517,12 +280,12 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
         # interrupted sample is cleaned up just as fast as a finished one.
         envs = [e.as_type(NsboxSandboxEnvironment) for e in environments.values()]
         with anyio.CancelScope(shield=True):
-            await cls._close_all(_config_key(config), envs)
+            await cls._close_all(config_key(config), envs)
 
     @classmethod
     async def task_cleanup(cls, task_name: str, config: SandboxEnvironmentConfigType | None,
                            cleanup: bool) -> None:
-        key = _config_key(config)
+        key = config_key(config)
         live = list(cls._live.pop(key, set()))
         for k in [k for k in cls._compose if k[0] == key]:
             del cls._compose[k]
@@ -574,7 +337,7 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
         concurrency: bool = True,
     ) -> ExecResult[str]:
         async with _throttle(concurrency):
-            with _as_inspect_errors():
+            with as_inspect_errors():
                 r = await self.sandbox.exec(cmd, input=input, cwd=cwd, env=env, user=user, timeout=timeout)
         if r.truncated:
             self._note_truncation(cmd, r.stdout_truncated, r.stderr_truncated)
@@ -630,13 +393,13 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
                                                      else ExecRemoteAwaitableOptions())
         stdin_open = isinstance(opts, ExecRemoteStreamingOptions) and opts.stdin_open
         async with _throttle(opts.concurrency):
-            with _as_inspect_errors():
+            with as_inspect_errors():
                 proc = await self.sandbox.start_process(cmd, input=opts.input, stdin_open=stdin_open, cwd=opts.cwd,
                                                         env=opts.env, user=opts.user)
         if stream:
             return NsboxExecRemoteProcess(self, proc, opts, cmd)
         timeout = opts.timeout if isinstance(opts, ExecRemoteAwaitableOptions) else None
-        with _as_inspect_errors():
+        with as_inspect_errors():
             async with proc:  # killed on timeout or cancellation
                 with anyio.fail_after(timeout):
                     r = await proc.wait()
@@ -645,7 +408,7 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
         return ExecResult(success=r.success, returncode=r.returncode, stdout=r.stdout, stderr=r.stderr)
 
     async def write_file(self, file: str, contents: str | bytes) -> None:
-        with _as_inspect_errors():
+        with as_inspect_errors():
             await self.sandbox.write_file(file, contents)
 
     @overload
@@ -655,7 +418,7 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
     async def read_file(self, file: str, text: Literal[False]) -> bytes: ...
 
     async def read_file(self, file: str, text: bool = True) -> Union[str | bytes]:
-        with _as_inspect_errors():
+        with as_inspect_errors():
             return await self.sandbox.read_file(file, text)
 
     async def connection(self, *, user: str | None = None) -> SandboxConnection:
@@ -680,7 +443,7 @@ async def shell_command(sb: Sandbox, user: str | None = None) -> str:
     runs with more privilege than sandbox root, and no sandbox process
     holds the person's own terminal (which TIOCSTI would let it type into).
     """
-    with _as_inspect_errors():
+    with as_inspect_errors():
         await sb.identity(user)  # exists, and the id mapping can run it
     script = Path(sys.executable).parent / "nsbox"
     cli = [os.fspath(script)] if os.access(script, os.X_OK) else [sys.executable, "-m", "nsbox"]
@@ -689,153 +452,8 @@ async def shell_command(sb: Sandbox, user: str | None = None) -> str:
     return shlex.join([*(["env", *env] if env else []), *cli, "shell", sb.id, *(["-u", user] if user else [])])
 
 
-class NsboxExecRemoteProcess(ExecRemoteProcess):
-    """Inspect's ExecRemoteProcess on an nsbox streaming Process: events come
-    as the command writes its output (no tool server, no polling).
-
-    Behaves as Inspect's own: iterable once; ExecStdout/ExecStderr, then
-    ExecCompleted; kill() ends iteration after the output written before it,
-    without ExecCompleted; cancelling the iteration kills the process;
-    write_stdin/close_stdin need stdin_open=True. `pid` is nsbox's number
-    for the process (the init does not report the command's pid).
-    """
-
-    def __init__(self, env: NsboxSandboxEnvironment, process: Process,
-                 options: ExecRemoteStreamingOptions | ExecRemoteAwaitableOptions, cmd: list[str]) -> None:
-        # Not ExecRemoteProcess.__init__: it sets up the JSON-RPC transport
-        # to the injected tool server that this class does without.
-        self._env = env
-        self._sandbox = env
-        self._process = process
-        self._options = options
-        self._cmd = cmd
-        self._pid = process.id
-        self._killed = False
-        self._completed = False
-        self._iteration_started = False
-        self._pending_events: list[ExecOutput] = []
-        self._decoders = {"stdout": decoder(), "stderr": decoder()}
-
-    @property
-    def pid(self) -> int:
-        return self._process.id
-
-    @property
-    def process(self) -> Process:
-        """The nsbox Process underneath (truncation counts, signal())."""
-        return self._process
-
-    def __aiter__(self) -> "NsboxExecRemoteProcess":
-        if self._iteration_started:
-            raise RuntimeError("ExecRemoteProcess can only be iterated once")
-        self._iteration_started = True
-        return self
-
-    def _convert(self, event: Output) -> ExecOutput | None:
-        if event.dropped:
-            p = self._process
-            self._env._note_truncation(self._cmd, p.stdout_truncated, p.stderr_truncated)
-        text = self._decoders[event.stream].decode(event.data)
-        if not text:
-            return None
-        return ExecStdout(data=text) if event.stream == "stdout" else ExecStderr(data=text)
-
-    def _flush(self) -> list[ExecOutput]:
-        """What the decoders held back (an incomplete character at the end)."""
-        out: list[ExecOutput] = []
-        for stream, dec in self._decoders.items():
-            text = dec.decode(b"", final=True)
-            if text:
-                out.append(ExecStdout(data=text) if stream == "stdout" else ExecStderr(data=text))
-        return out
-
-    async def __anext__(self) -> ExecOutput:
-        if self._pending_events:
-            return self._pending_events.pop(0)
-        if self._completed or self._killed:
-            raise StopAsyncIteration
-        try:
-            with _as_inspect_errors():
-                while True:
-                    event = await self._process.__anext__()
-                    if isinstance(event, Output):
-                        converted = self._convert(event)
-                        if converted is not None:
-                            return converted
-                        continue
-                    assert isinstance(event, Exit)
-                    if self._killed:  # kill() was called while we waited
-                        if self._pending_events:
-                            return self._pending_events.pop(0)
-                        raise StopAsyncIteration
-                    self._completed = True
-                    self._pending_events += [*self._flush(), ExecCompleted(exit_code=event.returncode)]
-                    return self._pending_events.pop(0)
-        except anyio.get_cancelled_exc_class():
-            with anyio.CancelScope(shield=True):
-                await self.kill()
-            raise
-
-    def _check_stdin(self) -> None:
-        if not (isinstance(self._options, ExecRemoteStreamingOptions) and self._options.stdin_open):
-            raise RuntimeError("write_stdin() requires stdin_open=True in ExecRemoteStreamingOptions")
-
-    async def write_stdin(self, data: str | bytes) -> None:
-        self._check_stdin()
-        if self._completed or self._killed:
-            raise RuntimeError("Cannot write to stdin: process has terminated")
-        try:
-            await self._process.write_stdin(data)
-        except BrokenPipeError:
-            raise RuntimeError("Cannot write to stdin: process has terminated") from None
-
-    async def close_stdin(self) -> None:
-        if not (isinstance(self._options, ExecRemoteStreamingOptions) and self._options.stdin_open):
-            raise RuntimeError("close_stdin() requires stdin_open=True in ExecRemoteStreamingOptions")
-        if self._completed or self._killed:
-            return
-        await self._process.close_stdin()
-
-    async def kill(self) -> None:
-        if self._completed or self._killed:
-            return
-        self._killed = True
-        await self._process.kill()
-        for event in self._process.take_output():
-            converted = self._convert(event)
-            if converted is not None:
-                self._pending_events.append(converted)
-        self._pending_events += self._flush()
-
-
-def _forward_exec_remote() -> None:
-    """Makes sample code reach NsboxSandboxEnvironment.exec_remote.
-
-    Inspect hands samples each environment wrapped in SandboxEnvironmentProxy
-    (which records exec events), and the proxy of this Inspect version does
-    not forward exec_remote: it runs the base class's, which injects Inspect's
-    tool server into the sandbox and polls it. For environments of this
-    provider only, the proxy's exec_remote now forwards to the native one;
-    every other provider keeps the original. Nothing is changed if the
-    proxy defines exec_remote itself (a later Inspect that forwards it).
-    """
-    try:
-        from inspect_ai.util._sandbox.events import SandboxEnvironmentProxy
-    except ImportError:
-        return
-    if "exec_remote" in vars(SandboxEnvironmentProxy):
-        return
-    original = SandboxEnvironment.exec_remote
-
-    async def exec_remote(self: Any, cmd: list[str], options: Any = None, *, stream: bool = True) -> Any:
-        inner = getattr(self, "_sandbox", None)
-        if isinstance(inner, NsboxSandboxEnvironment):
-            return await inner.exec_remote(cmd, options, stream=stream)  # type: ignore[call-overload]
-        return await original(self, cmd, options, stream=stream)  # type: ignore[call-overload]
-
-    exec_remote.__doc__ = original.__doc__
-    exec_remote.__nsbox_forward__ = True  # type: ignore[attr-defined]
-    SandboxEnvironmentProxy.exec_remote = exec_remote  # type: ignore[method-assign,assignment]
-
-
-_forward_exec_remote()
+# Inspect's sandbox proxy does not forward exec_remote (see
+# forward_exec_remote): patched here, where the provider registers, so that
+# the patch is in place whenever Inspect can hand out an nsbox sandbox, and
+# only then.
+forward_exec_remote(NsboxSandboxEnvironment)

@@ -1,0 +1,401 @@
+"""Images written by an attacker: digests that name host paths, layer
+directories the store did not verify, sparse files and decompression bombs,
+hostile configs, and a fuzzed layer applier.
+
+Whatever an image says, no host directory may become one of its layers,
+nothing may be written outside the layer being unpacked, and what is
+refused leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import subprocess
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nsbox.errors import NsboxError
+from nsbox.storage.archive import import_image
+from nsbox.storage.resolve import resolve
+from nsbox.storage.store import Store
+
+from tests.conftest import MODE
+from tests.imagekit import Layout, Registry, add, busybox_layer, push, registry, run_image, store, tar_bytes  # noqa: F401
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def _image(layout: Layout, layers: list[bytes], diff_ids: list[str] | None = None,
+           config: dict[str, Any] | None = None, tag: str = "t") -> dict[str, Any]:
+    """A one-image layout whose config may lie about its diff_ids."""
+    descs = [{"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", **layout.blob(gzip.compress(raw, mtime=0))}
+             for raw in layers]
+    cfg = {"architecture": "amd64", "os": "linux", "config": config or {},
+           "rootfs": {"type": "layers", "diff_ids": diff_ids if diff_ids is not None else
+                      ["sha256:" + hashlib.sha256(raw).hexdigest() for raw in layers]}}
+    cdesc = {"mediaType": "application/vnd.oci.image.config.v1+json", **layout.blob(json.dumps(cfg).encode())}
+    manifest = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                "config": cdesc, "layers": descs}
+    desc = {"mediaType": "application/vnd.oci.image.manifest.v1+json",
+            **layout.blob(json.dumps(manifest).encode()), "platform": {"architecture": "amd64", "os": "linux"}}
+    layout.tag(tag, desc)
+    return desc
+
+
+def _host_secret(tmp_path: Path) -> Path:
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    (secret / "id_rsa").write_text("PRIVATE\n")
+    os.chmod(tmp_path, 0o755)
+    return secret
+
+
+def _nothing_published(store: Store) -> None:
+    assert store.records() == {}
+    assert not list(store.tmp.iterdir())
+    for key in store.layers_root.iterdir():
+        assert list(key.iterdir()) == [], list(key.iterdir())
+
+
+# ---- digests that name host paths ----------------------------------------
+
+@pytest.mark.parametrize("form", ["absolute", "dotdot", "short"])
+async def test_diff_id_naming_a_host_directory(tmp_path: Path, store: Store, form: str) -> None:
+    secret = _host_secret(tmp_path)
+    rel = os.path.relpath(secret, store.layers_root / MODE.key)
+    evil = {"absolute": f"sha256:{secret}", "dotdot": f"sha256:{rel}", "short": "sha256:abcd"}[form]
+    layout = Layout(tmp_path / "layout")
+    raw = tar_bytes(lambda t: add(t, "f", b"x"))
+    _image(layout, [busybox_layer(), raw], ["sha256:" + hashlib.sha256(busybox_layer()).hexdigest(), evil])
+    with pytest.raises(NsboxError, match="invalid digest") as info:
+        await import_image(store, layout.path, name="evil:1")
+    assert "\n" not in str(info.value)
+    assert (secret / "id_rsa").read_text() == "PRIVATE\n"
+    _nothing_published(store)
+
+
+async def test_pulled_diff_id_naming_a_host_directory(tmp_path: Path, store: Store, registry: Registry) -> None:
+    secret = _host_secret(tmp_path)
+    layout = Layout(tmp_path / "layout")
+    raw = tar_bytes(lambda t: add(t, "f", b"x"))
+    _image(layout, [busybox_layer(), raw], ["sha256:" + hashlib.sha256(busybox_layer()).hexdigest(),
+                                            f"sha256:{secret}"], tag="evil")
+    push(f"oci:{layout.path}:evil", registry, "hostile/diffid:1")
+    with pytest.raises(NsboxError, match="invalid digest"):
+        await resolve(store, f"{registry.host}/hostile/diffid:1")
+    assert store.records() == {}
+
+
+async def test_layout_digests_naming_paths(tmp_path: Path, store: Store) -> None:
+    """Manifest, config and layer digests of a layout that are not digests."""
+    secret = _host_secret(tmp_path)
+    for i, field in enumerate(("manifest", "config", "layer")):
+        layout = Layout(tmp_path / f"layout{i}")
+        desc = _image(layout, [tar_bytes(lambda t: add(t, "f", b"x"))])
+        manifest = json.loads((layout.path / "blobs/sha256" / desc["digest"][7:]).read_bytes())
+        bad = f"sha256:{'0' * 60}/../../../../{secret}"
+        if field == "manifest":
+            desc = {**desc, "digest": bad}
+        else:
+            if field == "config":
+                manifest["config"]["digest"] = bad
+            else:
+                manifest["layers"][0]["digest"] = bad
+            desc = {**desc, **layout.blob(json.dumps(manifest).encode())}
+        layout.index = []
+        layout.tag("t", desc)
+        with pytest.raises(NsboxError, match="invalid digest"):
+            await import_image(store, layout.path, name=f"evil:{i}")
+        _nothing_published(store)
+
+
+async def test_layout_blob_larger_than_its_descriptor(tmp_path: Path, store: Store) -> None:
+    """A blob file that does not end where its descriptor says (a 1 GiB
+    sparse file here) is not copied whole into the store first."""
+    layout = Layout(tmp_path / "layout")
+    desc = _image(layout, [busybox_layer(), tar_bytes(lambda t: add(t, "f", b"x"))])
+    manifest = json.loads((layout.path / "blobs/sha256" / desc["digest"][7:]).read_bytes())
+    blob = layout.path / "blobs/sha256" / manifest["layers"][1]["digest"][7:]
+    with open(blob, "r+b") as f:
+        f.truncate(1 << 30)
+    with pytest.raises(NsboxError, match=r"larger than its \d+ bytes"):
+        await import_image(store, layout.path, name="long:1")
+    _nothing_published(store)
+    os.unlink(blob)
+    os.mkfifo(blob)
+    with pytest.raises(NsboxError, match="not a regular file"):
+        await import_image(store, layout.path, name="fifo:1")
+    _nothing_published(store)
+
+
+async def test_unverified_layer_directory_is_not_trusted(tmp_path: Path, store: Store) -> None:
+    """A directory already at a layer's place, not unpacked and verified
+    by the store, is replaced by the layer's real content."""
+    raw = tar_bytes(lambda t: add(t, "real", b"from the image\n"))
+    diff_id = "sha256:" + hashlib.sha256(raw).hexdigest()
+    planted = store.layers_root / MODE.key / diff_id[7:]
+    planted.mkdir(parents=True)
+    (planted / "planted").write_text("not from the image\n")
+    layout = Layout(tmp_path / "layout")
+    _image(layout, [busybox_layer(), raw])
+    image = await import_image(store, layout.path, name="plant:1")
+    top = image.layers[-1]
+    assert sorted(p.name for p in top.iterdir()) == ["real"]
+    # Verified once: the next use trusts it without unpacking again.
+    again = await resolve(store, "plant:1")
+    assert again.layers == image.layers and os.lstat(top).st_ino == os.lstat(again.layers[-1]).st_ino
+
+
+# ---- sparse files and bombs ----------------------------------------------
+
+def _sparse_tar(tmp_path: Path, fmt: str, size: int = 1 << 30) -> bytes:
+    src = tmp_path / f"sparse-{fmt}"
+    src.mkdir()
+    with open(src / "hole", "wb") as f:
+        f.truncate(size)
+        f.seek(100_000_000)
+        f.write(b"data in the middle")
+    out = tmp_path / f"sparse-{fmt}.tar"
+    subprocess.run(["tar", "-S", f"--format={fmt}", "--numeric-owner", "-cf", out, "-C", src, "hole"], check=True)
+    return out.read_bytes()
+
+
+@pytest.mark.parametrize("fmt", ["gnu", "posix"])
+async def test_sparse_members_stay_sparse(tmp_path: Path, store: Store, fmt: str) -> None:
+    raw = _sparse_tar(tmp_path, fmt)
+    assert len(raw) < 64 << 10
+    layout = Layout(tmp_path / "layout")
+    _image(layout, [busybox_layer(), raw])
+    image = await import_image(store, layout.path, name="sparse:1")
+    st = os.stat(image.layers[-1] / "hole")
+    assert st.st_size == 1 << 30
+    assert st.st_blocks * 512 < 1 << 20  # a hole, not a GiB of zeros
+    with open(image.layers[-1] / "hole", "rb") as f:
+        f.seek(100_000_000)
+        assert f.read(18) == b"data in the middle"
+        f.seek(0)
+        assert f.read(4096) == bytes(4096)
+
+
+def _limited(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("NSBOX_IMAGE_LIMITS", value)
+
+
+async def test_gzip_bomb_refused(tmp_path: Path, store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    zeros = bytes(64 << 20)
+    raw = tar_bytes(lambda t: add(t, "bomb", zeros))
+    layout = Layout(tmp_path / "layout")
+    _image(layout, [busybox_layer(), raw])
+    blob = gzip.compress(raw, mtime=0)
+    assert len(blob) < 100 << 10
+    _limited(monkeypatch, "layer-size=16M")
+    with pytest.raises(NsboxError, match=r"more than 16 MiB.*NSBOX_IMAGE_LIMITS") as info:
+        await import_image(store, layout.path, name="bomb:1")
+    assert "\n" not in str(info.value)
+    _nothing_published(store)
+    # Raised, the same image imports.
+    _limited(monkeypatch, "layer-size=80M")
+    image = await import_image(store, layout.path, name="bomb:1")
+    assert os.stat(image.layers[-1] / "bomb").st_size == 64 << 20
+
+
+@pytest.mark.parametrize("shape", ["flat", "deep"])
+async def test_too_many_members_refused(tmp_path: Path, store: Store, monkeypatch: pytest.MonkeyPatch,
+                                        shape: str) -> None:
+    def many(t: tarfile.TarFile) -> None:
+        if shape == "flat":
+            for i in range(3000):
+                add(t, f"d/f{i}")
+        else:  # one member whose name makes 3000 directories
+            add(t, "/".join(["a"] * 3000) + "/f")
+
+    layout = Layout(tmp_path / "layout")
+    _image(layout, [busybox_layer(), tar_bytes(many)])
+    _limited(monkeypatch, "layer-files=1000")
+    with pytest.raises(NsboxError, match=r"more than 1000 files.*NSBOX_IMAGE_LIMITS"):
+        await import_image(store, layout.path, name="many:1")
+    _nothing_published(store)
+
+
+async def test_image_size_bound(tmp_path: Path, store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    layers = [tar_bytes(lambda t, i=i: add(t, f"f{i}", os.urandom(6 << 20))) for i in range(3)]
+    layout = Layout(tmp_path / "layout")
+    _image(layout, layers)
+    _limited(monkeypatch, "layer-size=8M,size=16M")
+    with pytest.raises(NsboxError, match=r"image .*more than 16 MiB.*NSBOX_IMAGE_LIMITS"):
+        await import_image(store, layout.path, name="big:1")
+    _nothing_published(store)
+
+
+def test_limits_setting_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nsbox.storage.limits import Limits
+
+    monkeypatch.setenv("NSBOX_IMAGE_LIMITS", "layer-size=2G, files=10k")
+    lim = Limits.from_env()
+    assert lim.layer_size == 2 << 30 and lim.files == 10_000
+    for bad in ("layer-size=lots", "colour=red", "size"):
+        monkeypatch.setenv("NSBOX_IMAGE_LIMITS", bad)
+        with pytest.raises(NsboxError, match="NSBOX_IMAGE_LIMITS"):
+            Limits.from_env()
+
+
+# ---- the applier, fuzzed --------------------------------------------------
+
+def _fuzz_members() -> Any:
+    from hypothesis import strategies as st
+
+    comp = st.sampled_from(["a", "b", "..", ".", "", "sentinel", "link", ".wh.a", ".wh..wh..opq", ".wh..", ".wh...",
+                            ".wh.", "dir", "x" * 300])
+    name = st.lists(comp, min_size=1, max_size=5).map("/".join) | st.lists(comp, min_size=1, max_size=4).map(
+        lambda p: "/" + "/".join(p))
+    link = name | st.sampled_from(["{sentinel}", "{sentinel}/file", "../sentinel", "../../sentinel/file", "/", ".."])
+    kind = st.sampled_from([tarfile.REGTYPE, tarfile.DIRTYPE, tarfile.SYMTYPE, tarfile.LNKTYPE, tarfile.FIFOTYPE,
+                            tarfile.CHRTYPE, tarfile.BLKTYPE, b"Z"])
+    mode = st.integers(0, 0o177777)
+    owner = st.integers(0, 70000)
+    mtime = st.sampled_from([0, 1_700_000_000, -5, 2**40, 1e300])
+    data = st.binary(max_size=64)
+    return st.lists(st.tuples(name, kind, link, mode, owner, mtime, data), max_size=12)
+
+
+def _fuzz_tar(members: list[Any], sentinel: Path) -> bytes:
+    def build(t: tarfile.TarFile) -> None:
+        for name, kind, link, mode, owner, mtime, data in members:
+            info = tarfile.TarInfo(name)
+            info.type = kind
+            info.linkname = link.format(sentinel=sentinel)
+            info.mode, info.uid, info.gid, info.mtime = mode & 0o7777, owner, owner, mtime
+            info.size = len(data) if kind == tarfile.REGTYPE else 0
+            t.addfile(info, __import__("io").BytesIO(data) if info.size else None)
+    return tar_bytes(build)
+
+
+@pytest.mark.timeout(120)
+def test_fuzzed_layers_stay_inside(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Hostile archives applied by the applier's own rules (run here, not
+    in its sandbox: what the sandbox would contain must not be needed): a
+    clear exit status or success, never an exception, never a write beside
+    the target."""
+    import shutil
+    import tempfile
+
+    from hypothesis import HealthCheck, given, settings
+
+    from nsbox.storage import applytar
+
+    from tests.imagekit import snapshot
+
+    os.chmod(tmp_path, 0o755)
+    sentinel = tmp_path / "sentinel"
+    sentinel.mkdir()
+    (sentinel / "file").write_text("untouched\n")
+    before = snapshot(sentinel)
+
+    @settings(max_examples=100, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(_fuzz_members(), __import__("hypothesis").strategies.booleans())
+    def check(members: list[Any], compressed: bool) -> None:
+        work = Path(tempfile.mkdtemp(dir=tmp_path))
+        try:
+            blob = work / "blob"
+            raw = _fuzz_tar(members, sentinel)
+            blob.write_bytes(gzip.compress(raw) if compressed else raw)
+            args = json.dumps({"blob": str(blob), "dest": str(work / "dest"), "single": True,
+                               "max_bytes": 1 << 20, "max_files": 1000})
+            rc = applytar.main(["applytar", args])
+            err = capsys.readouterr().err
+            assert rc in (0, 1, 3, 4), rc
+            assert rc == 0 or err.strip().count("\n") == 0, err
+            assert snapshot(sentinel) == before
+            assert sorted(p.name for p in work.iterdir()) == ["blob", "dest"]
+            assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("tmp")) == ["sentinel"]
+        finally:
+            for dirpath, dirs, _files in os.walk(work):
+                for d in dirs:
+                    if not os.path.islink(os.path.join(dirpath, d)):
+                        os.chmod(os.path.join(dirpath, d), 0o700)
+            shutil.rmtree(work)
+
+    check()
+
+
+# ---- configs and manifests -------------------------------------------------
+
+@pytest.mark.parametrize("config", [{"Entrypoint": ["sh", 1]}, {"Env": ["A=\0B"]}, {"WorkingDir": {"x": 1}},
+                                    {"User": ["root"]}, {"Cmd": {"a": "b"}}, {"Labels": ["x"]}])
+async def test_hostile_config_values(tmp_path: Path, store: Store, config: dict[str, Any]) -> None:
+    layout = Layout(tmp_path / "layout")
+    _image(layout, [tar_bytes(lambda t: add(t, "f", b"x"))], config=config)
+    with pytest.raises(NsboxError, match="the image config's .* is not") as info:
+        await import_image(store, layout.path, name="config:1")
+    assert "\n" not in str(info.value)
+    _nothing_published(store)
+
+
+async def test_one_string_entrypoint_is_one_argument(tmp_path: Path, store: Store) -> None:
+    layout = Layout(tmp_path / "layout")
+    _image(layout, [busybox_layer()], config={"Entrypoint": "/bin/echo", "Cmd": "hi there"})
+    image = await import_image(store, layout.path, name="str:1")
+    assert image.config.command == ["/bin/echo", "hi there"]
+
+
+async def test_too_many_layers(tmp_path: Path, store: Store) -> None:
+    layout = Layout(tmp_path / "layout")
+    _image(layout, [tar_bytes(lambda t, i=i: add(t, f"f{i}", b"x")) for i in range(129)])
+    with pytest.raises(NsboxError, match="129 layers, more than the 128"):
+        await import_image(store, layout.path, name="tall:1")
+    _nothing_published(store)
+
+
+def _put_blob(registry: Registry, repo: str, data: bytes) -> dict[str, Any]:
+    import httpx
+
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    base = f"http://{registry.host}/v2/{repo}"
+    r = httpx.post(f"{base}/blobs/uploads/")
+    assert r.status_code == 202, r.text
+    location = r.headers["location"]
+    location = location if location.startswith("http") else f"http://{registry.host}{location}"
+    r = httpx.put(f"{location}{'&' if '?' in location else '?'}digest={digest}", content=data,
+                  headers={"Content-Type": "application/octet-stream"})
+    assert r.status_code == 201, r.text
+    return {"digest": digest, "size": len(data)}
+
+
+async def test_huge_config_from_a_registry(tmp_path: Path, store: Store, registry: Registry) -> None:
+    """skopeo refuses to push a config over 4 MiB, so it goes over HTTP."""
+    import httpx
+
+    layer = gzip.compress(busybox_layer(), mtime=0)
+    ldesc = {"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", **_put_blob(registry, "hostile/cfg", layer)}
+    cfg = {"architecture": "amd64", "os": "linux", "config": {"Labels": {"junk": "x" * (5 << 20)}},
+           "rootfs": {"type": "layers", "diff_ids": ["sha256:" + hashlib.sha256(busybox_layer()).hexdigest()]}}
+    cdesc = {"mediaType": "application/vnd.oci.image.config.v1+json",
+             **_put_blob(registry, "hostile/cfg", json.dumps(cfg).encode())}
+    manifest = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                "config": cdesc, "layers": [ldesc]}
+    r = httpx.put(f"http://{registry.host}/v2/hostile/cfg/manifests/1", content=json.dumps(manifest).encode(),
+                  headers={"Content-Type": "application/vnd.oci.image.manifest.v1+json"})
+    assert r.status_code == 201, r.text
+    with pytest.raises(NsboxError, match="larger than"):
+        await resolve(store, f"{registry.host}/hostile/cfg:1")
+    assert store.records() == {}
+
+
+async def test_nested_indexes_stop(tmp_path: Path, store: Store) -> None:
+    layout = Layout(tmp_path / "layout")
+    desc = _image(layout, [tar_bytes(lambda t: add(t, "f", b"x"))])
+    for _ in range(5):
+        index = {"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json", "manifests": [desc]}
+        desc = {"mediaType": "application/vnd.oci.image.index.v1+json", **layout.blob(json.dumps(index).encode()),
+                "platform": {"architecture": "amd64", "os": "linux"}}
+    layout.index = []
+    layout.tag("deep", desc)
+    with pytest.raises(NsboxError, match="nest too deeply"):
+        await import_image(store, layout.path, name="deep:1", platform="linux/amd64")
+    _nothing_published(store)

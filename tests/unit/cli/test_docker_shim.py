@@ -1,0 +1,152 @@
+"""The docker shim: `nsbox docker-shim install --prefix DIR` writes a
+`docker` script that answers what evaluations ask the Docker CLI while they
+build their tasks, from nsbox's store and compose reader; it is run here
+as a subprocess, the way task code runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from nsbox.cli import docker_shim
+from nsbox.storage import Store
+
+from tests.imagekit import Registry, busybox_oci, push, registry  # noqa: F401 (fixtures)
+from tests.host.test_build import _base
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _install(prefix: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "nsbox", "docker-shim", "install", "--prefix", str(prefix)],
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.fixture
+def docker(tmp_path: Path) -> Path:
+    r = _install(tmp_path / "prefix")
+    assert r.returncode == 0, r.stderr
+    path = tmp_path / "prefix" / "bin" / "docker"
+    assert r.stdout.strip() == str(path) and os.access(path, os.X_OK)
+    return path
+
+
+def run(docker: Path, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(docker), *args], capture_output=True, text=True, timeout=240, cwd=cwd)
+
+
+def test_compose_config_lists_images_and_services(docker: Path, tmp_path: Path) -> None:
+    (tmp_path / "ctx").mkdir()
+    (tmp_path / "ctx" / "Dockerfile").write_text("FROM busybox\n")
+    (tmp_path / "compose.yaml").write_text(textwrap.dedent("""\
+        name: ctf
+        services:
+          default:
+            image: registry.example/evals/agent:1
+            depends_on: [victim]
+          victim:
+            build: ./ctx
+            volumes: [data:/srv]
+        volumes:
+          data:
+        """))
+    r = run(docker, "compose", "-f", str(tmp_path / "compose.yaml"), "config", "--images")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["registry.example/evals/agent:1", "ctf-victim"]
+    r = run(docker, "compose", "-p", "other", "config", "--images", cwd=tmp_path)  # compose.yaml found here
+    assert r.stdout.split() == ["registry.example/evals/agent:1", "other-victim"], r.stderr
+    r = run(docker, "compose", "config", "--services", cwd=tmp_path)
+    assert (r.returncode, r.stdout.split()) == (0, ["default", "victim"]), r.stderr
+    r = run(docker, "compose", "-f", str(tmp_path / "compose.yaml"), "config", "--format", "json")
+    doc = json.loads(r.stdout)
+    assert doc["services"]["victim"]["build"]["context"] == str(tmp_path / "ctx")
+    assert doc["services"]["victim"]["volumes"] == [{"type": "volume", "source": "data", "target": "/srv"}]
+    assert doc["volumes"] == {"data": {"name": "ctf_data"}}
+
+
+def test_image_inspect_answers_as_docker_does(docker: Path) -> None:
+    ref = _base("busybox")
+    r = run(docker, "image", "inspect", ref)
+    assert r.returncode == 0, r.stderr
+    [info] = json.loads(r.stdout)
+    rec = Store().lookup(ref)
+    assert info["Id"] == rec.id and ref in info["RepoTags"]
+    assert info["Os"] == "linux" and info["Architecture"]
+    assert set(info["Config"]) >= {"Env", "Cmd", "Entrypoint", "WorkingDir", "User"}
+    assert info["RootFS"]["Layers"] == [layer["diff_id"] for layer in Store().inspect(ref)["layers"]]
+    r = run(docker, "inspect", "--type", "image", "--format", "{{.Id}} {{json .RepoTags}}", ref)
+    assert r.stdout.split(" ", 1) == [rec.id, json.dumps(info["RepoTags"]) + "\n"], r.stderr
+    r = run(docker, "images", "-q", "--no-trunc")
+    assert rec.id in r.stdout.split(), r.stderr
+    r = run(docker, "image", "inspect", ref, "nsbox-test/absent:1")
+    assert r.returncode == 1 and "Error: No such image: nsbox-test/absent:1" in r.stderr
+    assert json.loads(r.stdout)[0]["Id"] == rec.id  # what was found is still printed, as Docker does
+
+
+def test_build_and_pull_go_to_the_store(docker: Path, tmp_path: Path, registry: Registry,  # noqa: F811
+                                        busybox_oci: Path) -> None:  # noqa: F811
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "Dockerfile").write_text(f"FROM {_base('busybox')}\nRUN echo built > /built\n")
+    r = run(docker, "build", "-q", "-t", "localhost/nsbox-shim-built:1", str(ctx))
+    assert r.returncode == 0, r.stderr
+    assert Store().lookup("localhost/nsbox-shim-built:1").id == r.stdout.strip()
+    push(f"oci:{busybox_oci}:plain", registry, "shim/busybox:1")
+    r = run(docker, "pull", "-q", f"{registry.host}/shim/busybox:1")
+    assert r.returncode == 0, r.stderr
+    r = run(docker, "image", "inspect", "-f", "{{.Id}}", f"{registry.host}/shim/busybox:1")
+    assert r.stdout.strip() == Store().lookup(f"{registry.host}/shim/busybox:1").id
+
+
+@pytest.mark.parametrize("args, what", [
+    (["run", "busybox"], "docker run"),
+    (["compose", "up", "-d"], "docker compose up"),
+    (["image", "rm", "x"], "docker image rm"),
+    (["ps"], "docker ps"),
+    (["compose", "config", "--hash", "x"], "docker compose config --hash"),
+])
+def test_what_it_does_not_do_fails_clearly(docker: Path, args: list[str], what: str) -> None:
+    r = run(docker, *args)
+    assert r.returncode == 1
+    assert f"nsbox's docker shim does not do `{what}`" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_version_and_info(docker: Path) -> None:
+    r = run(docker, "version", "--format", "{{.Server.ApiVersion}}")
+    assert (r.returncode, r.stdout.strip()) == (0, "1.43"), r.stderr
+    r = run(docker, "info")
+    assert r.returncode == 0 and "nsbox" in r.stdout
+
+
+def test_the_installer_never_overwrites_another_docker(tmp_path: Path, docker: Path) -> None:
+    other = tmp_path / "other" / "bin" / "docker"
+    other.parent.mkdir(parents=True)
+    other.write_text("#!/bin/sh\necho the real docker\n")
+    r = _install(tmp_path / "other")
+    assert r.returncode == 1 and "is not nsbox's docker shim: not overwriting it" in r.stderr
+    assert other.read_text() == "#!/bin/sh\necho the real docker\n"
+    other.unlink()
+    other.symlink_to(docker)  # a link to a shim is still someone else's file
+    assert _install(tmp_path / "other").returncode == 1 and other.is_symlink()
+    other.unlink()
+    os.mkfifo(other)  # a FIFO is refused, not read (a read would wait for ever)
+    r = _install(tmp_path / "other")
+    assert r.returncode == 1 and "not nsbox's docker shim" in r.stderr
+    # A file planted under the name a fixed temporary name would have (this
+    # process's pid: install() runs here) is left alone.
+    bin_dir = tmp_path / "prefix" / "bin"
+    victim = tmp_path / "victim"
+    victim.write_text("keep\n")
+    planted = bin_dir / f".docker.{os.getpid()}"
+    planted.symlink_to(victim)
+    docker_shim.install(tmp_path / "prefix")  # over its own shim: an update
+    assert victim.read_text() == "keep\n" and stat.S_IMODE(victim.stat().st_mode) != 0o755
+    assert docker_shim.MARK in (bin_dir / "docker").read_text()
+    assert [p.name for p in bin_dir.glob(".docker.*")] == [planted.name]
