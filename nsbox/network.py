@@ -165,6 +165,15 @@ class Network:
         await self._net.stop()
         await self.close()
 
+    async def idle(self) -> bool:
+        """Whether its worker runs and it has no member: a network its users
+        emptied is as good as a new one."""
+        try:
+            await self._net.refresh()
+        except NetError:
+            return False
+        return not self.members and not self._net.members
+
     def describe(self) -> dict[str, object]:
         return {"name": self.name, "internal": self.internal, "host_access": self.host_access,
                 "subnet": str(self._net.subnet), "members": {n: m.ip for n, m in self._net.members.items()}}

@@ -7,7 +7,8 @@
   per compose network and sample: eth0, eth1...); it reaches the services
   that share a network with it by their names and aliases on that network,
   and no other. An `internal` network has no outbound access. Samples
-  never see each other: their networks are their own.
+  never see each other: their networks are their own (a network a sample
+  emptied may serve a later one: _Spares).
 - The pod mode (network "none", "nat" or "host", compose/support.py says
   when): the first sandbox created owns the sample's one network
   namespace; every other one joins it (network "container:ID",
@@ -33,7 +34,6 @@
 from __future__ import annotations
 
 import functools
-import re
 import secrets
 import shlex
 import signal
@@ -42,6 +42,7 @@ from typing import Awaitable, Callable, Mapping, Sequence
 
 import anyio
 
+from ..host import idmap
 from ..init.client import Channel
 from ..errors import NsboxError
 from ..plan import netmodes
@@ -265,19 +266,14 @@ class Services:
         return {name: self.sandboxes[name] for name in self._given}
 
     async def _start_networks(self) -> None:
-        """The sample's networks, named after it (a network of this process
-        has a name of its own in it); outbound access to the host's
-        loopback where a member asks for it (host-gateway)."""
+        """The sample's networks (outbound access to the host's loopback
+        where a member asks for it: host-gateway), spare ones first."""
         used = {net for s in self.order for net in s.networks}
-        prefix = secrets.token_hex(4)
         for name in (n for n in self._network_defs if n in used):
             internal = self._network_defs[name]
             host_access = not internal and any(
                 netmodes.host_loopback(s.spec) for s in self.order if name in s.networks)
-            net = Network(f"{prefix}-{_NOT_NAME.sub('_', name)}"[:64], internal=internal,
-                          host_access=host_access, id_mapping=self.order[0].spec.id_mapping)
-            await net.start()
-            self.networks[name] = net
+            self.networks[name] = await _spares.take(internal, host_access, self.order[0].spec.id_mapping)
 
     def _on_networks(self, service: ServiceSpec) -> SandboxSpec:
         """A service's spec in the "services" mode: on its networks, with
@@ -445,10 +441,61 @@ class Services:
         for name in list(self.networks):
             net = self.networks.pop(name)
             with anyio.CancelScope(shield=True):
+                await _spares.give(net)
+
+
+class _Spares:
+    """Networks samples emptied, kept for the next samples: making one (a
+    network namespace, a bridge, a worker process) costs tens of ms, more
+    than the rest of a sample, and an emptied one is as good as new. Kept
+    for one event loop at a time (their worker channels wait in it), at
+    most LIMIT; a network with members left (a kept sample's) is not."""
+
+    LIMIT = 16
+
+    def __init__(self) -> None:
+        self.loop: object = None
+        self.nets: list[Network] = []
+
+    async def _this_loop(self) -> None:
+        loop = _current_loop()
+        if loop is not self.loop:
+            nets, self.nets, self.loop = self.nets, [], loop
+            for net in nets:
                 await net.close()
 
+    async def take(self, internal: bool, host_access: bool, id_mapping: str) -> Network:
+        await self._this_loop()
+        key = (internal, host_access, idmap.detect(id_mapping))  # type: ignore[arg-type]
+        for net in [n for n in self.nets if (n.internal, n.host_access, n.mapping) == key]:
+            self.nets.remove(net)
+            if await net.idle():
+                return net
+            await net.close()
+        net = Network(f"sample-{secrets.token_hex(6)}", internal=internal, host_access=host_access,
+                      id_mapping=id_mapping)  # type: ignore[arg-type]
+        return await net.start()
 
-_NOT_NAME = re.compile(r"[^A-Za-z0-9_.-]")
+    async def give(self, net: Network) -> None:
+        await self._this_loop()
+        if len(self.nets) < self.LIMIT and await net.idle():
+            self.nets.append(net)
+        else:
+            await net.close()
+
+
+def _current_loop() -> object:
+    try:
+        import asyncio
+
+        return asyncio.get_running_loop()
+    except RuntimeError:  # trio
+        import trio
+
+        return trio.lowlevel.current_trio_token()
+
+
+_spares = _Spares()
 
 
 def _aliases(spec: SandboxSpec, names: Sequence[str]) -> tuple[str, ...]:
