@@ -431,13 +431,16 @@ class Services:
                 del self._main[name]
 
     async def close(self) -> None:
-        """Closes every sandbox (the joiners first, the network's owner
-        last), then the sample's networks."""
+        """Closes every sandbox (in the pod mode the joiners first, the
+        network's owner last; else all at once), then the sample's networks."""
         self._stop_watching()
-        for name in reversed(list(self.sandboxes)):
-            sb = self.sandboxes.pop(name)
-            with anyio.CancelScope(shield=True):
-                await sb.close()
+        with anyio.CancelScope(shield=True):
+            if self.network == "services":
+                async with anyio.create_task_group() as tg:
+                    for name in list(self.sandboxes):
+                        tg.start_soon(self.sandboxes.pop(name).close)
+            for name in reversed(list(self.sandboxes)):
+                await self.sandboxes.pop(name).close()
         for name in list(self.networks):
             net = self.networks.pop(name)
             with anyio.CancelScope(shield=True):
