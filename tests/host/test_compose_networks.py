@@ -15,6 +15,7 @@ import pytest
 import nsbox
 from nsbox.compose.services import Healthcheck, ServiceSpec, Services
 from nsbox.host import live
+from nsbox.net.client import NetError
 
 from tests import components
 from tests.net_members import http_server  # noqa: F401 (fixture)
@@ -188,3 +189,18 @@ async def test_outbound_network_and_host_gateway(http_server: int) -> None:  # n
         assert not default_route((await boxes["db"].exec(["cat", "/proc/net/route"])).stdout)
     finally:
         await services.close()
+
+
+async def test_more_networks_refusals() -> None:
+    with pytest.raises(ValueError, match="more_networks apply to a sandbox on a service network"):
+        nsbox.SandboxSpec(network="none", more_networks={"net:a": ()})
+    with pytest.raises(ValueError, match="is not another service network"):
+        nsbox.SandboxSpec(network="net:a", more_networks={"net:a": ()})
+    with pytest.raises(ValueError, match="cannot be a host name"):
+        nsbox.SandboxSpec(network="net:a", more_networks={"net:b": ("a b",)})
+    before = {i.id for i in live.entries() if i.owner_pid == os.getpid()}
+    async with nsbox.Network("solo", internal=True) as net:
+        with pytest.raises(NetError, match="networks of this process only"):
+            await nsbox.Sandbox(spec=_spec(network=net, more_networks={"net:elsewhere": ()})).start()
+        assert not net.members
+    assert {i.id for i in live.entries() if i.owner_pid == os.getpid()} == before
