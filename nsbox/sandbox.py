@@ -146,6 +146,7 @@ class Sandbox:
         self._state: Literal["new", "starting", "running", "stopped", "closed"] = "new"
         self._detached = False
         self._attached = False  # connected to a sandbox another process owns
+        self._closing = False
         self._user_cache: dict[str, tuple[bytes, bytes, users.Identity | None]] = {}
         # Its service networks (this process's), each with its aliases there.
         self._networks: list[tuple[network_mod.Network, Sequence[str]]] = []
@@ -390,7 +391,7 @@ class Sandbox:
 
     async def _write_hosts(self, text: str) -> None:
         """Its service network's call as members come and go (Network.reserve)."""
-        if self._client is not None:  # running, or starting
+        if self._client is not None and not self._closing:  # running, or starting
             if len(self._networks) > 1:  # one network's view: it lists its peers on all
                 text = network_mod.Joined([net for net, _ in self._networks]).hosts_for(self.hostname)
             await self._write_as_root("/etc/hosts", text)
@@ -533,6 +534,7 @@ class Sandbox:
         if self._state in ("new", "closed"):
             self._state = "closed"
             return
+        self._closing = True  # its /etc/hosts no longer matters: peers leaving skip it
         with anyio.CancelScope(shield=True):
             await self._leave_network()
             await self._teardown()
