@@ -165,14 +165,10 @@ class Network:
         await self._net.stop()
         await self.close()
 
-    async def idle(self) -> bool:
+    def idle(self) -> bool:
         """Whether its worker runs and it has no member: a network its users
         emptied is as good as a new one."""
-        try:
-            await self._net.refresh()
-        except NetError:
-            return False
-        return not self.members and not self._net.members
+        return not self.members and not self._net.members and self._net.running()
 
     def describe(self) -> dict[str, object]:
         return {"name": self.name, "internal": self.internal, "host_access": self.host_access,

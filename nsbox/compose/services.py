@@ -452,7 +452,8 @@ class _Spares:
     network namespace, a bridge, a worker process) costs tens of ms, more
     than the rest of a sample, and an emptied one is as good as new. Kept
     for one event loop at a time (their worker channels wait in it), at
-    most LIMIT; a network with members left (a kept sample's) is not."""
+    most LIMIT; a network with members left (a kept sample's), or whose
+    worker is gone, is not."""
 
     LIMIT = 16
 
@@ -472,7 +473,7 @@ class _Spares:
         key = (internal, host_access, idmap.detect(id_mapping))  # type: ignore[arg-type]
         for net in [n for n in self.nets if (n.internal, n.host_access, n.mapping) == key]:
             self.nets.remove(net)
-            if await net.idle():
+            if net.idle():
                 return net
             await net.close()
         net = Network(f"sample-{secrets.token_hex(6)}", internal=internal, host_access=host_access,
@@ -481,7 +482,7 @@ class _Spares:
 
     async def give(self, net: Network) -> None:
         await self._this_loop()
-        if len(self.nets) < self.LIMIT and await net.idle():
+        if len(self.nets) < self.LIMIT and net.idle():
             self.nets.append(net)
         else:
             await net.close()

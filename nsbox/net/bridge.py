@@ -189,6 +189,11 @@ class Network:
             os.close(fd)
         return answer
 
+    def running(self) -> bool:
+        """Whether its worker still runs, as far as this process can tell
+        without a request."""
+        return self._worker is not None and not self._worker.ended()
+
     async def refresh(self) -> None:
         """The member table as it is now (members of other processes too)."""
         await self._ask("info")

@@ -204,3 +204,35 @@ async def test_more_networks_refusals() -> None:
             await nsbox.Sandbox(spec=_spec(network=net, more_networks={"net:elsewhere": ()})).start()
         assert not net.members
     assert {i.id for i in live.entries() if i.owner_pid == os.getpid()} == before
+
+
+async def test_emptied_networks_serve_the_next_sample_unless_their_worker_died() -> None:
+    import psutil
+
+    def sample() -> Services:
+        return Services([idle("a", {"n": ["a"]}), server("b", {"n": ["b"]})], network="services",
+                        networks={"n": True})
+
+    first = sample()
+    await first.start()
+    net = first.networks["n"]
+    await first.close()
+    second = sample()
+    boxes = await second.start()
+    try:
+        assert second.networks["n"] is net  # emptied: as good as new
+        assert await connect(boxes["a"], "b") == "got b"
+    finally:
+        await second.close()
+    netns = os.fstat(net._net._netns).st_ino
+    [worker] = [p for p in psutil.process_iter(["name"]) if p.info["name"] == "nsbox-bridge"
+                and os.stat(f"/proc/{p.pid}/ns/net").st_ino == netns]
+    worker.kill()
+    worker.wait(5)
+    third = sample()
+    boxes = await third.start()
+    try:
+        assert third.networks["n"] is not net
+        assert await connect(boxes["a"], "b") == "got b"
+    finally:
+        await third.close()
