@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[2] / "nsbox"
+import nsbox
+
+PACKAGE = Path(nsbox.__file__).parent  # the checkout's, or the staged install's (tests/run.sh)
 
 
 def imports(path: Path) -> set[str]:
