@@ -38,7 +38,7 @@ import ipaddress
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Awaitable, Callable, Iterator, Sequence
+from typing import Awaitable, Callable, Iterator, Mapping, Sequence
 
 import anyio
 
@@ -165,6 +165,11 @@ class Network:
         await self._net.stop()
         await self.close()
 
+    def idle(self) -> bool:
+        """Whether its worker runs and it has no member: a network its users
+        emptied is as good as a new one."""
+        return not self.members and not self._net.members and self._net.running()
+
     def describe(self) -> dict[str, object]:
         return {"name": self.name, "internal": self.internal, "host_access": self.host_access,
                 "subnet": str(self._net.subnet), "members": {n: m.ip for n, m in self._net.members.items()}}
@@ -200,14 +205,15 @@ class Network:
             del self.members[name]  # refused: nothing of ours to forget
             raise
 
-    async def join(self, name: str, pid: int, pidfd: int) -> None:
-        """While the member's setup runs: its interface, address and
-        outbound (its init keeps its user and network namespace)."""
+    async def join(self, name: str, pid: int, pidfd: int, *, ifname: str = "eth0", outbound: bool = True) -> None:
+        """While the member's setup runs: its interface `ifname`, address
+        and (`outbound`, not internal) outbound access (its init keeps its
+        user and network namespace)."""
         ns = Namespaces.of_pid(pid)  # with its user namespace (unprivileged: for pasta to enter)
         try:
             if fdwait.readable_now(pidfd):  # its init exited
                 raise NetError(f"{name} exited while joining network {self.name}")
-            await self._net.connect(name, ns, watch_pidfd=pidfd)
+            await self._net.connect(name, ns, watch_pidfd=pidfd, ifname=ifname, outbound=outbound)
         finally:
             ns.close()
 
@@ -271,6 +277,42 @@ class Network:
 
     def address_of(self, name: str) -> str:
         return self._net.members[name].ip
+
+
+def more_networks(first: Network, more: Mapping[str, Sequence[str]]) -> list[tuple[Network, Sequence[str]]]:
+    """The networks of a member's `more_networks` ("net:NAME" -> its aliases
+    there), besides `first`: networks of this process, which share its
+    holder user namespace, where the member is created and from which it
+    can be linked into each (a named network has an owner of its own)."""
+    nets = []
+    for value, aliases in more.items():
+        net = local(value)
+        if net is None or net.named or first.named:
+            raise NetError(f"network {value[len(NET):]}: a sandbox on several networks joins networks of "
+                           "this process only, not named ones")
+        nets.append((net, aliases))
+    return nets
+
+
+@dataclass
+class Joined:
+    """A member's several networks, as the network modes read one
+    (netmodes.ServiceNetwork): the first, which carries its outbound
+    traffic, decides `internal`, its own address and the host's entry;
+    its /etc/hosts names its peers on each network by their names there."""
+
+    nets: Sequence[Network]
+
+    @property
+    def internal(self) -> bool:
+        return self.nets[0].internal
+
+    def hosts_for(self, hostname: str) -> str:
+        first, *more = self.nets
+        peers = [(address, [n for n in names if n != hostname])
+                 for net in more for address, names in net._net.peers(hostname)]
+        return first.hosts_for(hostname) + "".join(f"{address}\t{' '.join(names)}\n"
+                                                   for address, names in peers if names)
 
 
 def check_network_name(name: str) -> None:

@@ -103,6 +103,7 @@ class Sandbox:
         host_loopback: bool = False,
         hostname: str | None = None,
         network_aliases: Sequence[str] = (),
+        more_networks: Mapping[Any, Sequence[str]] | None = None,
         output_limit_mode: OutputLimitMode = "truncate",
         id_mapping: idmap.Requested = "auto",
         timeout: float | None = None,
@@ -122,7 +123,8 @@ class Sandbox:
             # Each keyword is the SandboxSpec field of its name.
             given = {name: value for name, value in locals().items() if name in FIELDS}
             spec = SandboxSpec(**{**given, "rootfs": os.fspath(rootfs) if rootfs is not None else "host",
-                                  "env": dict(env or {}), "hosts": dict(hosts or {})})
+                                  "env": dict(env or {}), "hosts": dict(hosts or {}),
+                                  "more_networks": dict(more_networks or {})})
         self.spec = spec
         self.rootfs: rootfs_mod.Rootfs = rootfs_mod.resolve(spec.rootfs)
         self.image: Image | None = None  # the resolved image, once started
@@ -139,6 +141,9 @@ class Sandbox:
         self._detached = False
         self._attached = False  # connected to a sandbox another process owns
         self._users = users.Users()  # users looked up in the sandbox's own files
+        self._closing = False
+        # Its service networks (this process's), each with its aliases there.
+        self._networks: list[tuple[network_mod.Network, Sequence[str]]] = []
         self._net: netmodes.Attached | None = None  # what this process serves for nat, proxy and ports
 
     # What the spec says, under the names this class always had.
@@ -260,19 +265,24 @@ class Sandbox:
         self.hostname = self.spec.hostname or self.id
         if self.spec.gpus is not None:
             self._use_gpus(self.spec.gpus)
-        service_net = None
+        service_net = service_view = None
         if self.spec.network.startswith(NET):  # this process's network, or a named one it reaches now
             service_net = await network_mod.lookup(self.spec.network)
             service_net.check_mapping(self.idmap)
-        netmodes.check(self.spec, service_net)  # nat without a usable tun device: one line, before anything exists
+            service_view = service_net
+            more = network_mod.more_networks(service_net, self.spec.more_networks)
+            self._networks = [(service_net, self.spec.network_aliases), *more]
+            if more:  # one view of them all for the network modes (/etc/hosts)
+                service_view = network_mod.Joined([net for net, _ in self._networks])
+        netmodes.check(self.spec, service_view)  # nat without a usable tun device: one line, before anything exists
         if extra_env := netmodes.environment(self.spec):
             self.spec = self.spec.replace(env={**extra_env, **self.spec.env})
         self._layer = layers.layers_dir() / self.id
         self._rundir = dirs.runtime_dir() / self.id
         self._rundir.mkdir(mode=0o700)
-        if service_net is not None:
-            await service_net.reserve(self.hostname, self.id, self._write_hosts, aliases=self.spec.network_aliases,
-                                      extra_hosts=netmodes.extra_hosts(self.spec))
+        for net, aliases in self._networks:
+            await net.reserve(self.hostname, self.id, self._write_hosts, aliases=aliases,
+                              extra_hosts=netmodes.extra_hosts(self.spec))
         etc_written = False
 
         def prepare_layer() -> None:
@@ -280,7 +290,7 @@ class Sandbox:
             assert self.idmap is not None and self._layer is not None
             self.rootfs.prepare(self._layer, self.hostname, self.idmap.host_root)
             etc_written = netmodes.prepare_layer(self.spec, self.rootfs, self._layer, self.hostname,
-                                                self.idmap.host_root, service_net)
+                                                self.idmap.host_root, service_view)
 
         # A plan copied from a template names the layer without looking at
         # it: the layer is then prepared while the zygote clones.
@@ -296,7 +306,8 @@ class Sandbox:
         plan.join = netmodes.open_join(self.spec, self.idmap)
         if service_net is not None:
             plan.userns = service_net.owner_userns()
-            plan.alongside.append(lambda pid: service_net.join(self.hostname, pid, self._launched.pidfd))
+        for i, (net, _) in enumerate(self._networks):  # eth0, eth1...: outbound through the first
+            plan.alongside.append(functools.partial(self._join_network, net, i))
         try:
             await launch(plan, self._launched, sandbox_id=self.id, socket_path=self._rundir / live.SOCKET,
                          layer=self._layer, on_cloned=self._register,
@@ -311,10 +322,13 @@ class Sandbox:
         if netmodes.private(self.spec):
             self._net = await netmodes.attach(self.spec, self.pid, self._launched.pidfd)
         if netmodes.needs_etc(self.spec) and not etc_written:
-            for path, text in netmodes.etc_files(self.spec, self.hostname, service_net).items():
+            for path, text in netmodes.etc_files(self.spec, self.hostname, service_view).items():
                 await self._write_as_root(path, text)
-        if service_net is not None:
-            await service_net.settle(self.hostname)
+        for net, _ in self._networks:
+            await net.settle(self.hostname)
+
+    async def _join_network(self, net: network_mod.Network, index: int, pid: int) -> None:
+        await net.join(self.hostname, pid, self._launched.pidfd, ifname=f"eth{index}", outbound=index == 0)
 
     def _use_gpus(self, request: str) -> None:
         """The GPUs' device nodes, driver files and environment, as binds
@@ -330,7 +344,9 @@ class Sandbox:
 
     async def _write_hosts(self, text: str) -> None:
         """Its service network's call as members come and go (Network.reserve)."""
-        if self._client is not None:  # running, or starting
+        if self._client is not None and not self._closing:  # running, or starting
+            if len(self._networks) > 1:  # one network's view: it lists its peers on all
+                text = network_mod.Joined([net for net, _ in self._networks]).hosts_for(self.hostname)
             await self._write_as_root("/etc/hosts", text)
 
     @property
@@ -424,6 +440,7 @@ class Sandbox:
         if self._state in ("new", "closed"):
             self._state = "closed"
             return
+        self._closing = True  # its /etc/hosts no longer matters: peers leaving skip it
         with anyio.CancelScope(shield=True):
             await self._leave_network()
             await self._teardown()
@@ -458,9 +475,10 @@ class Sandbox:
             await self._reap()
 
     async def _leave_network(self) -> None:
-        service_net = network_mod.local(self.spec.network) if not self._attached else None
-        if service_net is not None:
-            await service_net.leave(self.hostname, self.id)
+        if self._attached:
+            return
+        for net, _ in self._networks:
+            await net.leave(self.hostname, self.id)
 
     async def _teardown(self) -> None:
         self._state = "closed"

@@ -142,6 +142,15 @@ def _check_network(spec: "SandboxSpec") -> None:
     if spec.network_aliases and not spec.network.startswith(NET):
         raise ValueError("network_aliases apply to a service network (net:NAME), not to "
                          f"{spec.network!r}")
+    more = {}
+    for net, aliases in dict(spec.more_networks).items():
+        value = net if isinstance(net, str) else net.spec_value  # an nsbox.Network
+        if not value.startswith(NET) or not NETWORK_NAME.fullmatch(value[len(NET):]) or value == spec.network:
+            raise ValueError(f"more_networks: {value!r} is not another service network (net:NAME)")
+        more[value] = tuple(check_name(a) for a in ((aliases,) if isinstance(aliases, str) else aliases))
+    if more and not spec.network.startswith(NET):
+        raise ValueError(f"more_networks apply to a sandbox on a service network, not to {spec.network!r}")
+    object.__setattr__(spec, "more_networks", more)
     if spec.allow and spec.network != "proxy":
         raise ValueError(f"allow applies to the proxy network mode, not to {spec.network!r}")
     Allowlist(spec.allow)  # raises ValueError naming a bad entry
@@ -196,6 +205,11 @@ class SandboxSpec:
     hostname: default: the sandbox's id.
     network_aliases: other names the sandbox answers to on its service
         network (Docker's --network-alias).
+    more_networks: further service networks to join besides `network`
+        (which must be one), each with the aliases the sandbox has there:
+        {nsbox.Network or "net:NAME": (alias, ...)}; interfaces eth1,
+        eth2... in this order. Networks of this process only, not named
+        ones. Outbound traffic goes through `network` alone.
     mounts: host files or directories bound into the sandbox.
     id_mapping: "auto", "single" or "host-root" (see nsbox/host/idmap.py).
     nested_userns: let commands create user namespaces and mount (to run
@@ -235,6 +249,7 @@ class SandboxSpec:
     host_loopback: bool = False
     hostname: str | None = None
     network_aliases: tuple[str, ...] = ()
+    more_networks: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     mounts: tuple[Bind, ...] = ()
     id_mapping: str = "auto"
     nested_userns: bool = False

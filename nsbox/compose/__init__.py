@@ -6,7 +6,7 @@ compose accepts), says clearly what nsbox cannot honour, and maps services
 onto SandboxSpecs. It creates no sandboxes.
 
     project = load_project(Path("compose.yaml"))
-    network = sample_network(project)          # "none", "nat" or "host"
+    network = sample_network(project)          # "services" (a namespace each), or "none", "nat", "host"
     spec = service_spec(project.default_service, project, image=ref, network=network,
                         volume_root=sample_dir / "volumes")
 """

@@ -50,7 +50,8 @@ def service_spec(service: Service, project: Project, *, image: str, network: str
                  volume_root: Path | None = None, **extra: Any) -> SandboxSpec:
     """The SandboxSpec of one service. `image` is the reference to run (the
     caller pulls or builds it); `network` is the sample's mode
-    (support.sample_network). Named and anonymous volumes become directories
+    (support.sample_network), or in the "services" mode the service's own
+    ("none" or "host"; Services puts it on its networks). Named and anonymous volumes become directories
     under `volume_root` (one per sample, shared by its services), created
     here, as are missing sources of short-syntax binds (Docker does too).
     `extra` sets or overrides any other SandboxSpec field (x-nsbox settings

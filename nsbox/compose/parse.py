@@ -336,7 +336,7 @@ class Reader:
             opts = opts or {}
             for key in ("ipv4_address", "ipv6_address", "link_local_ips"):
                 if opts.get(key):
-                    self.issues.append(f"networks.{net}.{key} (every service of a sample is on 127.0.0.1)")
+                    self.issues.append(f"networks.{net}.{key} (nsbox gives each service the next free address)")
             out[str(net)] = self.string_list(f"networks.{net}.aliases", opts.get("aliases"))
         return out
 

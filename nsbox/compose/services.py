@@ -2,12 +2,19 @@
 
 - Order: dependencies first (depends_on), else the project's order, whose
   first service is the default one.
-- Network: the first sandbox created owns the sample's network namespace
-  (network "none", "nat" or "host"); every other one joins it (network
-  "container:ID", nsbox/plan/plan.py). So the services of a sample reach each
-  other by name on 127.0.0.1, as the containers of a pod do, and samples
-  never see each other: each sample has its own namespace. Two services
-  of one sample cannot listen on the same port.
+- Network, as Docker's ("services"): each service has a network namespace
+  of its own, and an address on each of its networks (nsbox.Network, one
+  per compose network and sample: eth0, eth1...); it reaches the services
+  that share a network with it by their names and aliases on that network,
+  and no other. An `internal` network has no outbound access. Samples
+  never see each other: their networks are their own (a network a sample
+  emptied may serve a later one: _Spares).
+- The pod mode (network "none", "nat" or "host", compose/support.py says
+  when): the first sandbox created owns the sample's one network
+  namespace; every other one joins it (network "container:ID",
+  nsbox/plan/plan.py). The services then reach each other by name on
+  127.0.0.1, as the containers of a pod do, and two of them cannot listen
+  on the same port.
 - Each service's main process (its command, or the image's
   Entrypoint/Cmd) runs in the background, as a container's does, and
   outlives this process where the sample is kept; nsbox's init is PID 1
@@ -27,6 +34,7 @@
 from __future__ import annotations
 
 import functools
+import secrets
 import shlex
 import signal
 from dataclasses import dataclass, field
@@ -34,10 +42,12 @@ from typing import Awaitable, Callable, Mapping, Sequence
 
 import anyio
 
+from ..host import idmap
 from ..init.client import Channel
 from ..errors import NsboxError
 from ..plan import netmodes
 from ..init import streaming
+from ..network import Network
 from ..sandbox import Sandbox
 from ..spec import SandboxSpec
 
@@ -146,7 +156,10 @@ class ServiceSpec:
     depends_on: dict[str, str] = field(default_factory=dict)  # name -> condition
     healthcheck: Healthcheck | None = None  # None: the image's, if any
     no_healthcheck: bool = False  # not even the image's (compose's `disable: true`)
-    names: list[str] = field(default_factory=list)  # what it answers to besides its name (aliases)
+    names: list[str] = field(default_factory=list)  # pod mode: what it answers to besides its name (aliases)
+    # "services" mode: its networks, each with the names it answers to there
+    # (the first carries its outbound traffic); none: its spec's network.
+    networks: dict[str, list[str]] = field(default_factory=dict)
 
 
 def start_order(services: Sequence[ServiceSpec]) -> list[ServiceSpec]:
@@ -173,9 +186,13 @@ class Services:
     """The running sandboxes of one sample; `await start()`, then `close()`."""
 
     def __init__(self, services: Sequence[ServiceSpec], *, network: str = "none",
-                 wait_limit: float = WAIT_LIMIT) -> None:
+                 networks: Mapping[str, bool] | None = None, wait_limit: float = WAIT_LIMIT) -> None:
+        """network: "services" (a namespace per service) or the pod mode's
+        one mode; networks: the sample's networks, name -> internal."""
         self.order = start_order(services)
         self.network = network
+        self.networks: dict[str, Network] = {}
+        self._network_defs = dict(networks or {})
         self.wait_limit = wait_limit
         self.sandboxes: dict[str, Sandbox] = {}
         self._healthy: set[str] = set()
@@ -197,7 +214,11 @@ class Services:
         try:
             deadline = anyio.current_time() + self.wait_limit
             first, *rest = self.order
-            await self._create(first)
+            if self.network == "services":  # nothing shared: every sandbox at once
+                await self._start_networks()
+                rest = self.order
+            else:
+                await self._create(first)
             created = {s.name: anyio.Event() for s in rest}
             failed: list[Exception] = []
 
@@ -242,11 +263,34 @@ class Services:
         # The project's order (the default service first), as Inspect wants it.
         return {name: self.sandboxes[name] for name in self._given}
 
+    async def _start_networks(self) -> None:
+        """The sample's networks (outbound access to the host's loopback
+        where a member asks for it: host-gateway), spare ones first."""
+        used = {net for s in self.order for net in s.networks}
+        for name in (n for n in self._network_defs if n in used):
+            internal = self._network_defs[name]
+            host_access = not internal and any(
+                netmodes.host_loopback(s.spec) for s in self.order if name in s.networks)
+            self.networks[name] = await _spares.take(internal, host_access, self.order[0].spec.id_mapping)
+
+    def _on_networks(self, service: ServiceSpec) -> SandboxSpec:
+        """A service's spec in the "services" mode: on its networks, with
+        its names on each, or its own mode (none, host) if it has none."""
+        spec = service.spec
+        if not service.networks:
+            return spec
+        (first, names), *more = [(self.networks[n], names) for n, names in service.networks.items()]
+        # host_loopback: the network's host_access opens it (_start_networks).
+        return spec.replace(network=first.spec_value, network_aliases=_aliases(spec, names), host_loopback=False,
+                            more_networks={net.spec_value: _aliases(spec, names) for net, names in more})
+
     async def _create(self, service: ServiceSpec) -> None:
         spec = service.spec
         owner = next(iter(self.sandboxes.values()), None)
         hosts = {**self._hosts(), **spec.hosts}
-        if self.network == "host":
+        if self.network == "services":
+            spec = self._on_networks(service)
+        elif self.network == "host":
             spec = spec.replace(network="host", hosts=hosts, ports=())
         elif owner is None:
             # Every service's ports are ports of the one shared namespace:
@@ -385,10 +429,78 @@ class Services:
                 del self._main[name]
 
     async def close(self) -> None:
-        """Closes every sandbox: the joiners first, the network's owner last."""
+        """Closes every sandbox (in the pod mode the joiners first, the
+        network's owner last; else all at once), then the sample's networks."""
         self._stop_watching()
-        for name in reversed(list(self.sandboxes)):
-            sb = self.sandboxes.pop(name)
+        with anyio.CancelScope(shield=True):
+            if self.network == "services":
+                async with anyio.create_task_group() as tg:
+                    for name in list(self.sandboxes):
+                        tg.start_soon(self.sandboxes.pop(name).close)
+            for name in reversed(list(self.sandboxes)):
+                await self.sandboxes.pop(name).close()
+        for name in list(self.networks):
+            net = self.networks.pop(name)
             with anyio.CancelScope(shield=True):
-                await sb.close()
+                await _spares.give(net)
+
+
+class _Spares:
+    """Networks samples emptied, kept for the next samples: making one (a
+    network namespace, a bridge, a worker process) costs tens of ms, more
+    than the rest of a sample, and an emptied one is as good as new. Kept
+    for one event loop at a time (their worker channels wait in it), at
+    most LIMIT; a network with members left (a kept sample's), or whose
+    worker is gone, is not."""
+
+    LIMIT = 16
+
+    def __init__(self) -> None:
+        self.loop: object = None
+        self.nets: list[Network] = []
+
+    async def _this_loop(self) -> None:
+        loop = _current_loop()
+        if loop is not self.loop:
+            nets, self.nets, self.loop = self.nets, [], loop
+            for net in nets:
+                await net.close()
+
+    async def take(self, internal: bool, host_access: bool, id_mapping: str) -> Network:
+        await self._this_loop()
+        key = (internal, host_access, idmap.detect(id_mapping))  # type: ignore[arg-type]
+        for net in [n for n in self.nets if (n.internal, n.host_access, n.mapping) == key]:
+            self.nets.remove(net)
+            if net.idle():
+                return net
+            await net.close()
+        net = Network(f"sample-{secrets.token_hex(6)}", internal=internal, host_access=host_access,
+                      id_mapping=id_mapping)  # type: ignore[arg-type]
+        return await net.start()
+
+    async def give(self, net: Network) -> None:
+        await self._this_loop()
+        if len(self.nets) < self.LIMIT and net.idle():
+            self.nets.append(net)
+        else:
+            await net.close()
+
+
+def _current_loop() -> object:
+    try:
+        import asyncio
+
+        return asyncio.get_running_loop()
+    except RuntimeError:  # trio
+        import trio
+
+        return trio.lowlevel.current_trio_token()
+
+
+_spares = _Spares()
+
+
+def _aliases(spec: SandboxSpec, names: Sequence[str]) -> tuple[str, ...]:
+    """The names a member answers to besides its hostname."""
+    return tuple(n for n in names if n != spec.hostname)
 

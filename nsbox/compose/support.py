@@ -8,9 +8,14 @@ Three outcomes, never a silent change of behaviour:
   (`service web: nsbox cannot honour: devices, pid: host (see README
   "Compose support")`).
 
-The network shape follows from nsbox running all services of a sample in
-one network namespace, as a pod: each service reaches the others by name
-(and alias) on 127.0.0.1, and two services cannot listen on one port.
+The network shape (network_shape): as Docker, each service of a sample has
+a network namespace of its own, an address on each of its networks (one
+nsbox.Network per compose network), and names and aliases per network
+("services"). The pod mode, all services in one namespace reaching each
+other by name on 127.0.0.1 ("none", "nat", "host"), is kept where it is
+the better answer: a single service, every service with network_mode
+none or host, or a service sharing another's namespace
+(network_mode service:X). Only there do two services' ports collide.
 """
 
 from __future__ import annotations
@@ -42,14 +47,14 @@ HARMLESS = {
     "stop_signal": "only shapes how a container stops; nsbox ends the whole sandbox",
     "pre_stop": "teardown hooks; nsbox ends the whole sandbox",
     "labels": "metadata", "label_file": "metadata", "annotations": "metadata",
-    "expose": "documentation only: every port of every service is reachable on 127.0.0.1",
+    "expose": "documentation only: every port of a service is reachable from its networks",
     "logging": "log drivers collect main-process output, which nsbox does not keep",
     "tty": "the main process's terminal", "stdin_open": "the main process's stdin",
     "attach": "whether compose shows the main process's output",
     "mem_reservation": "a scheduling hint, not a limit",
     "pull_refresh_after": "when to pull again",
     "develop": "compose watch only",
-    "mac_address": "no meaning on a shared loopback",
+    "mac_address": "nsbox's veth devices get the kernel's addresses",
     "isolation": "Windows only",
 }
 
@@ -95,7 +100,7 @@ NAMESPACED_CAPS = frozenset({
 })
 APPROXIMATE_CAPS = {
     "SYS_ADMIN": "granted as nested_userns (mounts and namespaces inside the sandbox), not the host's SYS_ADMIN",
-    "NET_ADMIN": "applies to the network namespace all services of the sample share",
+    "NET_ADMIN": "applies to the service's network namespace (in the pod mode, the one all services share)",
 }
 # Any other capability (SYS_MODULE, SYS_TIME, SYS_RAWIO, SYS_BOOT, SYS_NICE,
 # IPC_LOCK, SYS_RESOURCE, BPF, PERFMON, ALL, ...) needs real privilege.
@@ -109,7 +114,8 @@ DEPLOY_HARMLESS = frozenset({"mode", "placement", "restart_policy", "update_conf
 # and the id mapping is the operator's choice, never a compose file's
 # (host-root would make sandbox root host root).
 X_NSBOX = frozenset(f.name for f in dataclasses.fields(SandboxSpec)) - {
-    "rootfs", "image", "pull", "platform", "mounts", "network", "ports", "label", "origin", "id_mapping"}
+    "rootfs", "image", "pull", "platform", "mounts", "network", "more_networks", "ports", "label", "origin",
+    "id_mapping"}
 
 
 @dataclasses.dataclass
@@ -289,7 +295,7 @@ def review_top_level(raw: dict[str, Any]) -> tuple[list[str], list[str]]:
         if net.get("driver") not in (None, "bridge", "default"):
             issues.append(f"networks.{name}.driver: {net['driver']}")
         if net.get("external"):
-            warnings.append(f"network {name} is external: nsbox uses its own shared network namespace instead")
+            warnings.append(f"network {name} is external: nsbox makes a network of the sample's own instead")
     for name, vol in (raw.get("volumes") or {}).items():
         vol = vol or {}
         if vol.get("driver") not in (None, "local"):
@@ -308,7 +314,10 @@ def review_top_level(raw: dict[str, Any]) -> tuple[list[str], list[str]]:
 
 
 def review_project(project: Project) -> list[str]:
-    """Issues that need every service: ports two services would both listen on."""
+    """Issues that need every service: in the pod mode, ports two services
+    would both listen on."""
+    if network_shape(project)[0] == "services":
+        return []
     owner: dict[str, str] = {}
     issues = []
     for service in project.services.values():
@@ -354,33 +363,38 @@ def mount_warnings(project: Project) -> list[str]:
     return warnings
 
 
-SampleNetwork = Literal["none", "nat", "host"]
+SampleNetwork = Literal["none", "nat", "host", "services"]
 
 
 def network_shape(project: Project) -> tuple[SampleNetwork, list[str], list[str]]:
-    """The sample's one network mode, the issues that rule one out, and warnings."""
+    """The sample's network: "services" (a namespace per service, on its
+    networks), or the pod mode's one network mode; the issues that rule
+    one out, and warnings."""
     services = list(project.services.values())
     # network_mode service:X joins X's namespace: what counts is X's mode.
     modes = {s.name: _root(s, project).network_mode for s in services}
+    shared = any((s.network_mode or "").startswith("service:") for s in services)
+    if len(services) > 1 and not shared and not all(m in ("none", "host") for m in modes.values()):
+        return "services", [], []
     host = [n for n, m in modes.items() if m == "host"]
     if host:
         if len(host) == len(services):
             return "host", [], []
         others = [n for n in modes if n not in host]
         return "host", [f"network_mode: host on {', '.join(host)} but not on {', '.join(others)} "
-                        "(all services of a sample share one network namespace)"], []
+                        "(a service shares another's network namespace: all services share one)"], []
     none = [n for n, m in modes.items() if m == "none"]
     if len(none) == len(services):
         return "none", [], []
     joined = {s.name: _networks_of(s, project) for s in services if s.name not in none}
     if none:
         return "none", [f"network_mode: none on {', '.join(none)} but {', '.join(joined)} have networks; "
-                        "nsbox cannot isolate one service of a sample from the others"], []
+                        "a service shares another's network namespace, so all services share one"], []
     groups = _connected(joined)
     if len(groups) > 1:
         described = "; ".join(", ".join(g) for g in groups)
-        return "none", [f"services that share no network ({described}): nsbox runs all services of a "
-                        "sample in one network namespace and cannot separate them"], []
+        return "none", [f"services that share no network ({described}): a service shares another's "
+                        "network namespace (network_mode service:), so all services share one"], []
     internal = {n for n, d in project.networks.items() if d.internal}
     used = set().union(*joined.values())
     if not used & internal:
@@ -389,6 +403,33 @@ def network_shape(project: Project) -> tuple[SampleNetwork, list[str], list[str]
                 f"{', '.join(sorted(used & internal))} is: the whole sample has no outbound access"
                 for name, nets in joined.items() if nets - internal]
     return "none", [], warnings
+
+
+def service_networks(project: Project) -> dict[str, dict[str, list[str]]]:
+    """In the "services" shape: each service's networks (those with
+    outbound access first: a service's outbound goes through its first)
+    and the names it answers to on each (its name, container_name, that
+    network's aliases, the aliases links give it). A service with
+    network_mode none or host has none."""
+    names = {s.name: [s.name, *([s.container_name] if s.container_name else [])] for s in project.services.values()}
+    for s in project.services.values():
+        for alias, target in s.links.items():
+            names[target].append(alias)
+    out = {}
+    for s in project.services.values():
+        nets = {} if s.network_mode in ("none", "host") else {
+            net: list(dict.fromkeys([*names[s.name], *aliases])) for net, aliases in
+            ({BRIDGE: []} if s.network_mode in ("bridge", "default") else s.networks).items()}
+        out[s.name] = dict(sorted(nets.items(), key=lambda kv: network_internal(project, kv[0])))
+    return out
+
+
+BRIDGE = "bridge"  # network_mode bridge: a network of its own, with outbound access
+
+
+def network_internal(project: Project, name: str) -> bool:
+    definition = project.networks.get(name)
+    return definition is not None and definition.internal
 
 
 def _root(service: Service, project: Project) -> Service:
@@ -421,9 +462,10 @@ def _connected(joined: dict[str, set[str]]) -> list[list[str]]:
 
 
 def sample_network(project: Project) -> SampleNetwork:
-    """The network mode of the namespace all the sample's services share:
-    "none" (loopback only: every service has network_mode none, or one of
-    the networks used is internal), "host", or "nat" (outbound access)."""
+    """The sample's network: "services" (a namespace per service), or the
+    mode of the one namespace all services share in the pod mode: "none"
+    (loopback only: every service has network_mode none, or one of the
+    networks used is internal), "host", or "nat" (outbound access)."""
     mode, issues, _ = network_shape(project)
     if issues:
         raise cannot_honour([("project", i) for i in issues])
@@ -431,8 +473,9 @@ def sample_network(project: Project) -> SampleNetwork:
 
 
 def aliases(project: Project) -> dict[str, list[str]]:
-    """The names each service answers to (all on 127.0.0.1): its name, its
-    container_name, its network aliases and the aliases links give it."""
+    """In the pod mode, the names each service answers to (all on
+    127.0.0.1): its name, its container_name, its network aliases and the
+    aliases links give it."""
     out = {name: [name] for name in project.services}
     for s in project.services.values():
         names = out[s.name]

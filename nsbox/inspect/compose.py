@@ -5,8 +5,8 @@ a Dockerfile, or its ComposeConfig) runs as nsbox services.
 - task_init (`prepare`): the project is read once (nsbox/compose/), every
   service's image is built (nsbox/dockerfile/) or pulled and unpacked, once per
   task; a file nsbox cannot honour fails here, in one message.
-- sample_init (`start_sample`): fresh sandboxes for every service on a
-  network of the sample's own (nsbox/compose/services.py), its volumes seeded with
+- sample_init (`start_sample`): fresh sandboxes for every service on
+  networks of the sample's own (nsbox/compose/services.py), its volumes seeded with
   the images' files (nsbox/compose/volumes.py), the default service
   first, ready as `docker compose up --wait` leaves them (every
   healthcheck passed, every other main process running), within the
@@ -44,6 +44,7 @@ from ..compose import (
 )
 from ..compose.load import is_compose_document
 from ..compose.mapping import pull_policy
+from ..compose.support import BRIDGE, service_networks
 from ..host.layers import give
 from ..create.unshare import remove_layer
 from ..compose.services import Healthcheck, ServiceSpec, Services, compose_deadline
@@ -219,12 +220,14 @@ async def start_sample(task: ComposeTask, label: str, *, output_limit_mode: str 
     mapping = idmap.detect(task.id_mapping)  # type: ignore[arg-type]
     volumes = _volume_root(project, mapping) if _uses_named_volumes(project) else None
     names = aliases(project)
+    per_service = service_networks(project) if task.network == "services" else {}
     specs = []
     declared = []  # the compose file's healthchecks: they set the deadline, as in Inspect
     try:
         for service in project.services.values():
             image = task.images[service.name]
-            spec = service_spec(service, project, image=image.id, network=task.network, volume_root=volumes, pull="never",
+            spec = service_spec(service, project, image=image.id, network=_mode(task.network, service),
+                                volume_root=volumes, pull="never",
                                 id_mapping=task.id_mapping, output_limit_mode=output_limit_mode,
                                 label=f"{label} ({service.name})", origin="inspect")
             check = None
@@ -239,12 +242,14 @@ async def start_sample(task: ComposeTask, label: str, *, output_limit_mode: str 
             specs.append(ServiceSpec(service.name, spec, command=main_command(service, image.config) or [],
                                      depends_on=dict(service.depends_on), healthcheck=check,
                                      no_healthcheck=service.healthcheck is not None and service.healthcheck.disable,
-                                     names=[n for n in names.get(service.name, []) if n != service.name]))
+                                     names=[n for n in names.get(service.name, []) if n != service.name],
+                                     networks=per_service.get(service.name, {})))
         if volumes is not None:
             give(volumes, mapping.host_root)  # the volume directories service_spec made
             for service in start_order(project):  # the first service to mount a volume seeds it
                 await seed(task.images[service.name], seeds(service, volumes), task.id_mapping)
-        services = Services(specs, network=task.network, wait_limit=compose_deadline(declared))
+        services = Services(specs, network=task.network, wait_limit=compose_deadline(declared),
+                            networks={BRIDGE: False, **{n: d.internal for n, d in project.networks.items()}})
         sample = Sample(services, volumes, mapping)
         try:
             sandboxes = await services.start()
@@ -260,6 +265,14 @@ async def start_sample(task: ComposeTask, label: str, *, output_limit_mode: str 
         # process; remove_orphan_volumes() deletes them once those are gone.
         _marker(volumes).write_text(json.dumps([sb.id for sb in sandboxes.values()]))
     return sample, sandboxes
+
+
+def _mode(network: str, service: Service) -> str:
+    """The network mode of a service's spec: the pod mode's, or in the
+    "services" mode its own (Services puts it on its networks)."""
+    if network != "services":
+        return network
+    return "host" if service.network_mode == "host" else "none"
 
 
 def _marker(volumes: Path) -> Path:

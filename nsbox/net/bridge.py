@@ -8,6 +8,8 @@ Layout of one network:
                    │            │
     member A: eth0 10.89.N.2/24   member B: eth0 10.89.N.3/24
 
+  (a member of several networks has one interface on each: eth0, eth1...)
+
 - The bridge has no address and nothing routes out of its namespace, so a
   member reaches the other members of its networks and nothing else: not
   members of other networks (another bridge, another namespace), not the
@@ -187,6 +189,11 @@ class Network:
             os.close(fd)
         return answer
 
+    def running(self) -> bool:
+        """Whether its worker still runs, as far as this process can tell
+        without a request."""
+        return self._worker is not None and not self._worker.ended()
+
     async def refresh(self) -> None:
         """The member table as it is now (members of other processes too)."""
         await self._ask("info")
@@ -204,10 +211,12 @@ class Network:
         return self.members[name]
 
     async def connect(self, name: str, ns: Namespaces, *, aliases: Sequence[str] = (),
-                      watch_pidfd: int | None = None, tool: usernet.Tool | None = None) -> Member:
+                      watch_pidfd: int | None = None, tool: usernet.Tool | None = None,
+                      ifname: str = "eth0", outbound: bool = True) -> Member:
         """Joins a member (reserved before, or now): a veth pair from the
-        bridge into `ns` (its eth0, with its address), and (not internal)
-        user-mode networking for its outbound traffic. `ns.net` must belong
+        bridge into `ns` (its `ifname`, with its address), and (not
+        internal, and `outbound`: a member of several networks has one
+        way out) user-mode networking for its outbound traffic. `ns.net` must belong
         to a user namespace inside the owner's one (or, as root, anywhere).
         The worker forgets the member when `watch_pidfd` (its init) exits."""
         member = self.members.get(name)
@@ -215,7 +224,7 @@ class Network:
             member = await self.reserve(name, aliases)
         fds = [ns.net, *([watch_pidfd] if watch_pidfd is not None else [])]
         try:
-            got = await self._ask("take", fds, name=name, member_fd=0,
+            got = await self._ask("take", fds, name=name, member_fd=0, ifname=ifname,
                                   pidfd_fd=1 if watch_pidfd is not None else None)
         except NetError as e:
             await self.forget(name)
@@ -223,7 +232,7 @@ class Network:
                            hint=None if "not permitted" not in e.message else
                            "the sandbox must be created inside the network owner's user namespace") from None
         member.host_ifname = got["host_ifname"]
-        if not self.internal:
+        if not self.internal and outbound:
             try:
                 member.usernet = await usernet.start(ns, host_loopback=self.host_access, tool=tool,
                                                      watch_pidfd=watch_pidfd, via=self._via)

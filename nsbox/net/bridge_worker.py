@@ -28,7 +28,7 @@ Requests (the helper's framing: one JSON object plus descriptors, fields
   info                                   -> {subnet, internal, host_access, mapping, members}
                                             + the owner's user namespace (fd)
   reserve {name, aliases, sandbox, extra} -> {address, members}   (extra: its extra /etc/hosts entries)
-  take    {name, member_fd, pidfd_fd?}   -> {host_ifname}
+  take    {name, member_fd, pidfd_fd?, ifname?} -> {host_ifname}   (ifname: eth0 unless given, ethN)
   leave   {name, sandbox?, unlink}       -> {members}   (only if the name is still that sandbox's)
   stop                                   (named networks; refused while members live)
 """
@@ -39,6 +39,7 @@ import fcntl
 import ipaddress
 import json
 import os
+import re
 import select
 import socket
 import struct
@@ -97,6 +98,9 @@ class BridgeWorker:
         member = self.members.get(req["name"])
         if member is None or member["host_ifname"]:
             raise ValueError(f"{req['name']} is not a reserved member")
+        ifname = req.get("ifname") or IFNAME
+        if not re.fullmatch(r"eth[0-9]{1,3}", ifname):
+            raise ValueError(f"member interface must be ethN, not {ifname!r}")
         self.made += 1
         host = f"veth{self.made}"
         netns = fds[req["member_fd"]]
@@ -107,9 +111,9 @@ class BridgeWorker:
         try:
             _no_ipv6("default")  # its eth0, as Docker's: IPv4 only (its loopback keeps ::1)
             self.ipr.link("add", ifname=host, kind="veth", master=self.bridge, state="up",
-                          peer={"ifname": IFNAME, "net_ns_fd": netns})
+                          peer={"ifname": ifname, "net_ns_fd": netns})
             made = True
-            configure(IFNAME, member["address"])
+            configure(ifname, member["address"])
         except BaseException:
             if made:
                 self._unlink(host)

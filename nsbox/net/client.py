@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -141,6 +142,15 @@ class NetHelper:
                 os.close(fd)
             raise NetError(answer["error"])
         return answer, got
+
+    def ended(self) -> bool:
+        """Whether the other side closed the channel, without asking it (a
+        bridge worker's channel is readable between requests only then)."""
+        if self._chan is None:
+            return True
+        poll = select.poll()
+        poll.register(self._chan, select.POLLIN)
+        return bool(poll.poll(0))
 
     async def aclose(self) -> None:
         """Stops the helper and everything it started."""

@@ -46,6 +46,7 @@ NOT_PLANNED = {
     "hosts": "written to /etc/hosts in the layer or by the init",
     "host_loopback": "a setting of the host's network helper",
     "network_aliases": "names on a service network, kept by the host",
+    "more_networks": "further interfaces, linked by the network's worker after the clone",
     "gpus": "turned into mounts and env before the plan (Sandbox._use_gpus)",
     "output_limit_mode": "how the host reads command output",
     "timeout": "how long the host waits for commands",

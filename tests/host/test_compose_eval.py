@@ -8,6 +8,9 @@ model calling bash() in the default service:
   x-default though listed second, the target (busybox httpd) gated by a
   CMD-SHELL healthcheck and reached by name from the attacker (bash's
   /dev/tcp: the Debian minbase fixture has no curl);
+- two services listening on port 80 on one network, reached by name (one
+  by its alias there) from a third, which cannot name a fourth on an
+  internal network it is not on (each service its own network namespace);
 - a single image service with `platform`, a list-form command, limits,
   working_dir and environment, network_mode none;
 - a per-sample compose file (Sample(sandbox=("docker", path))) under a task
@@ -110,7 +113,7 @@ def test_attacker_and_target_on_an_internal_network(images: dict[str, str], tmp_
         services:
           target:
             image: {images['busybox']}
-            command: ["sh", "-c", "mkdir -p /srv && echo FLAG-$$((6*7)) > /srv/flag.txt && exec httpd -f -p 127.0.0.1:8000 -h /srv"]
+            command: ["sh", "-c", "mkdir -p /srv && echo FLAG-$$((6*7)) > /srv/flag.txt && exec httpd -f -p 8000 -h /srv"]
             healthcheck:
               test: ["CMD-SHELL", "wget -q -O- http://127.0.0.1:8000/flag.txt"]
               interval: 1s
@@ -143,6 +146,43 @@ def test_attacker_and_target_on_an_internal_network(images: dict[str, str], tmp_
     assert not set(ids[0].values()) & set(ids[1].values())  # fresh services per sample
     out = json.loads(samples[0].scores["output_has"].explanation)[-1]
     assert "\n1\n" in out or out.rstrip().endswith("1")  # the alias is in /etc/hosts
+
+
+HTTPD = 'mkdir -p /srv && echo {word} > /srv/index.html && exec httpd -f -p 80 -h /srv'
+FETCH = [("bash", {"command": "for h in first two; do exec 3<>/dev/tcp/$h/80 && printf 'GET / HTTP/1.0\\r\\n\\r\\n' >&3 "
+                              "&& tail -n1 <&3; done; (exec 3<>/dev/tcp/vault/80) 2>/dev/null && echo REACHED "
+                              "|| echo no-vault; grep -c vault /etc/hosts"})]
+
+
+def test_two_services_on_port_80_and_an_internal_network_apart(images: dict[str, str], tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    web = "\n".join(f"""\
+          {name}:
+            image: {images['busybox']}
+            command: ["sh", "-c", "{HTTPD.format(word=name.upper())}"]
+            healthcheck:
+              test: ["CMD-SHELL", "wget -q -O- http://127.0.0.1/"]
+              interval: 1s
+              retries: 30
+            networks: {nets}""" for name, nets in (("one", "{web: {aliases: [first]}}"), ("two", "[web]"),
+                                                  ("vault", "[lab]")))
+    task = _task(tmp_path, f"""\
+        services:
+          client:
+            image: {images['debian']}
+            command: tail -f /dev/null
+            networks: [web]
+            depends_on:
+              one: {{condition: service_healthy}}
+              two: {{condition: service_healthy}}
+{web}
+        networks:
+          web: {{internal: true}}
+          lab: {{internal: true}}
+        """, "nsbox_compose_port80", output_has("ONE\nTWO\nno-vault\n0"))
+    [sample] = _check(_run(task, FETCH, tmp_path), 1)
+    assert set(sample.scores["output_has"].metadata["ids"]) == {"client", "one", "two", "vault"}
 
 
 def test_image_service_with_platform_limits_and_list_command(images: dict[str, str], tmp_path: Path,
@@ -362,10 +402,10 @@ def test_no_sandbox_cleanup_keeps_every_service(images: dict[str, str], tmp_path
 
 async def test_default_network_has_outbound_access_and_names(images: dict[str, str], tmp_path: Path,
                                                              http_server: int) -> None:
-    """On compose's default network a sample has outbound access (nat): here
-    the host's loopback as host.nsbox.internal (mapped by extra_hosts
-    host-gateway too, as Docker users write it), and its services reach each
-    other by name."""
+    """On compose's default network each service has outbound access (its
+    own user-mode network): here the host's loopback as host.nsbox.internal
+    (mapped by extra_hosts host-gateway too, as Docker users write it), and
+    its services reach each other by name."""
     from nsbox.inspect.compose import prepare, start_sample
 
     components.require("tun", "usernet")  # nat's refusal is tested elsewhere
@@ -382,7 +422,7 @@ async def test_default_network_has_outbound_access_and_names(images: dict[str, s
     sample = None
     try:
         task = await prepare(str(tmp_path / "compose.yaml"))
-        assert task.network == "nat"
+        assert task.network == "services"
         sample, boxes = await start_sample(task, "default-network")
         port = http_server
         for host in ("host.nsbox.internal", "host.docker.internal"):

@@ -38,7 +38,7 @@ SAMPLES: list[dict[str, Any]] = [
          hostname="box", mounts=("/tmp:/mnt/t:ro",), id_mapping="single", nested_userns=True, privileged=True,
          output_limit_mode="raise", timeout=30, memory="256m", pids_limit=64, cpus=1.5, disk="1g",
          strict_limits=True, gpus="all", label="a label", origin="inspect"),
-    dict(rootfs=ROOTFS, network="net:web", network_aliases=("db",)),
+    dict(rootfs=ROOTFS, network="net:web", network_aliases=("db",), more_networks={"net:back": ("db2",)}),
     dict(network="nat", host_loopback=True),
 ]
 
@@ -51,6 +51,7 @@ NOT_CLI = {
     "output_limit_mode": "`nsbox run` copies output whole as it comes: nothing is truncated or raised on",
     "timeout": "`nsbox run -t` times the one command it runs; there are no later execs to default",
     "label": "a label for `nsbox ps`, given by the API and the Inspect provider",
+    "more_networks": "`--network net:NAME` joins one network; several are for compose services and the API",
     "origin": "always 'cli'",
 }
 # Set once per task, at the top level of nsbox.yaml (NsboxConfig), or by
@@ -59,6 +60,7 @@ NOT_INSPECT_PER_SANDBOX = {
     "output_limit_mode": "task-wide: NsboxConfig.output_limit_mode",
     "id_mapping": "task-wide: NsboxConfig.id_mapping",
     "label": "the provider names each sandbox after its task and sample",
+    "more_networks": "an nsbox.yaml sandbox joins one `network`; compose services get theirs from `networks:`",
     "origin": "always 'inspect'",
 }
 # The compose key that feeds each field (service_spec in nsbox/compose/mapping.py),
@@ -89,6 +91,7 @@ NOT_COMPOSE = {  # neither a compose key nor x-nsbox (compose/support.py X_NSBOX
     "rootfs": "compose services run images",
     "id_mapping": "the operator's choice, never a compose file's (host-root would make sandbox root host root)",
     "origin": "the caller's (service_spec's `extra`: the Inspect provider passes 'inspect')",
+    "more_networks": "a service's `networks:` beyond its first, joined when the sample starts (compose/services.py)",
 }
 
 

@@ -22,6 +22,7 @@ from nsbox.compose import (
     substitute,
 )
 from nsbox.compose import dotenv
+from nsbox.compose.support import service_networks
 from nsbox.plan import netmodes
 from nsbox.errors import NsboxError
 
@@ -577,7 +578,7 @@ def test_harmless_keys_are_accepted_and_listed(tmp_path):
     ("cap_drop: [ALL]", "cap_drop is not enforced"),
     ("read_only: true", "read_only: the root filesystem stays writable"),
     ("tmpfs: /run", "tmpfs /run is a directory of the writable layer"),
-    ("cap_add: [NET_ADMIN]", "cap_add NET_ADMIN: applies to the network namespace all services"),
+    ("cap_add: [NET_ADMIN]", "cap_add NET_ADMIN: applies to the service's network namespace (in the pod mode"),
     ("cap_add: [SYS_ADMIN]", "granted as nested_userns"),
     ("security_opt: [no-new-privileges:true]", "no-new-privileges is not set"),
     ("security_opt: [seccomp:unconfined]", "nsbox keeps its own seccomp deny-list"),
@@ -616,9 +617,10 @@ def test_secrets_and_configs_are_read_only_binds(tmp_path):
                       ("bind", key, "/etc/app.conf", True), ("bind", key, "/conf", True)]
 
 
-def test_port_clash_between_services(tmp_path):
-    assert "port 80 in both a and b" in cannot(
-        tmp_path, "services:\n  a: {image: a, ports: ['8080:80']}\n  b: {image: b, ports: ['8081:80']}\n")
+def test_port_clash_between_services_only_in_one_namespace(tmp_path):
+    both = "services:\n  a: {image: a, ports: ['8080:80']}\n  b: {image: b, ports: ['8081:80']}\n"
+    assert sample_network(load(tmp_path, both)) == "services"  # each its own namespace, as in Docker
+    assert "port 80 in both a and b" in cannot(tmp_path, both + "  c: {image: c, network_mode: 'service:a'}\n")
 
 
 # -- network shape ---------------------------------------------------------------
@@ -636,8 +638,10 @@ def test_default_network_is_nat(tmp_path):
 
 def test_host_network_only_for_all(tmp_path):
     assert sample_network(load(tmp_path, "services:\n  a: {image: a, network_mode: host}\n")) == "host"
-    assert "network_mode: host on a but not on b" in cannot(
-        tmp_path, "services:\n  a: {image: a, network_mode: host}\n  b: {image: b}\n")
+    mixed = "services:\n  a: {image: a, network_mode: host}\n  b: {image: b}\n"
+    assert sample_network(load(tmp_path, mixed)) == "services"
+    assert "network_mode: host on a but not on b, c" in cannot(
+        tmp_path, mixed + "  c: {image: c, network_mode: 'service:b'}\n")
 
 
 def test_internal_network_makes_the_sample_internal(tmp_path):
@@ -645,11 +649,12 @@ def test_internal_network_makes_the_sample_internal(tmp_path):
         services:
           target: {image: a, networks: [lab]}
           attacker: {image: b, networks: [lab, outside]}
+          helper: {image: c, network_mode: "service:target"}
         networks:
           lab: {internal: true}
           outside: {}
         """)
-    assert sample_network(project) == "none"
+    assert sample_network(project) == "none"  # one namespace (service:target): the pod mode
     assert any("service attacker: network outside is not internal, but lab is" in w for w in project.warnings)
 
 
@@ -659,14 +664,41 @@ def test_services_that_share_no_network_are_an_error(tmp_path):
           a: {image: a, networks: [net_a]}
           b: {image: b, networks: [net_b]}
           c: {image: c, networks: [net_a]}
+          d: {image: d, network_mode: "service:a"}
         networks: {net_a: {}, net_b: {}}
         """)
-    assert "services that share no network (a, c; b)" in message and "cannot separate them" in message
+    assert "services that share no network (a, c, d; b)" in message and "so all services share one" in message
 
 
 def test_none_beside_networked_services_is_an_error(tmp_path):
-    assert "cannot isolate one service" in cannot(
-        tmp_path, "services:\n  a: {image: a, network_mode: none}\n  b: {image: b}\n")
+    mixed = "services:\n  a: {image: a, network_mode: none}\n  b: {image: b}\n"
+    assert sample_network(load(tmp_path, mixed)) == "services"
+    assert "network_mode: none on a but b, c have networks" in cannot(
+        tmp_path, mixed + "  c: {image: c, network_mode: 'service:b'}\n")
+
+
+def test_which_samples_keep_the_pod_mode(tmp_path):
+    pod = {
+        "services:\n  a: {image: a}\n": "nat",  # a single service
+        "services:\n  a: {image: a, network_mode: none}\n  b: {image: b, network_mode: none}\n": "none",
+        "services:\n  a: {image: a, network_mode: host}\n  b: {image: b, network_mode: host}\n": "host",
+        "services:\n  a: {image: a}\n  b: {image: b, network_mode: 'service:a'}\n": "nat",
+    }
+    for text, mode in pod.items():
+        assert sample_network(load(tmp_path, text)) == mode, text
+    project = load(tmp_path, """\
+services:
+  a: {image: a, ports: ["8080:80"], networks: {lab: {aliases: [x]}, out: null}}
+  b: {image: b, ports: ["8081:80"], networks: [lab], links: ["a:web"]}
+  c: {image: c, network_mode: none}
+  d: {image: d, network_mode: host}
+networks:
+  lab: {internal: true}
+  out: {}
+""")
+    assert sample_network(project) == "services"  # once refused: a port twice, none and host with networks
+    assert service_networks(project) == {"a": {"out": ["a", "web"], "lab": ["a", "web", "x"]},  # outbound first
+                                         "b": {"lab": ["b"]}, "c": {}, "d": {}}
 
 
 def test_aliases(tmp_path):
@@ -834,7 +866,7 @@ def test_compose_config_input(tmp_path):
         tmp_path / "agent", ["sleep", "infinity"], 1.0, 1 << 30, True)
     assert agent.depends_on == {"web": "service_healthy"}
     assert (web.healthcheck.test, web.healthcheck.interval, web.environment) == (["CMD", "true"], 2.0, {"A": "1"})
-    assert sample_network(project) == "none"
+    assert sample_network(project) == "services"
 
 
 # -- fixtures shaped like public Inspect evals -------------------------------------
@@ -863,7 +895,7 @@ def test_fixture_target_and_attacker_on_an_internal_network():
     assert (target.healthcheck.interval, target.healthcheck.start_period) == (5.0, 90.0)
     assert (target.memory, target.cpus) == (1 << 30, 1.0)
     assert project.services["attacker"].depends_on == {"target": "service_healthy"}
-    assert sample_network(project) == "none"
+    assert sample_network(project) == "services"
     assert aliases(project)["target"] == ["target", "victim.lab"]
 
 
@@ -894,7 +926,7 @@ def test_fixture_web_and_db_with_dot_env_and_env_file():
     assert web.environment["DATABASE_URL"] == "postgres://shop:s3cr$t@db:5432/shop"  # '...' in .env is literal
     assert web.depends_on == {"db": "service_healthy"}
     assert db.healthcheck.test == ["CMD-SHELL", "pg_isready -U shop"] and db.healthcheck.timeout == 0.5
-    assert sample_network(project) == "nat"
+    assert sample_network(project) == "services"
 
 
 def test_fixture_required_variable_missing_names_it(tmp_path):
