@@ -63,3 +63,12 @@ class CommandTimeout(TimeoutError):
     @property
     def truncated_output(self) -> str:
         return self.stdout + self.stderr
+
+
+def describe(e: BaseException) -> str:
+    """An error in one line, for a person."""
+    if isinstance(e, NsboxError):
+        return str(e)
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror}: {e.filename}" if e.filename is not None else e.strerror
+    return f"{type(e).__name__}: {e}"
