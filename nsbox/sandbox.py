@@ -2,10 +2,11 @@
 
 A sandbox is a set of namespaces whose PID 1 is nsbox-init. Creating one is
 nsbox/create/launch.py's (a plan from nsbox/plan/assemble.py, or a copy of a
-template, nsbox/plan/templates.py); talking to its init is nsbox/init/client.py's;
-running a command, nsbox/init/process.py's; files, nsbox/init/files.py's; its
-users, nsbox/init/users.py's. This object ties them together: create or attach,
-close or detach, and exec, spawn, read_file, write_file.
+template, nsbox/plan/templates.py); its writable layer, nsbox/create/layer.py's;
+its network, nsbox/create/netattach.py's; talking to its init is
+nsbox/init/client.py's; running a command, nsbox/init/process.py's; files,
+nsbox/init/files.py's; its users, nsbox/init/users.py's. This object ties them
+together: create or attach, close or detach, and exec, spawn, read_file, write_file.
 
 It owns the control connection to the init, which is also the init's
 lifeline: the sandbox dies with the process that created it (unless it is
