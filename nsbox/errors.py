@@ -85,3 +85,12 @@ def _say_once(line: str) -> None:
     if line not in _said:
         _said.add(line)
         print(line, file=sys.stderr)
+
+
+def describe(e: BaseException) -> str:
+    """An error in one line, for a person."""
+    if isinstance(e, NsboxError):
+        return str(e)
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror}: {e.filename}" if e.filename is not None else e.strerror
+    return f"{type(e).__name__}: {e}"

@@ -24,7 +24,7 @@ from pathlib import Path
 from .init import client
 from .host import dirs, live
 from .plan import resources
-from .errors import NsboxError
+from .errors import NsboxError, describe
 from .host.idmap import IdMap
 from .host.idmap import detect as detect_idmap
 from .host.live import SandboxInfo
@@ -139,15 +139,6 @@ def remove(info: SandboxInfo, *, force: bool = False) -> None:
     except OSError as e:
         if e.errno != errno.ENOENT:
             raise
-
-
-def describe(e: BaseException) -> str:
-    """An error in one line, for a person."""
-    if isinstance(e, NsboxError):
-        return str(e)
-    if isinstance(e, OSError) and e.strerror:
-        return f"{e.strerror}: {e.filename}" if e.filename is not None else e.strerror
-    return f"{type(e).__name__}: {e}"
 
 
 def failure(sandbox_id: str, e: Exception) -> str:

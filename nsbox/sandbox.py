@@ -2,10 +2,11 @@
 
 A sandbox is a set of namespaces whose PID 1 is nsbox-init. Creating one is
 nsbox/create/launch.py's (a plan from nsbox/plan/assemble.py, or a copy of a
-template, nsbox/plan/templates.py); talking to its init is nsbox/init/client.py's;
-running a command, nsbox/init/process.py's; files, nsbox/init/files.py's; its
-users, nsbox/init/users.py's. This object ties them together: create or attach,
-close or detach, and exec, spawn, read_file, write_file.
+template, nsbox/plan/templates.py); its writable layer, nsbox/create/layer.py's;
+its network, nsbox/create/netattach.py's; talking to its init is
+nsbox/init/client.py's; running a command, nsbox/init/process.py's; files,
+nsbox/init/files.py's; its users, nsbox/init/users.py's. This object ties them
+together: create or attach, close or detach, and exec, spawn, read_file, write_file.
 
 It owns the control connection to the init, which is also the init's
 lifeline: the sandbox dies with the process that created it (unless it is
@@ -18,32 +19,30 @@ import functools
 import os
 import posixpath
 import secrets
-import signal
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
 
 import anyio
 
 from . import network as network_mod
-from .host import dirs, idmap, layers, live, removal, rlimits
-from .init import fdwait, files, process, protocol
+from .host import dirs, idmap, layers, live, rlimits
+from .init import files, process, protocol
 from .plan import assemble, gpu, netmodes, resources, templates
 from .init import users
 from .plan import rootfs as rootfs_mod
 from .init.capture import CappedBuffer, Forwarder
 from .init.client import DEFAULT_PATH, Channel, Command, ExecResult, InitClient
 from .errors import (
-    NsboxError,
     SandboxSetupError,
     SandboxUnavailable,
     UserUnsupported,
     note_once,
 )
-from .create import unshare
+from .create import layer
 from .create.launch import Launched, launch
+from .create.netattach import NetAttachment
 from .init.output_limits import exec_output_limit
-from .manage import collect_in_background, describe
+from .manage import collect_in_background
 from .spec import FIELDS, NET, Bind, Network, OutputLimitMode, PullPolicy, SandboxSpec
 
 if TYPE_CHECKING:
@@ -56,18 +55,6 @@ __all__ = ["DEFAULT_PATH", "ExecResult", "Sandbox"]
 CLOSE_WAIT = 2.0
 # How long creating a sandbox may take (newuidmap, the setup child).
 SETUP_TIMEOUT = 30.0
-
-_devnull = -1
-
-
-def _shared_devnull() -> int:
-    """This process's /dev/null, opened once: what commands without input
-    read and detached commands write to (one descriptor, not one per sandbox)."""
-    global _devnull
-    if _devnull < 0:
-        _devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
-    return _devnull
-
 
 PRIVILEGED_NOTE = ("privileged here means what rootless podman gives: every capability of the sandbox's own user "
                    "namespace, no seccomp filter, nested user namespaces, /sys mounted; never host root")
@@ -141,10 +128,7 @@ class Sandbox:
         self._detached = False
         self._attached = False  # connected to a sandbox another process owns
         self._users = users.Users()  # users looked up in the sandbox's own files
-        self._closing = False
-        # Its service networks (this process's), each with its aliases there.
-        self._networks: list[tuple[network_mod.Network, Sequence[str]]] = []
-        self._net: netmodes.Attached | None = None  # what this process serves for nat, proxy and ports
+        self._network: NetAttachment | None = None  # its network mode's and service networks', once created
 
     # What the spec says, under the names this class always had.
     user = property(lambda self: self.spec.user or "root")
@@ -174,7 +158,7 @@ class Sandbox:
 
     @property
     def running(self) -> bool:
-        return self._state == "running" and not _exited(self._launched.pidfd)
+        return self._state == "running" and not self._launched.exited
 
     @property
     def client(self) -> InitClient:
@@ -208,20 +192,13 @@ class Sandbox:
     async def _use_image(self, ref: str) -> None:
         """Resolves (pulls, unpacks) the image and lets its config fill in
         what the sandbox's own settings leave open, as `docker run` does."""
-        from .storage import Store
-        from .storage.progress import Progress
-        from .storage.resolve import resolve
+        from .storage.resolve import for_spec
 
-        mapping = idmap.detect(self.spec.id_mapping)  # type: ignore[arg-type]
-        self.image = await resolve(Store(runner=confined), ref, id_mapping=self.spec.id_mapping,  # type: ignore[arg-type]
-                                   pull=self.spec.pull, platform=self.spec.platform, progress=Progress(sys.stderr))
-        config = self.image.config
-        user, note = config.effective_user(mapping, self.spec.user)
+        self.image, spec, note = await for_spec(ref, self.spec, runner=confined)
         if note:
             note_once(note)
         self.rootfs = rootfs_mod.ImageRootfs.of(self.image)
-        self.spec = self.spec.replace(user=user, env=config.merge_env(self.spec.env),
-                                      workdir=self.spec.workdir or config.workdir)
+        self.spec = spec
 
     @classmethod
     def on_image(cls, image: Image, **options: Any) -> "Sandbox":
@@ -266,31 +243,23 @@ class Sandbox:
         if self.spec.gpus is not None:
             self._use_gpus(self.spec.gpus)
         service_net = service_view = None
+        networks: list[tuple[network_mod.Network, Sequence[str]]] = []  # each with its aliases there
         if self.spec.network.startswith(NET):  # this process's network, or a named one it reaches now
             service_net = await network_mod.lookup(self.spec.network)
             service_net.check_mapping(self.idmap)
-            service_view = service_net
             more = network_mod.more_networks(service_net, self.spec.more_networks)
-            self._networks = [(service_net, self.spec.network_aliases), *more]
-            if more:  # one view of them all for the network modes (/etc/hosts)
-                service_view = network_mod.Joined([net for net, _ in self._networks])
-        netmodes.check(self.spec, service_view)  # nat without a usable tun device: one line, before anything exists
-        if extra_env := netmodes.environment(self.spec):
-            self.spec = self.spec.replace(env={**extra_env, **self.spec.env})
-        self._layer = layers.layers_dir() / self.id
+            networks = [(service_net, self.spec.network_aliases), *more]
+            # One view of them all for the network modes (/etc/hosts).
+            service_view = network_mod.Joined([net for net, _ in networks]) if more else service_net
+        self._network = NetAttachment(self.spec, service_view, networks, self.hostname,
+                                      self.id, lambda: self._client)
+        self.spec = self._network.check()  # nat without a usable tun device: one line, before anything exists
+        self._layer = layer.path(self.id)
         self._rundir = dirs.runtime_dir() / self.id
         self._rundir.mkdir(mode=0o700)
-        for net, aliases in self._networks:
-            await net.reserve(self.hostname, self.id, self._write_hosts, aliases=aliases,
-                              extra_hosts=netmodes.extra_hosts(self.spec))
-        etc_written = False
-
-        def prepare_layer() -> None:
-            nonlocal etc_written
-            assert self.idmap is not None and self._layer is not None
-            self.rootfs.prepare(self._layer, self.hostname, self.idmap.host_root)
-            etc_written = netmodes.prepare_layer(self.spec, self.rootfs, self._layer, self.hostname,
-                                                self.idmap.host_root, service_view)
+        await self._network.reserve()
+        prepare_layer = functools.partial(layer.prepare, self._layer, self.rootfs, self.hostname, self.idmap,
+                                          self._network)
 
         # A plan copied from a template names the layer without looking at
         # it: the layer is then prepared while the zygote clones.
@@ -303,32 +272,18 @@ class Sandbox:
         # Known now or later: record the sandbox while its setup runs.
         self.workdir = (self.spec.workdir or users.known_home(self.user, self.rootfs.identity_files(),
                                                               self._fresh_image_key()) or "")
-        plan.join = netmodes.open_join(self.spec, self.idmap)
-        if service_net is not None:
-            plan.userns = service_net.owner_userns()
-        for i, (net, _) in enumerate(self._networks):  # eth0, eth1...: outbound through the first
-            plan.alongside.append(functools.partial(self._join_network, net, i))
+        self._network.contribute(plan, self.idmap, self._launched)
         try:
             await launch(plan, self._launched, sandbox_id=self.id, socket_path=self._rundir / live.SOCKET,
                          layer=self._layer, on_cloned=self._register,
                          before_go=prepare_layer if prepare_later else None)
         finally:
-            for fd in [*(plan.join or ()), *([plan.userns] if plan.userns is not None else [])]:
-                os.close(fd)
-        if _exited(self._launched.pidfd):
+            self._network.close_plan(plan)
+        if self._launched.exited:
             raise SandboxSetupError("the sandbox's init exited right after starting")
         assert self._launched.ctl is not None
         self._client = InitClient(self._launched.ctl, self.id)
-        if netmodes.private(self.spec):
-            self._net = await netmodes.attach(self.spec, self.pid, self._launched.pidfd)
-        if netmodes.needs_etc(self.spec) and not etc_written:
-            for path, text in netmodes.etc_files(self.spec, self.hostname, service_view).items():
-                await self._write_as_root(path, text)
-        for net, _ in self._networks:
-            await net.settle(self.hostname)
-
-    async def _join_network(self, net: network_mod.Network, index: int, pid: int) -> None:
-        await net.join(self.hostname, pid, self._launched.pidfd, ifname=f"eth{index}", outbound=index == 0)
+        await self._network.start(self.pid, self._launched.pidfd)
 
     def _use_gpus(self, request: str) -> None:
         """The GPUs' device nodes, driver files and environment, as binds
@@ -338,22 +293,11 @@ class Sandbox:
             note_once(f"gpus: {note}")
         self.spec = self.spec.replace(mounts=(*self.spec.mounts, *setup.binds), env=setup.apply_env(dict(self.spec.env)))
 
-    async def _write_as_root(self, path: str, text: str) -> None:
-        """A file nsbox keeps in the sandbox (/etc/hosts, resolv.conf)."""
-        await files.write_file(self._setup_client(), _creds(users.ROOT), path, text)
-
-    async def _write_hosts(self, text: str) -> None:
-        """Its service network's call as members come and go (Network.reserve)."""
-        if self._client is not None and not self._closing:  # running, or starting
-            if len(self._networks) > 1:  # one network's view: it lists its peers on all
-                text = network_mod.Joined([net for net, _ in self._networks]).hosts_for(self.hostname)
-            await self._write_as_root("/etc/hosts", text)
-
     @property
     def host_ports(self) -> list[int]:
         """The host port of each published port, in the order of `ports`
         (the port bound when HOSTPORT was 0)."""
-        return list(self._net.host_ports) if self._net is not None else []
+        return self._network.host_ports if self._network is not None else []
 
     def _register(self) -> None:
         assert self.idmap is not None and self._layer is not None
@@ -384,14 +328,8 @@ class Sandbox:
                                    lambda cmd: self._run(client, list(cmd), users.ROOT, cwd="/"))
 
     def _fresh_image_key(self) -> tuple[Path, ...] | None:
-        """The layers of this sandbox's image if what a just-created
-        sandbox finds in it can be remembered for the next ones: image
-        layers never change, and a new sandbox's writable layer is empty.
-        Not with binds, which may cover what it finds; not for a sandbox
-        this process did not create."""
-        if self._attached or self.mounts or not isinstance(self.rootfs, rootfs_mod.ImageRootfs):
-            return None
-        return self.rootfs.layers
+        """Not for a sandbox this process did not create (rootfs.fresh_image_key)."""
+        return None if self._attached else rootfs_mod.fresh_image_key(self.rootfs, self.mounts)
 
     def _setup_client(self) -> InitClient:
         """The client, while the sandbox is still starting."""
@@ -440,7 +378,8 @@ class Sandbox:
         if self._state in ("new", "closed"):
             self._state = "closed"
             return
-        self._closing = True  # its /etc/hosts no longer matters: peers leaving skip it
+        if self._network is not None:
+            self._network.closing = True  # its /etc/hosts no longer matters: peers leaving skip it
         with anyio.CancelScope(shield=True):
             await self._leave_network()
             await self._teardown()
@@ -472,13 +411,11 @@ class Sandbox:
         elif ctl is not None:
             ctl.close()
         if self.pid:
-            await self._reap()
+            await self._launched.reap(CLOSE_WAIT)
 
     async def _leave_network(self) -> None:
-        if self._attached:
-            return
-        for net, _ in self._networks:
-            await net.leave(self.hostname, self.id)
+        if self._network is not None and not self._attached:
+            await self._network.leave()
 
     async def _teardown(self) -> None:
         self._state = "closed"
@@ -490,47 +427,21 @@ class Sandbox:
             if client is not None:
                 client.close()
             return
-        if self._net is not None and not self._detached:  # a detached sandbox's ends with this process
-            net, self._net = self._net, None
-            await net.stop()
+        if self._network is not None and not self._detached:  # a detached sandbox's ends with this process
+            await self._network.stop()
         if client is not None and self._detached:
             client.shutdown()
         await self._end_init(client, ctl)
         for cleanup in self._launched.cleanups:  # the init is gone (its cgroups are empty)
             cleanup()
         self._launched.cleanups.clear()
-        if self._layer is not None:
-            # Nothing runs in the sandbox any more: its layer is kept for
-            # reuse or deleted on the sweeper's thread, while this process
-            # goes on (removal.wait_swept waits for it).
+        if self._layer is not None:  # nothing runs in the sandbox any more
             assert self.idmap is not None
-            removal.release_later(functools.partial(_release_layer, self.id, self._layer, self.rootfs, self.idmap))
+            layer.release_later(self.id, self._layer, self.rootfs, self.idmap)
             self._layer = None
         if self._rundir is not None:
-            for name in (live.INFO, live.SOCKET):
-                try:
-                    os.unlink(self._rundir / name)
-                except FileNotFoundError:
-                    pass
-            try:
-                self._rundir.rmdir()
-            except OSError:
-                pass
+            live.remove_dir(self._rundir)
             self._rundir = None
-
-    async def _reap(self) -> None:
-        pidfd = self._launched.pidfd
-        if pidfd >= 0:
-            if not await fdwait.readable(pidfd, CLOSE_WAIT):
-                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-                await fdwait.readable(pidfd)
-            os.close(pidfd)
-            self._launched.pidfd = -1
-        try:
-            os.waitpid(self.pid, 0)
-        except ChildProcessError:
-            pass
-        self._launched.pid = 0
 
     async def detach(self) -> live.SandboxInfo:
         """Lets the sandbox outlive this process; `nsbox rm` ends it later."""
@@ -632,7 +543,7 @@ class Sandbox:
         out, err = CappedBuffer(limit), CappedBuffer(limit)
         outcome = await process.run(
             client, command, input=data, timeout=timeout, stdout=out, stderr=err,
-            stop_on_overflow=self.output_limit_mode == "raise", stdin_fd=_shared_devnull(),
+            stop_on_overflow=self.output_limit_mode == "raise", stdin_fd=process.devnull(),
         )
         return outcome.result(command, self.id, timeout, limit, out.take_text(), err.take_text())
 
@@ -658,7 +569,7 @@ class Sandbox:
         client = self.client
         command = self.command(cmd, await self.identity(user), cwd, env)
         timeout = self.timeout if timeout is None else timeout
-        stdin_fd = _shared_devnull() if stdin is None or os.isatty(stdin) else stdin
+        stdin_fd = process.devnull() if stdin is None or os.isatty(stdin) else stdin
         outcome = await process.run(
             client, command, input=None, timeout=timeout, stdout=Forwarder(stdout), stderr=Forwarder(stderr),
             stop_on_overflow=False, stdin_fd=stdin_fd,
@@ -677,7 +588,7 @@ class Sandbox:
         returned channel while that is open (closing it leaves the command
         running)."""
         client = self.client
-        return await client.spawn(self.command(cmd, await self.identity(user), cwd, env), _shared_devnull(),
+        return await client.spawn(self.command(cmd, await self.identity(user), cwd, env), process.devnull(),
                                   watch=watch)
 
     async def start_process(self, cmd: Sequence[str], *, input: str | bytes | None = None, stdin_open: bool = False,
@@ -703,7 +614,7 @@ class Sandbox:
         data = input.encode("utf-8") if isinstance(input, str) else input
         return await streaming.start(client, self.command(cmd, identity, cwd, env), input=data, stdin_open=stdin_open,
                                      limit=exec_output_limit() if output_limit is None else output_limit,
-                                     devnull=_shared_devnull(), sandbox_id=self.id)
+                                     devnull=process.devnull(), sandbox_id=self.id)
 
     # ---- files -------------------------------------------------------
 
@@ -737,24 +648,6 @@ def confined(binds: Sequence[Bind], *, id_mapping: idmap.Requested, label: str =
     return Sandbox(mounts=binds, id_mapping=id_mapping, workdir="/", label=label)
 
 
-def _release_layer(sandbox_id: str, layer: Path, rootfs: rootfs_mod.Rootfs, mapping: idmap.IdMap) -> None:
-    """Keeps the layer of a closed sandbox for the next one if it is
-    untouched (a few syscalls), else deletes it, as long as that takes."""
-    aside = layers.set_aside_work(layer)
-    if aside and rootfs.release_layer(layer, mapping.host_root):
-        return
-    if layers.remove_untouched_layer(layer):
-        return
-    try:
-        unshare.remove_layer(layer, mapping)
-    except (OSError, NsboxError) as e:
-        print(f"nsbox: could not delete the writable layer of sandbox {sandbox_id} ({layer}): {describe(e)}; "
-              "`nsbox gc` tries again", file=sys.stderr)
-
-
 def _creds(identity: users.Identity) -> protocol.Creds:
     return protocol.Creds(identity.uid, identity.gid, identity.groups)
 
-
-def _exited(pidfd: int) -> bool:
-    return pidfd < 0 or fdwait.readable_now(pidfd)

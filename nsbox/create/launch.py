@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import socket
 import struct
 from dataclasses import dataclass, field
@@ -41,6 +42,26 @@ class Launched:
     pidfd: int = -1
     ctl: socket.socket | None = None  # the control connection, also the lifeline
     cleanups: list[Callable[[], None]] = field(default_factory=list)  # the plan's, for after the init exits
+
+    @property
+    def exited(self) -> bool:
+        return self.pidfd < 0 or fdwait.readable_now(self.pidfd)
+
+    async def reap(self, wait: float) -> None:
+        """Waits up to `wait` seconds for the init to exit, kills it then,
+        and reaps it."""
+        pidfd = self.pidfd
+        if pidfd >= 0:
+            if not await fdwait.readable(pidfd, wait):
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                await fdwait.readable(pidfd)
+            os.close(pidfd)
+            self.pidfd = -1
+        try:
+            os.waitpid(self.pid, 0)
+        except ChildProcessError:
+            pass
+        self.pid = 0
 
 
 async def launch(plan: Plan, launched: Launched, *, sandbox_id: str, socket_path: Path, layer: Path,

@@ -74,6 +74,20 @@ def sandbox_dir(sandbox_id: str) -> Path:
     return runtime_dir() / sandbox_id
 
 
+def remove_dir(d: Path) -> None:
+    """A closed sandbox's directory: its entry and socket, then itself
+    (kept if something else is left in it)."""
+    for name in (INFO, SOCKET):
+        try:
+            os.unlink(d / name)
+        except FileNotFoundError:
+            pass
+    try:
+        d.rmdir()
+    except OSError:
+        pass
+
+
 def write(info: SandboxInfo) -> None:
     """Records `info` atomically (write to a temporary file, then rename)."""
     d = os.fspath(sandbox_dir(info.id))

@@ -19,6 +19,18 @@ from .output_limits import human_size
 from .pump import Pump
 
 
+_devnull = -1
+
+
+def devnull() -> int:
+    """This process's /dev/null, opened once: what commands without input
+    read and detached commands write to (one descriptor, not one per sandbox)."""
+    global _devnull
+    if _devnull < 0:
+        _devnull = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
+    return _devnull
+
+
 @dataclass
 class Outcome:
     """What happened to one command, before any interpretation."""

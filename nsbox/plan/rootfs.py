@@ -26,7 +26,7 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Sequence
 
 from . import steps
 from ..errors import SandboxSetupError
@@ -300,6 +300,16 @@ def resolve(rootfs: str | os.PathLike[str] | None) -> Rootfs:
         raise SandboxSetupError(f"rootfs {path} is not a directory",
                                 hint="give a directory holding a root filesystem, or 'host'")
     return DirectoryRootfs(path.resolve())
+
+
+def fresh_image_key(rootfs: Rootfs, binds: Sequence[object]) -> tuple[Path, ...] | None:
+    """The layers of a sandbox's image if what a just-created sandbox finds
+    in it can be remembered for the next ones (nsbox/init/users.py): image
+    layers never change, and a new sandbox's writable layer is empty. Not
+    with binds, which may cover what it finds."""
+    if binds or not isinstance(rootfs, ImageRootfs):
+        return None
+    return rootfs.layers
 
 
 def _hosts(hostname: str) -> str:

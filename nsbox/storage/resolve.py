@@ -8,9 +8,12 @@ to pull, and httpx is imported only when something is pulled.
 
 from __future__ import annotations
 
+import sys
+
 from ..host import idmap
-from ..spec import PullPolicy
+from ..spec import PullPolicy, SandboxSpec
 from .progress import Progress
+from .confined import Runner
 from .store import IMAGE_ID, Image, ImageNotFound, Store
 
 
@@ -30,3 +33,16 @@ async def resolve(store: Store, ref: str, *, id_mapping: idmap.Requested = "auto
     from .registry import pull as do_pull  # the HTTP client, only now
 
     return await do_pull(store, ref, platform=platform, progress=progress, id_mapping=id_mapping)
+
+
+async def for_spec(ref: str, spec: SandboxSpec, *, runner: Runner) -> tuple[Image, SandboxSpec, str | None]:
+    """A sandbox's image `ref` under its spec's pull policy (progress on
+    stderr), the spec with what the image's config fills in where the
+    sandbox's own settings leave it open, as `docker run` does, and a note
+    for a person (or None)."""
+    mapping = idmap.detect(spec.id_mapping)  # type: ignore[arg-type]
+    image = await resolve(Store(runner=runner), ref, id_mapping=spec.id_mapping,  # type: ignore[arg-type]
+                          pull=spec.pull, platform=spec.platform, progress=Progress(sys.stderr))
+    config = image.config
+    user, note = config.effective_user(mapping, spec.user)
+    return image, spec.replace(user=user, env=config.merge_env(spec.env), workdir=spec.workdir or config.workdir), note

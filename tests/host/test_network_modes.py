@@ -127,7 +127,8 @@ async def test_nat_reaches_the_hosts_loopback_by_name_when_asked(host_server: in
         r = await sb.exec(["python3", "-c", CLIENT, "127.0.0.1", str(host_server), "2"])
         assert r.stdout.startswith("failed"), r
         assert f"nameserver {usernet.DNS}" in str(await sb.read_file("/etc/resolv.conf"))
-        pid = sb._net.usernet_pid if sb._net else None
+        attached = sb._network.attached if sb._network else None
+        pid = attached.usernet_pid if attached else None
         assert pid is not None and Path(f"/proc/{pid}").exists()
     assert _gone(pid), "pasta/slirp4netns outlived the sandbox"
 
@@ -261,7 +262,7 @@ OWNER = textwrap.dedent("""
         sbs = [await nsbox.Sandbox(network=network, ports=["0:8000"]).start(),
                await nsbox.Sandbox(network="proxy", allow=["example.com"]).start()]
         print(json.dumps({"inits": [sb.pid for sb in sbs], "helper": netmodes.runner().helper.pid,
-                          "usernet": sbs[0]._net.usernet_pid, "port": sbs[0].host_ports[0]}), flush=True)
+                          "usernet": sbs[0]._network.attached.usernet_pid, "port": sbs[0].host_ports[0]}), flush=True)
         await anyio.sleep(600)
 
     anyio.run(main)
@@ -290,7 +291,7 @@ async def test_close_stops_what_the_process_serves() -> None:
     await sb.close()
     assert _refused(port)
     # The network thread has nothing left of it.
-    assert sb._net is None
+    assert sb._network is not None and sb._network.attached is None
 
 
 def test_a_detached_sandbox_warns_once(capsys: pytest.CaptureFixture[str]) -> None:
