@@ -16,10 +16,17 @@ stage_nsbox() {
     if [[ ! -x $stage/venv/bin/python ]]; then
         "$syspy" -m venv "$stage/venv"
     fi
+    # nsbox is built from a copy of the checkout without its build outputs:
+    # setuptools reuses a build/ that an earlier `pip install .` left, so
+    # modules since moved or deleted would be installed again beside the new.
+    rm -rf "$stage/pkg"
+    mkdir -p "$stage/pkg"
+    tar -C "$repo" --exclude=./build --exclude=./dist --exclude=./.git --exclude='./*.egg-info' \
+        --exclude=./rootfs/build --exclude=./.venv --exclude='__pycache__' -cf - . | tar -C "$stage/pkg" -xf -
     "$stage/venv/bin/python" -m pip install -q --upgrade pip
-    "$stage/venv/bin/python" -m pip install -q "$repo[inspect,test]"
+    "$stage/venv/bin/python" -m pip install -q "$stage/pkg[inspect,test]"
     # Always rebuild nsbox itself: the checkout may have changed since.
-    "$stage/venv/bin/python" -m pip install -q --force-reinstall --no-deps "$repo"
+    "$stage/venv/bin/python" -m pip install -q --force-reinstall --no-deps "$stage/pkg"
     rm -rf "$stage/src"
     mkdir -p "$stage/src"
     (cd "$repo" && cp -r --parents "$@" "$stage/src/")
