@@ -1,7 +1,9 @@
-"""Creating a sandbox, from its id and hostname, chosen, to its init
+"""Creating a sandbox, from choosing its id and hostname to its init
 running; and ending what that made.
 
-`create` makes, in order: the sandbox's network attachment
+`choose` picks its id mapping, id and hostname (and adds its GPUs' files to
+its spec); once its caller has looked up its service networks, `create`
+makes, in order: the sandbox's network attachment
 (nsbox/create/netattach.py), its writable layer (nsbox/create/layer.py)
 and runtime directory, its plan (a copy of a template where there is one,
 nsbox/plan/templates.py: the layer is then prepared while the zygote
