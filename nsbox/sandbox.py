@@ -1,7 +1,8 @@
 """Sandbox: the lifecycle of one sandbox, and its public operations.
 
-A sandbox is a set of namespaces whose PID 1 is nsbox-init. Creating one is
-nsbox/create/launch.py's (a plan from nsbox/plan/assemble.py, or a copy of a
+A sandbox is a set of namespaces whose PID 1 is nsbox-init. Creating one,
+and ending what that made, is nsbox/create/procedure.py's (launched by
+nsbox/create/launch.py, from a plan of nsbox/plan/assemble.py or a copy of a
 template, nsbox/plan/templates.py); its writable layer, nsbox/create/layer.py's;
 its network, nsbox/create/netattach.py's; talking to its init is
 nsbox/init/client.py's; running a command, nsbox/init/process.py's; files,
@@ -15,19 +16,17 @@ detached on purpose).
 
 from __future__ import annotations
 
-import functools
 import os
 import posixpath
-import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
 
 import anyio
 
 from . import network as network_mod
-from .host import dirs, idmap, layers, live, rlimits
+from .host import idmap, live, rlimits
 from .init import files, process, protocol
-from .plan import assemble, gpu, netmodes, resources, templates
+from .plan import netmodes, resources
 from .init import users
 from .plan import rootfs as rootfs_mod
 from .init.capture import CappedBuffer, Forwarder
@@ -38,8 +37,8 @@ from .errors import (
     UserUnsupported,
     note_once,
 )
-from .create import layer
-from .create.launch import Launched, launch
+from .create import procedure
+from .create.launch import Launched
 from .create.netattach import NetAttachment
 from .init.output_limits import exec_output_limit
 from .manage import collect_in_background
@@ -55,9 +54,6 @@ __all__ = ["DEFAULT_PATH", "ExecResult", "Sandbox"]
 CLOSE_WAIT = 2.0
 # How long creating a sandbox may take (newuidmap, the setup child).
 SETUP_TIMEOUT = 30.0
-
-PRIVILEGED_NOTE = ("privileged here means what rootless podman gives: every capability of the sandbox's own user "
-                   "namespace, no seccomp filter, nested user namespaces, /sys mounted; never host root")
 
 
 class Sandbox:
@@ -225,23 +221,13 @@ class Sandbox:
             return list(args)
         return self.image.config.command_for(list(args))
 
-    def _plan_inputs(self) -> assemble.Inputs:
-        """What this sandbox's plan is made of (nsbox/plan/assemble.py)."""
-        assert self.idmap is not None and self._rundir is not None
-        return assemble.Inputs(self.spec, self.rootfs, self.idmap, layers.mount_point(self.idmap.host_root),
-                               self._rundir)
+    _plan_inputs = procedure.plan_inputs  # what this sandbox's plan is made of
 
     async def _create(self) -> None:
         resources.check(resources.ResourceLimits.of(self.spec))  # strict_limits: before anything exists
         rlimits.raise_nofile_limit()  # once per process: soft NOFILE up to the hard limit
         collect_in_background()  # once per process: what killed processes of this user left
-        self.idmap = idmap.detect(self.spec.id_mapping)  # type: ignore[arg-type]
-        if self.spec.privileged:
-            note_once(PRIVILEGED_NOTE)
-        self.id = secrets.token_hex(6)
-        self.hostname = self.spec.hostname or self.id
-        if self.spec.gpus is not None:
-            self._use_gpus(self.spec.gpus)
+        procedure.choose(self)  # its id mapping, id and hostname; its GPUs' files in its spec
         service_net = service_view = None
         networks: list[tuple[network_mod.Network, Sequence[str]]] = []  # each with its aliases there
         if self.spec.network.startswith(NET):  # this process's network, or a named one it reaches now
@@ -251,47 +237,7 @@ class Sandbox:
             networks = [(service_net, self.spec.network_aliases), *more]
             # One view of them all for the network modes (/etc/hosts).
             service_view = network_mod.Joined([net for net, _ in networks]) if more else service_net
-        self._network = NetAttachment(self.spec, service_view, networks, self.hostname,
-                                      self.id, lambda: self._client)
-        self.spec = self._network.check()  # nat without a usable tun device: one line, before anything exists
-        self._layer = layer.path(self.id)
-        self._rundir = dirs.runtime_dir() / self.id
-        self._rundir.mkdir(mode=0o700)
-        await self._network.reserve()
-        prepare_layer = functools.partial(layer.prepare, self._layer, self.rootfs, self.hostname, self.idmap,
-                                          self._network)
-
-        # A plan copied from a template names the layer without looking at
-        # it: the layer is then prepared while the zygote clones.
-        inputs = self._plan_inputs()
-        plan = templates.copy(inputs, self.id, self.hostname)
-        prepare_later = plan is not None
-        if plan is None:
-            prepare_layer()
-            plan = templates.build(inputs, self._layer, self.id, self.hostname)
-        # Known now or later: record the sandbox while its setup runs.
-        self.workdir = (self.spec.workdir or users.known_home(self.user, self.rootfs.identity_files(),
-                                                              self._fresh_image_key()) or "")
-        self._network.contribute(plan, self.idmap, self._launched)
-        try:
-            await launch(plan, self._launched, sandbox_id=self.id, socket_path=self._rundir / live.SOCKET,
-                         layer=self._layer, on_cloned=self._register,
-                         before_go=prepare_layer if prepare_later else None)
-        finally:
-            self._network.close_plan(plan)
-        if self._launched.exited:
-            raise SandboxSetupError("the sandbox's init exited right after starting")
-        assert self._launched.ctl is not None
-        self._client = InitClient(self._launched.ctl, self.id)
-        await self._network.start(self.pid, self._launched.pidfd)
-
-    def _use_gpus(self, request: str) -> None:
-        """The GPUs' device nodes, driver files and environment, as binds
-        and variables of this sandbox's spec (nsbox/plan/gpu.py)."""
-        setup = gpu.resolve(request, host_root=isinstance(self.rootfs, rootfs_mod.HostRootfs))
-        for note in setup.notes:
-            note_once(f"gpus: {note}")
-        self.spec = self.spec.replace(mounts=(*self.spec.mounts, *setup.binds), env=setup.apply_env(dict(self.spec.env)))
+        await procedure.create(self, service_view, networks)
 
     @property
     def host_ports(self) -> list[int]:
@@ -300,15 +246,7 @@ class Sandbox:
         return self._network.host_ports if self._network is not None else []
 
     def _register(self) -> None:
-        assert self.idmap is not None and self._layer is not None
-        live.write(live.SandboxInfo(
-            id=self.id, owner_pid=os.getpid(), owner_start=live.process_start_time(os.getpid()),
-            init_pid=self.pid, init_start=live.process_start_time(self.pid), rootfs=str(self.rootfs),
-            layer=os.fspath(self._layer), hostname=self.hostname, user=self.user, workdir=self.workdir,
-            idmap=self.idmap.to_dict(), origin=self.origin, label=self.label,
-            lowers=[os.fspath(p) for p in (self.image.layers if self.image else ())],
-            network=netmodes.mode(self.spec, network_mod.local(self.spec.network)),
-        ))
+        procedure.register(self, netmodes.mode(self.spec, network_mod.local(self.spec.network)))
 
     async def _settle_identity(self) -> None:
         """Resolves the default user and makes sure the working directory exists."""
@@ -393,25 +331,7 @@ class Sandbox:
             raise RuntimeError("only a running sandbox this process owns can be stopped")
         with anyio.CancelScope(shield=True):
             self._state = "stopped"
-            await self._end_init(*self._take_client())
-
-    def _take_client(self) -> tuple[InitClient | None, Any]:
-        """The init's client and control channel (what there is of them),
-        no longer this object's."""
-        client, self._client = self._client, None
-        ctl, self._launched.ctl = self._launched.ctl, None
-        return client, ctl
-
-    async def _end_init(self, client: InitClient | None, ctl: Any) -> None:
-        """Closes the lifeline (the client's, or the control channel's
-        before there is a client): the init kills everything and exits.
-        Returns once it is gone."""
-        if client is not None:
-            client.close()
-        elif ctl is not None:
-            ctl.close()
-        if self.pid:
-            await self._launched.reap(CLOSE_WAIT)
+            await procedure.end_init(self._launched, *procedure.take_client(self), CLOSE_WAIT)
 
     async def _leave_network(self) -> None:
         if self._network is not None and not self._attached:
@@ -419,7 +339,7 @@ class Sandbox:
 
     async def _teardown(self) -> None:
         self._state = "closed"
-        client, ctl = self._take_client()
+        client, ctl = procedure.take_client(self)
         if self._attached:
             if self._launched.pidfd >= 0:
                 os.close(self._launched.pidfd)
@@ -427,21 +347,7 @@ class Sandbox:
             if client is not None:
                 client.close()
             return
-        if self._network is not None and not self._detached:  # a detached sandbox's ends with this process
-            await self._network.stop()
-        if client is not None and self._detached:
-            client.shutdown()
-        await self._end_init(client, ctl)
-        for cleanup in self._launched.cleanups:  # the init is gone (its cgroups are empty)
-            cleanup()
-        self._launched.cleanups.clear()
-        if self._layer is not None:  # nothing runs in the sandbox any more
-            assert self.idmap is not None
-            layer.release_later(self.id, self._layer, self.rootfs, self.idmap)
-            self._layer = None
-        if self._rundir is not None:
-            live.remove_dir(self._rundir)
-            self._rundir = None
+        await procedure.teardown(self, client, ctl, CLOSE_WAIT)
 
     async def detach(self) -> live.SandboxInfo:
         """Lets the sandbox outlive this process; `nsbox rm` ends it later."""

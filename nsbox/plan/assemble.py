@@ -47,7 +47,7 @@ NOT_PLANNED = {
     "host_loopback": "a setting of the host's network helper",
     "network_aliases": "names on a service network, kept by the host",
     "more_networks": "further interfaces, linked by the network's worker after the clone",
-    "gpus": "turned into mounts and env before the plan (Sandbox._use_gpus)",
+    "gpus": "turned into mounts and env before the plan (nsbox/create/procedure.py, choose)",
     "output_limit_mode": "how the host reads command output",
     "timeout": "how long the host waits for commands",
     "label": "what `nsbox ps` shows",

@@ -219,7 +219,7 @@ async def test_a_layer_failing_while_the_zygote_clones_leaves_nothing(monkeypatc
     the zygote (launch's before_go). If that fails, the cloned process gets
     no go: it exits without running a step, is reaped, and its layer and
     live entry go; the next sandbox is fine."""
-    from nsbox.create import launch as launch_mod
+    from nsbox.create import launch as launch_mod, procedure
     from nsbox.plan import rootfs as rootfs_mod
 
     async with nsbox.Sandbox():  # the plan's template, the zygote and the holder exist from here
@@ -239,7 +239,7 @@ async def test_a_layer_failing_while_the_zygote_clones_leaves_nothing(monkeypatc
         layer.mkdir(mode=0o700)  # half made, as a full disk would leave it
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(nsbox.sandbox, "launch", spying_launch)
+    monkeypatch.setattr(procedure, "launch", spying_launch)
     monkeypatch.setattr(rootfs_mod.HostRootfs, "prepare", broken_prepare)
     with pytest.raises(OSError, match="No space left"):
         await nsbox.Sandbox().start()

@@ -1,0 +1,188 @@
+"""Creating a sandbox, from choosing its id and hostname to its init
+running; and ending what that made.
+
+`choose` picks its id mapping, id and hostname (and adds its GPUs' files to
+its spec); once its caller has looked up its service networks, `create`
+makes, in order: the sandbox's network attachment
+(nsbox/create/netattach.py), its writable layer (nsbox/create/layer.py)
+and runtime directory, its plan (a copy of a template where there is one,
+nsbox/plan/templates.py: the layer is then prepared while the zygote
+clones), and its init (nsbox/create/launch.py), recorded in the live
+registry (nsbox/host/live.py) once its pid is known. `teardown` ends all
+of it. Both fill in and read the sandbox itself (nsbox.Sandbox, above
+create/, seen as a `Member`) as they go, so that whatever fails leaves it
+knowing what to end.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import secrets
+from pathlib import Path
+from typing import Any, Protocol, Sequence
+
+from ..errors import SandboxSetupError, note_once
+from ..host import dirs, idmap, layers, live
+from ..host.idmap import IdMap
+from ..init import users
+from ..init.client import InitClient
+from ..plan import assemble, gpu, netmodes, templates
+from ..plan import rootfs as rootfs_mod
+from ..spec import SandboxSpec
+from . import layer
+from .launch import Launched, launch
+from .netattach import NetAttachment, ServiceNetwork
+
+
+class Member(Protocol):
+    """The sandbox being made (nsbox.Sandbox): what the procedure reads and
+    what it fills in."""
+
+    spec: SandboxSpec
+    rootfs: rootfs_mod.Rootfs
+    image: Any  # nsbox.storage.Image (above create/), or None
+    id: str
+    hostname: str
+    workdir: str
+    idmap: IdMap | None
+    _launched: Launched
+    _client: InitClient | None
+    _layer: Path | None
+    _rundir: Path | None
+    _network: NetAttachment | None
+    _detached: bool
+
+    @property
+    def user(self) -> str: ...
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def origin(self) -> str: ...
+
+    @property
+    def label(self) -> str: ...
+
+    def _register(self) -> None: ...
+
+
+PRIVILEGED_NOTE = ("privileged here means what rootless podman gives: every capability of the sandbox's own user "
+                   "namespace, no seccomp filter, nested user namespaces, /sys mounted; never host root")
+
+
+def choose(sb: Member) -> None:
+    """The sandbox's id mapping, id and hostname; the device nodes, driver
+    files and environment of its GPUs, as binds and variables of its spec
+    (nsbox/plan/gpu.py)."""
+    sb.idmap = idmap.detect(sb.spec.id_mapping)  # type: ignore[arg-type]
+    if sb.spec.privileged:
+        note_once(PRIVILEGED_NOTE)
+    sb.id = secrets.token_hex(6)
+    sb.hostname = sb.spec.hostname or sb.id
+    if sb.spec.gpus is not None:
+        setup = gpu.resolve(sb.spec.gpus, host_root=isinstance(sb.rootfs, rootfs_mod.HostRootfs))
+        for note in setup.notes:
+            note_once(f"gpus: {note}")
+        sb.spec = sb.spec.replace(mounts=(*sb.spec.mounts, *setup.binds), env=setup.apply_env(dict(sb.spec.env)))
+
+
+def plan_inputs(sb: Member) -> assemble.Inputs:
+    """What the sandbox's plan is made of (nsbox/plan/assemble.py)."""
+    assert sb.idmap is not None and sb._rundir is not None
+    return assemble.Inputs(sb.spec, sb.rootfs, sb.idmap, layers.mount_point(sb.idmap.host_root), sb._rundir)
+
+
+async def create(sb: Member, service_view: netmodes.ServiceNetwork | None,
+                 networks: Sequence[tuple[ServiceNetwork, Sequence[str]]]) -> None:
+    """Makes the sandbox whose id, hostname and id mapping are chosen, on
+    the service `networks` its caller looked up (each with its aliases
+    there; `service_view`: one view of them all), up to its init running
+    with its network."""
+    assert sb.idmap is not None
+    sb._network = NetAttachment(sb.spec, service_view, networks, sb.hostname, sb.id, lambda: sb._client)
+    sb.spec = sb._network.check()  # nat without a usable tun device: one line, before anything exists
+    sb._layer = layer.path(sb.id)
+    sb._rundir = dirs.runtime_dir() / sb.id
+    sb._rundir.mkdir(mode=0o700)
+    await sb._network.reserve()
+    prepare_layer = functools.partial(layer.prepare, sb._layer, sb.rootfs, sb.hostname, sb.idmap, sb._network)
+
+    # A plan copied from a template names the layer without looking at
+    # it: the layer is then prepared while the zygote clones.
+    inputs = plan_inputs(sb)
+    plan = templates.copy(inputs, sb.id, sb.hostname)
+    prepare_later = plan is not None
+    if plan is None:
+        prepare_layer()
+        plan = templates.build(inputs, sb._layer, sb.id, sb.hostname)
+    # Known now or later: record the sandbox while its setup runs.
+    sb.workdir = (sb.spec.workdir or users.known_home(sb.user, sb.rootfs.identity_files(),
+                                                      rootfs_mod.fresh_image_key(sb.rootfs, sb.spec.mounts)) or "")
+    sb._network.contribute(plan, sb.idmap, sb._launched)
+    try:
+        await launch(plan, sb._launched, sandbox_id=sb.id, socket_path=sb._rundir / live.SOCKET,
+                     layer=sb._layer, on_cloned=sb._register, before_go=prepare_layer if prepare_later else None)
+    finally:
+        sb._network.close_plan(plan)
+    if sb._launched.exited:
+        raise SandboxSetupError("the sandbox's init exited right after starting")
+    assert sb._launched.ctl is not None
+    sb._client = InitClient(sb._launched.ctl, sb.id)
+    await sb._network.start(sb.pid, sb._launched.pidfd)
+
+
+def register(sb: Member, network: str) -> None:
+    """Records the sandbox in the live registry (what `nsbox ps`, attach
+    and `nsbox rm` read); `network`: its network mode in effect."""
+    assert sb.idmap is not None and sb._layer is not None
+    live.write(live.SandboxInfo(
+        id=sb.id, owner_pid=os.getpid(), owner_start=live.process_start_time(os.getpid()),
+        init_pid=sb.pid, init_start=live.process_start_time(sb.pid), rootfs=str(sb.rootfs),
+        layer=os.fspath(sb._layer), hostname=sb.hostname, user=sb.user, workdir=sb.workdir,
+        idmap=sb.idmap.to_dict(), origin=sb.origin, label=sb.label,
+        lowers=[os.fspath(p) for p in (sb.image.layers if sb.image else ())],
+        network=network,
+    ))
+
+
+def take_client(sb: Member) -> tuple[InitClient | None, Any]:
+    """The init's client and control channel (what there is of them),
+    no longer the sandbox's."""
+    client, sb._client = sb._client, None
+    ctl, sb._launched.ctl = sb._launched.ctl, None
+    return client, ctl
+
+
+async def end_init(launched: Launched, client: InitClient | None, ctl: Any, wait: float) -> None:
+    """Closes the lifeline (the client's, or the control channel's
+    before there is a client): the init kills everything and exits.
+    Returns once it is gone (killed after `wait` seconds)."""
+    if client is not None:
+        client.close()
+    elif ctl is not None:
+        ctl.close()
+    if launched.pid:
+        await launched.reap(wait)
+
+
+async def teardown(sb: Member, client: InitClient | None, ctl: Any, wait: float) -> None:
+    """Ends what creating the sandbox made, as far as it got: its network
+    (unless detached), its init (`client` or `ctl`, taken from the
+    sandbox), the plan's cleanups, its layer and runtime directory."""
+    if sb._network is not None and not sb._detached:  # a detached sandbox's ends with this process
+        await sb._network.stop()
+    if client is not None and sb._detached:
+        client.shutdown()
+    await end_init(sb._launched, client, ctl, wait)
+    for cleanup in sb._launched.cleanups:  # the init is gone (its cgroups are empty)
+        cleanup()
+    sb._launched.cleanups.clear()
+    if sb._layer is not None:  # nothing runs in the sandbox any more
+        assert sb.idmap is not None
+        layer.release_later(sb.id, sb._layer, sb.rootfs, sb.idmap)
+        sb._layer = None
+    if sb._rundir is not None:
+        live.remove_dir(sb._rundir)
+        sb._rundir = None
