@@ -60,10 +60,11 @@ _AS_ROOT = protocol.Creds(ROOT.uid, ROOT.gid, ROOT.groups)
 class Member:
     """A member of this process: its sandbox, and how its /etc/hosts is
     rewritten as members come and go (`write_hosts(text)`, which skips a
-    member that does not run yet)."""
+    member that does not run yet, and says whether it wrote)."""
 
     sandbox_id: str
-    write_hosts: Callable[[str], Awaitable[None]]
+    write_hosts: Callable[[str], Awaitable[bool | None]]
+    shown: str | None = None  # this network's /etc/hosts text known to be in it: the same is not rewritten
 
 
 class Network:
@@ -192,7 +193,7 @@ class Network:
             raise NetError(f"network {self.name} was created with another id mapping than this sandbox's",
                            hint="create its members with the id_mapping the network was created with")
 
-    async def reserve(self, name: str, sandbox_id: str, write_hosts: Callable[[str], Awaitable[None]], *,
+    async def reserve(self, name: str, sandbox_id: str, write_hosts: Callable[[str], Awaitable[bool | None]], *,
                       aliases: Sequence[str] = (), extra_hosts: dict[str, str] | None = None) -> None:
         """Before its clone: the member's name and address (so its own
         /etc/hosts is written with its other files)."""
@@ -218,8 +219,14 @@ class Network:
             ns.close()
 
     def hosts_for(self, hostname: str) -> str:
-        """A member's /etc/hosts: its peers, its own extra hosts, the host."""
-        return self._net.hosts_for(hostname)
+        """A member's /etc/hosts: its peers, its own extra hosts, the host.
+        (Asked for the member's own files, or for a rewrite: that is what
+        its file holds next, which later announcements compare with.)"""
+        text = self._net.hosts_for(hostname)
+        mine = self.members.get(hostname)
+        if mine is not None:
+            mine.shown = text
+        return text
 
     async def settle(self, name: str) -> None:
         """Once the member runs: the other members' /etc/hosts. (Its own was
@@ -241,7 +248,12 @@ class Network:
     async def _rewrite_hosts(self, name: str, sandbox_id: str | None) -> None:
         mine = self.members.get(name)
         if mine is not None:
-            await mine.write_hosts(self.hosts_for(name))
+            text = self._net.hosts_for(name)
+            if mine.shown == text:
+                return  # its view did not change
+            mine.shown = None  # unknown until written
+            if await mine.write_hosts(text):
+                mine.shown = text
             return
         if sandbox_id is None:
             return
@@ -274,6 +286,24 @@ class Network:
                 await self._announce()
             except Exception:
                 pass  # a member closing at the same time: its next join rewrites all
+
+    def release(self) -> list[tuple[str, str]]:
+        """Forgets every member of this process here at once, announcing
+        nothing (the caller is closing them all, together): their own
+        leave() then finds nothing to do. Returns (name, sandbox id) of
+        each, for forget()."""
+        gone = [(name, member.sandbox_id) for name, member in self.members.items()]
+        self.members.clear()
+        return gone
+
+    async def forget(self, gone: Sequence[tuple[str, str]]) -> None:
+        """The worker forgets the members release() returned, in one request."""
+        if gone:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await self._net.forget_many(gone)
+                except NetError:
+                    pass  # its worker is gone: so is the network
 
     def address_of(self, name: str) -> str:
         return self._net.members[name].ip

@@ -435,6 +435,10 @@ class Services:
         with anyio.CancelScope(shield=True):
             if self.network == "services":
                 async with anyio.create_task_group() as tg:
+                    # The sample's networks are its own: its members leave
+                    # them at once, in one request each, no one told.
+                    for net in self.networks.values():
+                        tg.start_soon(net.forget, net.release())
                     for name in list(self.sandboxes):
                         tg.start_soon(self.sandboxes.pop(name).close)
             for name in reversed(list(self.sandboxes)):

@@ -41,7 +41,7 @@ class ServiceNetwork(netmodes.ServiceNetwork, Protocol):
 
     def owner_userns(self) -> int | None: ...
 
-    async def reserve(self, name: str, sandbox_id: str, write_hosts: Callable[[str], Awaitable[None]], *,
+    async def reserve(self, name: str, sandbox_id: str, write_hosts: Callable[[str], Awaitable[bool]], *,
                       aliases: Sequence[str] = (), extra_hosts: dict[str, str] | None = None) -> None: ...
 
     async def join(self, name: str, pid: int, pidfd: int, *, ifname: str = "eth0", outbound: bool = True) -> None: ...
@@ -134,9 +134,11 @@ class NetAttachment:
             raise SandboxUnavailable(f"sandbox {self.sandbox_id} is not running")
         await files.write_file(client, users.creds(users.ROOT), path, text)
 
-    async def _write_hosts(self, text: str) -> None:
-        """Its service network's call as members come and go (Network.reserve)."""
-        if self._client() is not None and not self.closing:  # running, or starting
-            if len(self.networks) > 1 and self.service_net is not None:  # its peers on all of them
-                text = self.service_net.hosts_for(self.hostname)
-            await self._write_as_root("/etc/hosts", text)
+    async def _write_hosts(self, text: str) -> bool:
+        """Its service network's call as members come and go (Network.reserve); whether it wrote."""
+        if self._client() is None or self.closing:  # not running (or starting) yet, or going
+            return False
+        if len(self.networks) > 1 and self.service_net is not None:  # its peers on all of them
+            text = self.service_net.hosts_for(self.hostname)
+        await self._write_as_root("/etc/hosts", text)
+        return True

@@ -249,6 +249,11 @@ class Network:
         if self._worker is not None:
             await self._ask("leave", name=name, sandbox=sandbox, unlink=False)
 
+    async def forget_many(self, members: Sequence[tuple[str, str | None]]) -> None:
+        """forget() of several members (name, sandbox), in one request."""
+        if self._worker is not None:
+            await self._ask("leave", members=[list(m) for m in members], unlink=False)
+
     async def disconnect(self, name: str) -> None:
         """Removes a member whose sandbox stays: its pair and outbound go."""
         member = self.members.get(name)

@@ -30,6 +30,7 @@ Requests (the helper's framing: one JSON object plus descriptors, fields
   reserve {name, aliases, sandbox, extra} -> {address, members}   (extra: its extra /etc/hosts entries)
   take    {name, member_fd, pidfd_fd?, ifname?} -> {host_ifname}   (ifname: eth0 unless given, ethN)
   leave   {name, sandbox?, unlink}       -> {members}   (only if the name is still that sandbox's)
+          {members: [[name, sandbox]...], unlink}          (several at once)
   stop                                   (named networks; refused while members live)
 """
 
@@ -127,17 +128,21 @@ class BridgeWorker:
         return {"host_ifname": host}, []
 
     def leave(self, req: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
-        member = self.members.get(req["name"])
-        if member is not None and req.get("sandbox") not in (None, member["sandbox"]):
-            return {"members": self.table()}, []  # that name is another sandbox's now
-        self.members.pop(req["name"], None)
-        self.reserved_by.pop(req["name"], None)
-        for pidfd in [fd for fd, name in self.watched.items() if name == req["name"]]:
+        for name, sandbox in req.get("members") or [(req["name"], req.get("sandbox"))]:
+            self._leave(name, sandbox, bool(req.get("unlink")))
+        return {"members": self.table()}, []
+
+    def _leave(self, name: str, sandbox: str | None, unlink: bool) -> None:
+        member = self.members.get(name)
+        if member is not None and sandbox not in (None, member["sandbox"]):
+            return  # that name is another sandbox's now
+        self.members.pop(name, None)
+        self.reserved_by.pop(name, None)
+        for pidfd in [fd for fd, n in self.watched.items() if n == name]:
             del self.watched[pidfd]
             os.close(pidfd)
-        if member is not None and member["host_ifname"] and req.get("unlink"):
+        if member is not None and member["host_ifname"] and unlink:
             self._unlink(member["host_ifname"])  # else it goes with the member's namespace
-        return {"members": self.table()}, []
 
     def stop(self, req: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
         if self.members:

@@ -15,6 +15,7 @@ import sys
 import textwrap
 import time
 
+import anyio
 import psutil
 import pytest
 
@@ -77,6 +78,35 @@ async def test_outbound_network_reaches_the_host_loopback_as_nat_does(http_serve
             url = f"http://host.nsbox.internal:{http_server}/"
             r = await a.exec(["python3", "-c", f"import urllib.request as u; print(u.urlopen('{url}', timeout=5).status)"])
             assert r.stdout == "200\n", r
+
+
+async def test_a_member_is_rewritten_only_when_its_view_changes() -> None:
+    stat = ["stat", "-c", "%y %i", "/etc/hosts"]
+    async with nsbox.Network("quiet", internal=True) as net:
+        async with nsbox.Sandbox(network=net, hostname="a") as a, nsbox.Sandbox(network=net, hostname="b"):
+            before = (await a.exec(stat)).stdout
+            assert before and "b" in (await a.exec(["cat", "/etc/hosts"])).stdout.split()
+            await anyio.sleep(0.05)
+            await net.settle("b")  # b announces itself again: a's view is the same
+            assert (await a.exec(stat)).stdout == before
+            async with nsbox.Sandbox(network=net, hostname="c"):
+                assert (await a.exec(stat)).stdout != before
+                assert "c" in (await a.exec(["cat", "/etc/hosts"])).stdout.split()
+
+
+async def test_members_closed_together_leave_in_one_request() -> None:
+    async with nsbox.Network("together", internal=True) as net:
+        boxes = [await nsbox.Sandbox.create(network=net, hostname=f"m{i}") for i in range(3)]
+        gone = net.release()
+        assert sorted(name for name, _ in gone) == ["m0", "m1", "m2"] and not net.members
+        await net.forget(gone)
+        assert net.describe()["members"] == {}  # the worker's table, as its one answer left it
+        async with anyio.create_task_group() as tg:
+            for box in boxes:
+                tg.start_soon(box.close)
+        assert net.idle()  # emptied, as good as new
+        async with nsbox.Sandbox(network=net, hostname="m0") as again:  # the name is free again
+            assert "m1" not in (await again.exec(["cat", "/etc/hosts"])).stdout.split()
 
 
 async def test_spec_and_lookup_errors() -> None:
