@@ -229,11 +229,13 @@ class Network:
         return text
 
     async def settle(self, name: str) -> None:
-        """Once the member runs: the other members' /etc/hosts. (Its own was
-        written with its files, but on a named network members of other
-        processes may have come since. Its resolver, on an outbound network,
-        is nat mode's: nsbox/plan/netmodes.py.)"""
-        await self._announce(but=None if self.named else name)
+        """Once the member runs: every member's /etc/hosts, its own too. (Its
+        own was written with its files, but members reserved since, of this
+        process or another's, are in it only now: a peer that settled while
+        this member was still starting could not write to it. A file whose
+        view did not change is not rewritten. Its resolver, on an outbound
+        network, is nat mode's: nsbox/plan/netmodes.py.)"""
+        await self._announce()
 
     async def _announce(self, but: str | None = None) -> None:
         """Rewrites /etc/hosts in every member (after a join or a leave),
