@@ -16,20 +16,28 @@ import nsbox
 PACKAGE = Path(nsbox.__file__).parent  # the checkout's, or the staged install's (tests/run.sh)
 
 
-def imports(path: Path) -> set[str]:
-    """Every nsbox module `path` imports, at any depth of its code."""
+def imported(path: Path) -> list[tuple[str, str | None]]:
+    """Every import of `path`, at any depth of its code, made absolute:
+    (module, name) for `from module import name`, (module, None) for
+    `import module`."""
     package = ".".join(("nsbox", *path.relative_to(PACKAGE).parent.parts))
-    found = set()
+    found: list[tuple[str, str | None]] = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 parts = package.split(".")
                 base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
-            found.update(f"{base}.{a.name}" for a in node.names)
-            found.add(base)
+            found += [(base, a.name) for a in node.names]
         elif isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
+            found += [(a.name, None) for a in node.names]
+    return found
+
+
+def imports(path: Path) -> set[str]:
+    """Every nsbox module `path` imports, and every name it imports from one."""
+    pairs = imported(path)
+    found = {m for m, _ in pairs} | {f"{m}.{n}" for m, n in pairs if n is not None}
     return {m for m in found if m.startswith("nsbox")}
 
 
@@ -82,17 +90,7 @@ def graph() -> dict[str, set[str]]:
     for name, path in paths.items():
         if name == "nsbox":
             continue
-        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-        found = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    parts = package.split(".")
-                    base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
-                found.update(f"{base}.{a.name}" if f"{base}.{a.name}" in paths else base for a in node.names)
-            elif isinstance(node, ast.Import):
-                found.update(a.name for a in node.names)
+        found = {f"{m}.{n}" if f"{m}.{n}" in paths else m for m, n in imported(path)}
         edges[name] = {m for m in found if m.startswith("nsbox.")} - {name}
     return edges
 
