@@ -331,7 +331,7 @@ class Sandbox:
             raise RuntimeError("only a running sandbox this process owns can be stopped")
         with anyio.CancelScope(shield=True):
             self._state = "stopped"
-            await procedure.end_init(self._launched, *procedure.take_client(self), CLOSE_WAIT)
+            await procedure.end_init(self._launched, procedure.take_client(self), CLOSE_WAIT)
 
     async def _leave_network(self) -> None:
         if self._network is not None and not self._attached:
@@ -339,7 +339,7 @@ class Sandbox:
 
     async def _teardown(self) -> None:
         self._state = "closed"
-        client, ctl = procedure.take_client(self)
+        client = procedure.take_client(self)
         if self._attached:
             if self._launched.pidfd >= 0:
                 os.close(self._launched.pidfd)
@@ -347,7 +347,7 @@ class Sandbox:
             if client is not None:
                 client.close()
             return
-        await procedure.teardown(self, client, ctl, CLOSE_WAIT)
+        await procedure.teardown(self, client, CLOSE_WAIT)
 
     async def detach(self) -> live.SandboxInfo:
         """Lets the sandbox outlive this process; `nsbox rm` ends it later."""

@@ -15,22 +15,28 @@
  *     The host may write a 4-byte signal number on it to signal the
  *     command's process tree. Closing it early kills that tree (or the
  *     helper serving an OPEN).
- *   - The init inherits its connections as fixed fds (NSBOX_FD_*).
+ *   - The init inherits its listening socket and its lifeline as fixed fds
+ *     (NSBOX_FD_*). Every client, the owner included, connects to the
+ *     listening socket, and may close its connection while idle: a
+ *     sandbox's lifetime does not hang on any connection.
  */
 #ifndef NSBOX_PROTOCOL_H
 #define NSBOX_PROTOCOL_H
 
 #include <stdint.h>
 
-#define NSBOX_PROTOCOL_VERSION 4
+#define NSBOX_PROTOCOL_VERSION 5
 
 /* PATH of a command whose environment has none (the host sends the same
  * default; it reads this one through nsbox_default_path()). */
 #define NSBOX_DEFAULT_PATH "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 /* Descriptors the init finds open when it starts. */
-#define NSBOX_FD_CONTROL 3   /* the owner's connection; its loss is the lifeline */
-#define NSBOX_FD_LISTEN 4    /* listening socket for later clients, or -1 */
+/* The lifeline: the read end of a pipe whose write end only the owning
+ * process holds (one pipe for all of its sandboxes). POLLHUP on it means
+ * the owner is gone: the init kills everything and exits. */
+#define NSBOX_FD_LIFELINE 3
+#define NSBOX_FD_LISTEN 4    /* the listening socket every client connects to */
 #define NSBOX_FD_USERNS 5    /* the nested user namespace sandbox processes run in */
 #define NSBOX_FD_MNTNS 6     /* and its mount namespace, where every mount is locked */
 
@@ -42,7 +48,7 @@
 enum nsbox_op {
     NSBOX_OP_EXEC = 1,     /* fds: channel, stdin, stdout, stderr [, payload] */
     NSBOX_OP_OPEN = 2,     /* fds: channel [, payload] */
-    NSBOX_OP_DETACH = 3,   /* the owner's connection stops being a lifeline */
+    NSBOX_OP_DETACH = 3,   /* the lifeline no longer holds: the sandbox outlives its owner */
     NSBOX_OP_STATUS = 4,   /* reply: struct nsbox_status on the same connection */
     NSBOX_OP_SHUTDOWN = 5, /* kill everything and exit */
 };

@@ -11,8 +11,10 @@
  *      the exit status of commands (128+N for signal N);
  *   3. killer: on request (or when the host drops a command's channel) it
  *      kills the command's whole process tree;
- *   4. lifeline: when the owner's control connection closes it kills
- *      everything and exits, which makes the kernel tear down the sandbox.
+ *   4. lifeline: when the owning process is gone (POLLHUP on the lifeline
+ *      pipe, NSBOX_FD_LIFELINE) it kills everything and exits, which makes
+ *      the kernel tear down the sandbox. Connections come and go: the
+ *      owner closes its own while the sandbox is idle.
  *
  * The init holds no privileges beyond those of the sandbox itself. It never
  * blocks on a request body: payloads arrive inline or in a memfd. The work
@@ -59,15 +61,10 @@ struct job {
     bool no_started; /* EXEC: the host asked for no STARTED reply */
 };
 
-/* A client connection: the owner's (fd 3) or one accepted later. */
-struct conn {
-    int fd;
-    bool lifeline;
-};
 
 static struct job *jobs;
 static size_t njobs, jobs_cap;
-static struct conn *conns;
+static int *conns; /* accepted client connections */
 static size_t nconns, conns_cap;
 static int sig_fd = -1, listen_fd = -1;
 static int userns_fd = -1, mntns_fd = -1; /* where sandbox processes run */
@@ -95,17 +92,9 @@ static void shutdown_sandbox(void)
 
 /* ---- the server side ------------------------------------------------- */
 
-static void add_conn(int fd, bool lifeline)
-{
-    conns = grow(conns, &conns_cap, nconns + 1, sizeof *conns);
-    conns[nconns++] = (struct conn){.fd = fd, .lifeline = lifeline};
-}
-
 static void drop_conn(size_t i)
 {
-    if (conns[i].lifeline && !detached)
-        shutdown_sandbox();
-    close(conns[i].fd);
+    close(conns[i]);
     conns[i] = conns[--nconns];
 }
 
@@ -251,7 +240,7 @@ static bool wait_for_exec(pid_t pid)
             continue;
         clock_gettime(CLOCK_MONOTONIC, &checked);
         /* The lifeline holds while we wait: POLLHUP needs no events. */
-        struct pollfd p = {.fd = detached ? -1 : NSBOX_FD_CONTROL};
+        struct pollfd p = {.fd = detached ? -1 : NSBOX_FD_LIFELINE};
         struct timespec now = {0};
         if (raw_syscall5(SYS_ppoll, (long)&p, 1, (long)&now, 0, 0) > 0 && p.revents)
             shutdown_sandbox();
@@ -541,11 +530,19 @@ static void serve_channel(size_t i)
     jobs[i].chan = -1; /* still reaped, silently */
 }
 
+/* A client usually sends its request right after connecting: serve it
+ * now rather than after another poll. */
 static void accept_clients(void)
 {
     int fd;
-    while ((fd = accept4(listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK)) >= 0)
-        add_conn(fd, false);
+    while ((fd = accept4(listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK)) >= 0) {
+        if (!serve_conn(fd)) {
+            close(fd);
+            continue;
+        }
+        conns = grow(conns, &conns_cap, nconns + 1, sizeof *conns);
+        conns[nconns++] = fd;
+    }
 }
 
 int main(int argc, char **argv)
@@ -596,14 +593,10 @@ int main(int argc, char **argv)
     int err = unfiltered ? 0 : nsbox_seccomp_install(allow_nested_userns, userns_fd >= 0);
     filter_err = err < 0 ? -err : 0;
 
-    fcntl(NSBOX_FD_CONTROL, F_SETFD, FD_CLOEXEC);
-    fcntl(NSBOX_FD_CONTROL, F_SETFL, O_NONBLOCK);
-    add_conn(NSBOX_FD_CONTROL, true);
-    if (fcntl(NSBOX_FD_LISTEN, F_GETFD) >= 0) {
-        listen_fd = NSBOX_FD_LISTEN;
-        fcntl(listen_fd, F_SETFD, FD_CLOEXEC);
-        fcntl(listen_fd, F_SETFL, O_NONBLOCK);
-    }
+    fcntl(NSBOX_FD_LIFELINE, F_SETFD, FD_CLOEXEC);
+    listen_fd = NSBOX_FD_LISTEN;
+    if (fcntl(listen_fd, F_SETFD, FD_CLOEXEC) < 0 || fcntl(listen_fd, F_SETFL, O_NONBLOCK) < 0)
+        return 70;
 
     /* Our only child yet is the setup's helper (csrc/create/lock.c), on
      * its way out, if not gone: reap it before any command can see it. It
@@ -618,13 +611,15 @@ int main(int argc, char **argv)
     struct pollfd *pfds = NULL;
     size_t pcap = 0;
     for (;;) {
-        size_t n = 0, need = 2 + nconns + 2 * njobs;
+        size_t n = 0, need = 3 + nconns + 2 * njobs;
         pfds = grow(pfds, &pcap, need, sizeof *pfds);
         pfds[n++] = (struct pollfd){.fd = sig_fd, .events = POLLIN};
         pfds[n++] = (struct pollfd){.fd = listen_fd, .events = POLLIN};
+        /* POLLHUP needs no events; a detached sandbox has no lifeline. */
+        pfds[n++] = (struct pollfd){.fd = detached ? -1 : NSBOX_FD_LIFELINE};
         size_t conn_base = n;
         for (size_t i = 0; i < nconns; i++)
-            pfds[n++] = (struct pollfd){.fd = conns[i].fd, .events = POLLIN};
+            pfds[n++] = (struct pollfd){.fd = conns[i], .events = POLLIN};
         /* A closed channel or start pipe is -1, which poll skips. */
         size_t job_base = n;
         for (size_t i = 0; i < njobs; i++)
@@ -649,13 +644,15 @@ int main(int argc, char **argv)
         for (size_t i = nconns; i-- > 0;) {
             short ev = pfds[conn_base + i].revents;
             if (ev & POLLIN) {
-                if (!serve_conn(conns[i].fd))
+                if (!serve_conn(conns[i]))
                     drop_conn(i);
             } else if (ev & (POLLHUP | POLLERR | POLLNVAL)) {
                 drop_conn(i);
             }
         }
-        if (listen_fd >= 0 && pfds[1].revents)
+        if (pfds[2].revents)
+            shutdown_sandbox();
+        if (pfds[1].revents)
             accept_clients();
         if (pfds[0].revents)
             reap();

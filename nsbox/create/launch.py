@@ -8,10 +8,12 @@ running init.
    maps, so that the setup does not wait for the host to wake up. Host work
    the setup needs (`before_go`: the writable layer) is done while the
    zygote clones; the process then waits for the host's go too.
-3. The process runs its steps and execs nsbox-init, which finds its control
-   connection, its listening socket and the locked namespaces at fds 3-6
-   (NSBOX_FD_* in csrc/common/protocol.h). A failed step is reported on the error
-   pipe, whose EOF without a report means the init runs.
+3. The process runs its steps and execs nsbox-init, which finds its lifeline
+   (nsbox/create/lifeline.py), its listening socket and the locked
+   namespaces at fds 3-6 (NSBOX_FD_* in csrc/common/protocol.h). A failed
+   step is reported on the error pipe, whose EOF without a report means the
+   init runs. The host then connects to the listening socket like any
+   client.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import os
 import signal
 import socket
 import struct
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -28,40 +31,87 @@ from typing import Callable
 import anyio
 
 from ..init import fdwait
-from . import hostcheck, zygote
+from . import hostcheck, lifeline, zygote
 from ..errors import NsboxError, SandboxSetupError
+from ..host import rlimits
 from ..host.idmap import IdMaps
 from ..plan.plan import ParentHook, Plan
+
+
+# Inits being waited for through a pidfd (reap), at most
+# rlimits.descriptor_share(): beyond that, a wait polls without one.
+_waiting = 0
 
 
 @dataclass
 class Launched:
     """What launch() leaves to its caller, who owns all of it."""
 
-    pid: int = 0
+    pid: int = 0  # the init: a child of this process, so its pid is ours until reaped
+    # Held while the sandbox is made (its network watches it), then closed:
+    # a running sandbox costs this process no descriptor.
     pidfd: int = -1
-    ctl: socket.socket | None = None  # the control connection, also the lifeline
     cleanups: list[Callable[[], None]] = field(default_factory=list)  # the plan's, for after the init exits
 
     @property
     def exited(self) -> bool:
-        return self.pidfd < 0 or fdwait.readable_now(self.pidfd)
+        if self.pidfd >= 0:
+            return fdwait.readable_now(self.pidfd)
+        if not self.pid:
+            return True
+        try:  # WNOWAIT: looks without reaping
+            return os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        except ChildProcessError:  # reaped by someone else
+            return True
+
+    def release_pidfd(self) -> None:
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
 
     async def reap(self, wait: float) -> None:
         """Waits up to `wait` seconds for the init to exit, kills it then,
         and reaps it."""
-        pidfd = self.pidfd
+        global _waiting
+        pidfd, self.pidfd = self.pidfd, -1
+        if pidfd < 0 and self.pid:
+            if _waiting >= rlimits.descriptor_share():  # a thousand closes at once
+                await self._reap_without_descriptor(wait)
+            else:
+                # Our unreaped child: its pid names it until we reap it (unless
+                # something else in this process reaps children it did not make).
+                try:
+                    pidfd = os.pidfd_open(self.pid)
+                except ProcessLookupError:
+                    pass  # reaped by someone else
+                except OSError as e:
+                    if e.errno not in (errno.EMFILE, errno.ENFILE):
+                        raise
+                    await self._reap_without_descriptor(wait)
         if pidfd >= 0:
-            if not await fdwait.readable(pidfd, wait):
-                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-                await fdwait.readable(pidfd)
-            os.close(pidfd)
-            self.pidfd = -1
+            _waiting += 1
+            try:
+                if not await fdwait.readable(pidfd, wait):
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                    await fdwait.readable(pidfd)
+            finally:
+                _waiting -= 1
+                os.close(pidfd)
         try:
             os.waitpid(self.pid, 0)
         except ChildProcessError:
             pass
         self.pid = 0
+
+    async def _reap_without_descriptor(self, wait: float) -> None:
+        """reap() when this process has no descriptor to spare: polls."""
+        deadline = time.monotonic() + wait
+        while not self.exited and time.monotonic() < deadline:
+            await anyio.sleep(0.01)
+        if not self.exited:
+            os.kill(self.pid, signal.SIGKILL)
+            while not self.exited:
+                await anyio.sleep(0.01)
 
 
 async def launch(plan: Plan, launched: Launched, *, sandbox_id: str, socket_path: Path, layer: Path,
@@ -169,7 +219,6 @@ async def _setup_alongside(hooks: list[ParentHook], pid: int, err_r: int) -> byt
 
 def _request(plan: Plan, launched: Launched, sandbox_id: str, socket_path: Path, err_w: int,
              go_r: int, via: zygote.SubZygote | zygote.Holder | None, go_w: int, host_go: bool) -> socket.socket:
-    launched.ctl, ctl_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     init_fd = -1
     try:
@@ -189,9 +238,9 @@ def _request(plan: Plan, launched: Launched, sandbox_id: str, socket_path: Path,
         assert plan.sandbox_id == sandbox_id
         shape = dict(
             clone_flags=zygote.clone_flags(plan.namespaces), idmaps=idmaps,
-            # fds 3..6 of the init: control, listener, and the locked user
+            # fds 3..6 of the init: lifeline, listener, and the locked user
             # and mount namespaces (NSBOX_FD_*).
-            keep_fds=[ctl_child.fileno(), listener.fileno(), -1, -1], exec_fd=init_fd, envp=[], keep_stdio=False,
+            keep_fds=[lifeline.read_end(), listener.fileno(), -1, -1], exec_fd=init_fd, envp=[], keep_stdio=False,
             new_session=True, lock_maps=plan.idmap.nested_identity(), lock_slot=zygote.lib.NSBOX_FD_USERNS - 3,
             go_fd=go_w, host_go=host_go,
         )
@@ -209,7 +258,6 @@ def _request(plan: Plan, launched: Launched, sandbox_id: str, socket_path: Path,
     finally:
         if init_fd >= 0:
             os.close(init_fd)
-        ctl_child.close()
         listener.close()
 
 

@@ -10,8 +10,10 @@ subordinate ids), on this process's sweeper thread (nsbox/host/removal.py).
 
 from __future__ import annotations
 
+import errno
 import functools
 import sys
+import time
 from pathlib import Path
 
 from ..errors import NsboxError, describe
@@ -40,14 +42,38 @@ def release_later(sandbox_id: str, layer: Path, rootfs: Rootfs, mapping: IdMap) 
 
 def _release(sandbox_id: str, layer: Path, rootfs: Rootfs, mapping: IdMap) -> None:
     """Keeps the layer of a closed sandbox for the next one if it is
-    untouched (a few syscalls), else deletes it, as long as that takes."""
+    untouched (a few syscalls), else deletes it, as long as that takes.
+    Out of descriptors (a thousand sandboxes closing at once hold many for
+    a moment), it waits and tries again, up to OUT_OF_DESCRIPTORS_WAIT s."""
+    deadline = time.monotonic() + OUT_OF_DESCRIPTORS_WAIT
+    while True:
+        try:
+            _release_once(layer, rootfs, mapping)
+            return
+        except (OSError, NsboxError) as e:
+            if _out_of_descriptors(e) and time.monotonic() < deadline:
+                time.sleep(0.05)
+                continue
+            print(f"nsbox: could not delete the writable layer of sandbox {sandbox_id} ({layer}): {describe(e)}; "
+                  "`nsbox gc` tries again", file=sys.stderr)
+            return
+
+
+OUT_OF_DESCRIPTORS_WAIT = 30.0
+
+
+def _out_of_descriptors(e: BaseException) -> bool:
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in (errno.EMFILE, errno.ENFILE):
+            return True
+        e = e.__cause__ or e.__context__  # type: ignore[assignment]
+    return False
+
+
+def _release_once(layer: Path, rootfs: Rootfs, mapping: IdMap) -> None:
     aside = layers.set_aside_work(layer)
     if aside and rootfs.release_layer(layer, mapping.host_root):
         return
     if layers.remove_untouched_layer(layer):
         return
-    try:
-        unshare.remove_layer(layer, mapping)
-    except (OSError, NsboxError) as e:
-        print(f"nsbox: could not delete the writable layer of sandbox {sandbox_id} ({layer}): {describe(e)}; "
-              "`nsbox gc` tries again", file=sys.stderr)
+    unshare.remove_layer(layer, mapping)

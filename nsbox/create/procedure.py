@@ -128,9 +128,9 @@ async def create(sb: Member, service_view: netmodes.ServiceNetwork | None,
         sb._network.close_plan(plan)
     if sb._launched.exited:
         raise SandboxSetupError("the sandbox's init exited right after starting")
-    assert sb._launched.ctl is not None
-    sb._client = InitClient(sb._launched.ctl, sb.id)
+    sb._client = InitClient(os.fspath(sb._rundir / live.SOCKET), sb.id)
     await sb._network.start(sb.pid, sb._launched.pidfd)
+    sb._launched.release_pidfd()  # what watches the init holds its own copy
 
 
 def register(sb: Member, network: str) -> None:
@@ -147,35 +147,34 @@ def register(sb: Member, network: str) -> None:
     ))
 
 
-def take_client(sb: Member) -> tuple[InitClient | None, Any]:
-    """The init's client and control channel (what there is of them),
-    no longer the sandbox's."""
+def take_client(sb: Member) -> InitClient | None:
+    """The init's client (if it got that far), no longer the sandbox's."""
     client, sb._client = sb._client, None
-    ctl, sb._launched.ctl = sb._launched.ctl, None
-    return client, ctl
+    return client
 
 
-async def end_init(launched: Launched, client: InitClient | None, ctl: Any, wait: float) -> None:
-    """Closes the lifeline (the client's, or the control channel's
-    before there is a client): the init kills everything and exits.
-    Returns once it is gone (killed after `wait` seconds)."""
+async def end_init(launched: Launched, client: InitClient | None, wait: float) -> None:
+    """Ends the init, and with it every process of the sandbox; returns
+    once it is gone. Through the client's connection where one is open
+    (the init kills everything and exits; killed after `wait` seconds if
+    not), else by killing it at once: opening a connection to say goodbye
+    would cost a descriptor, which a thousand closes at once may not have."""
+    polite = client is not None and client.connected
     if client is not None:
+        if polite:
+            client.shutdown()
         client.close()
-    elif ctl is not None:
-        ctl.close()
     if launched.pid:
-        await launched.reap(wait)
+        await launched.reap(wait if polite else 0)
 
 
-async def teardown(sb: Member, client: InitClient | None, ctl: Any, wait: float) -> None:
+async def teardown(sb: Member, client: InitClient | None, wait: float) -> None:
     """Ends what creating the sandbox made, as far as it got: its network
-    (unless detached), its init (`client` or `ctl`, taken from the
+    (unless detached), its init (through `client`, taken from the
     sandbox), the plan's cleanups, its layer and runtime directory."""
     if sb._network is not None and not sb._detached:  # a detached sandbox's ends with this process
         await sb._network.stop()
-    if client is not None and sb._detached:
-        client.shutdown()
-    await end_init(sb._launched, client, ctl, wait)
+    await end_init(sb._launched, client, wait)
     for cleanup in sb._launched.cleanups:  # the init is gone (its cgroups are empty)
         cleanup()
     sb._launched.cleanups.clear()

@@ -1,13 +1,15 @@
 """Resource limits of the host process.
 
-Each live sandbox holds a few descriptors in the process that owns it (the
-control socket, the init's pidfd, /dev/null), and each running exec a few
-more. The soft RLIMIT_NOFILE that most distributions give a user is 1024,
-while the hard limit is far higher (often 524288 or more): a process would
-hit EMFILE after about 300 sandboxes although it may use many more
-descriptors. As Go, Java and systemd's own services do, nsbox raises the
-soft limit to the hard one, once per process, when it creates its first
-sandbox. Nothing in nsbox's host side uses select() (whose descriptors must
+An idle sandbox holds no descriptor in the process that owns it; a sandbox
+in use holds its control connection, and each running exec, creation or
+close a few more, for a while. The soft RLIMIT_NOFILE that most
+distributions give a user is 1024, while the hard limit is far higher
+(often 524288 or more). As Go, Java and systemd's own services do, nsbox
+raises the soft limit to the hard one, once per process, when it creates
+its first sandbox. What nsbox keeps open for reuse (control connections)
+or for speed (pidfds to wait on) stays within descriptor_share() each, so
+that a burst over thousands of sandboxes degrades (a reconnect, a polled
+wait) instead of failing with EMFILE. Nothing in nsbox's host side uses select() (whose descriptors must
 stay below 1024); asyncio and trio use epoll.
 
 Child processes the host starts afterwards inherit the raised soft limit.
@@ -54,3 +56,11 @@ def raise_nofile_limit() -> tuple[int, int]:
                 pass
         return soft, hard
 
+
+def descriptor_share() -> int:
+    """How many descriptors one kind of optional use (idle control
+    connections; pidfds to wait on) may hold at once: a quarter of the soft
+    RLIMIT_NOFILE, leaving the rest to what cannot do without one (commands'
+    pipes and channels) and to the caller's own."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return max(16, soft // 4) if soft != resource.RLIM_INFINITY else 1 << 16

@@ -11,10 +11,12 @@ and turning the init's answers into results or exceptions, in one place.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
 import socket
 import struct
+import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
@@ -23,7 +25,8 @@ import anyio
 from . import protocol
 from .._native import ffi, lib
 from ..errors import NsboxError, SandboxUnavailable, UserUnsupported
-from .fdwait import PollerPool
+from ..host import rlimits
+from .fdwait import POLLERS
 
 # PATH of every command that sets none: protocol.h's, the init's too.
 DEFAULT_PATH: str = ffi.string(lib.nsbox_default_path()).decode()
@@ -133,49 +136,114 @@ class Channel:
 
 
 class InitClient:
-    """The control connection to one sandbox's init."""
+    """A connection to one sandbox's init, through its listening socket.
 
-    def __init__(self, ctl: socket.socket, sandbox_id: str) -> None:
-        self.ctl = ctl
-        self.ctl.setblocking(False)
+    The connection is opened on first use and closed once no request used it
+    for IDLE_CLOSE seconds (the sandbox lives on: its lifeline is a pipe of
+    the owning process, nsbox/create/lifeline.py), so that an idle sandbox
+    holds no descriptor in this process; the next request reopens it.
+    """
+
+    def __init__(self, path: str, sandbox_id: str) -> None:
+        self.path = path
         self.sandbox_id = sandbox_id
+        self._ctl: socket.socket | None = None
+        self._busy = 0  # exchanges under way on the connection: not idle
+        self._closed = False
         # anyio lets one task at a time wait on a socket: senders that find
         # the connection full take turns, as do control exchanges.
         self._room_wait = anyio.Lock()
         self._control_turn = anyio.Lock()
-        self.pollers = PollerPool()  # for this sandbox's execs
+        self.pollers = POLLERS  # for this sandbox's execs (shared: idle epolls are no sandbox's)
 
     @classmethod
     def connect(cls, path: str, sandbox_id: str) -> "InitClient":
-        """A connection to the listening socket of a sandbox another process
-        created (it is no lifeline)."""
-        ctl = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        """A client of a sandbox another process created, connected now so
+        that a sandbox that is gone is known at once (OSError)."""
+        client = cls(path, sandbox_id)
+        client._connect()
+        return client
+
+    @property
+    def ctl(self) -> socket.socket:
+        """The connection, opened if need be (SandboxUnavailable if the init
+        is gone)."""
+        if self._ctl is None:
+            if self._closed:
+                raise SandboxUnavailable(f"sandbox {self.sandbox_id} is closed")
+            try:
+                self._connect()
+            except OSError:
+                raise self._gone() from None
+        IDLE.used(self)
+        return self._ctl  # type: ignore[return-value]
+
+    def _connect(self) -> None:
         try:
-            ctl.connect(path)
+            ctl = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        except OSError as e:
+            if e.errno not in (errno.EMFILE, errno.ENFILE) or not IDLE.shed(len(IDLE) // 2 + 1):
+                raise
+            ctl = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            # The init accepts at once; only a full backlog makes this wait.
+            ctl.settimeout(START_TIMEOUT)
+            ctl.connect(self.path)
+            ctl.setblocking(False)
         except BaseException:
             ctl.close()
             raise
-        return cls(ctl, sandbox_id)
+        self._ctl = ctl
+
+    def disconnect(self) -> None:
+        """Closes the connection (if open and not in use); the next request
+        reopens it."""
+        if self._ctl is not None and not self._busy:
+            ctl, self._ctl = self._ctl, None
+            ctl.close()
+
+    @property
+    def connected(self) -> bool:
+        return self._ctl is not None
 
     def close(self) -> None:
-        self.ctl.close()
-        self.pollers.close()
+        self._closed = True
+        IDLE.forget(self)
+        if self._ctl is not None:
+            ctl, self._ctl = self._ctl, None
+            ctl.close()
 
     def _gone(self) -> SandboxUnavailable:
         return SandboxUnavailable(f"sandbox {self.sandbox_id} is not running (its init has exited)")
 
     async def send(self, message: bytes, fds: Sequence[int]) -> None:
-        while True:
-            try:
-                protocol.send(self.ctl, message, fds)
-                return
-            except BlockingIOError:
+        ctl = self.ctl
+        try:
+            protocol.send(ctl, message, fds)
+            return
+        except BlockingIOError:
+            pass
+        except OSError as e:
+            raise self._send_failed(e) from None
+        self._busy += 1
+        try:
+            while True:
                 async with self._room_wait:
-                    await anyio.wait_writable(self.ctl)
-            except OSError as e:
-                if e.errno in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.EBADF):
-                    raise self._gone() from None
-                raise
+                    await anyio.wait_writable(ctl)
+                try:
+                    protocol.send(ctl, message, fds)
+                    return
+                except BlockingIOError:
+                    continue
+                except OSError as e:
+                    raise self._send_failed(e) from None
+        finally:
+            self._busy -= 1
+
+    def _send_failed(self, e: OSError) -> OSError | NsboxError:
+        if e.errno in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.EBADF):
+            return self._gone()
+        return e
 
     async def _request(self, message: bytes, memfd: int | None, fds: Sequence[int],
                        channel: tuple[socket.socket, socket.socket] | None = None) -> Channel:
@@ -274,17 +342,24 @@ class InitClient:
     async def _control(self, op: int) -> bytes:
         """A request answered on the control connection itself."""
         async with self._control_turn:
-            await self.send(protocol.REQUEST.pack(op, *[0] * 9), [])
-            with anyio.fail_after(START_TIMEOUT):
-                while True:
-                    await anyio.wait_readable(self.ctl)
-                    try:
-                        data = self.ctl.recv(protocol.STATUS.size)
-                    except BlockingIOError:
-                        continue
-                    if not data:
-                        raise self._gone()
-                    return data
+            self._busy += 1
+            try:
+                await self.send(protocol.REQUEST.pack(op, *[0] * 9), [])
+                ctl = self.ctl
+                with anyio.fail_after(START_TIMEOUT):
+                    while True:
+                        await anyio.wait_readable(ctl)
+                        try:
+                            data = ctl.recv(protocol.STATUS.size)
+                        except BlockingIOError:
+                            continue
+                        except ConnectionResetError:
+                            data = b""
+                        if not data:
+                            raise self._gone()
+                        return data
+            finally:
+                self._busy -= 1
 
     async def status(self) -> dict[str, int]:
         """The init's counters (execs served, commands running) and whether
@@ -292,15 +367,98 @@ class InitClient:
         return _status(await self._control(protocol.OP_STATUS))
 
     async def detach(self) -> None:
-        """The control connection stops being the sandbox's lifeline."""
+        """The sandbox stops dying with this process (its lifeline no longer holds)."""
         await self._control(protocol.OP_DETACH)
 
     def shutdown(self) -> None:
         """Asks the init to kill everything and exit (best effort, no wait)."""
         try:
             protocol.send(self.ctl, protocol.REQUEST.pack(protocol.OP_SHUTDOWN, *[0] * 9), [])
-        except OSError:
+        except (OSError, NsboxError):
             pass
+
+
+class IdleConnections:
+    """The open control connections, oldest use first; each is closed once
+    IDLE_CLOSE seconds pass without a request on it. On asyncio one timer
+    per event loop does it; elsewhere (trio), the next use of any
+    connection does."""
+
+    def __init__(self) -> None:
+        self._last: dict[InitClient, float] = {}  # insertion order: oldest use first
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_loop: asyncio.AbstractEventLoop | None = None
+
+    def __len__(self) -> int:
+        return len(self._last)
+
+    def used(self, client: InitClient) -> None:
+        now = time.monotonic()
+        last = self._last
+        if last.pop(client, None) is None:  # newly opened
+            self._arm()
+            cap = rlimits.descriptor_share()
+            if len(last) >= cap:
+                self.shed(len(last) - cap + 1)
+        elif self._timer is None:
+            self._arm()
+        last[client] = now
+
+    def shed(self, count: int) -> int:
+        """Closes up to `count` connections, the least recently used first,
+        however recently: a burst over many sandboxes must not use up this
+        process's descriptors. Returns how many it closed."""
+        closed = 0
+        for client in list(self._last):
+            if closed >= count:
+                break
+            if not client._busy:
+                del self._last[client]
+                client.disconnect()
+                closed += 1
+        return closed
+
+    def forget(self, client: InitClient) -> None:
+        self._last.pop(client, None)
+
+    def _arm(self) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not asyncio
+            self.sweep()
+            return
+        if self._timer is None or self._timer.cancelled() or self._timer_loop is not loop:
+            self._timer_loop = loop
+            self._timer = loop.call_later(IDLE_CLOSE, self._fire)
+
+    def _fire(self) -> None:
+        self._timer = None
+        self.sweep()
+        if self._last:
+            oldest = next(iter(self._last.values()))
+            loop = asyncio.get_running_loop()
+            self._timer_loop = loop
+            self._timer = loop.call_later(max(0.05, oldest + IDLE_CLOSE - time.monotonic()), self._fire)
+
+    def sweep(self) -> None:
+        """Closes the connections idle for IDLE_CLOSE seconds or more."""
+        limit = time.monotonic() - IDLE_CLOSE
+        last = self._last
+        for client, at in list(last.items()):
+            if at > limit:
+                break
+            del last[client]
+            if client._busy:
+                last[client] = time.monotonic()  # in use: look again later
+            else:
+                client.disconnect()
+
+
+# Seconds a control connection stays open after its last request: long
+# enough for a burst of execs to share it, short enough that idle sandboxes
+# hold no descriptor.
+IDLE_CLOSE = 2.0
+IDLE = IdleConnections()
 
 
 def query_status(path: str, timeout: float = 1.0) -> dict[str, int] | None:

@@ -6,8 +6,8 @@ short command, and so does registering each one with the event loop: the
 poller keeps its descriptors in an epoll instance of its own, and the event
 loop watches that one descriptor. Readiness comes from the epoll itself,
 so a descriptor wait() reports is ready when it returns. A sandbox's execs
-reuse their epoll instances, already registered with the loop, through a
-PollerPool.
+reuse their epoll instances, already registered with the loop, through
+the PollerPool of the process (POLLERS).
 """
 
 from __future__ import annotations
@@ -78,32 +78,47 @@ class _LoopEpoll:
 
 
 class PollerPool:
-    """Epoll instances kept registered with the event loop between the
-    pollers of one sandbox's execs: registering one and dropping it again
-    costs more than the rest of what the host does for a short exec."""
+    """Epoll instances kept registered with their event loop between the
+    pollers of execs: registering one and dropping it again costs more than
+    the rest of what the host does for a short exec. One pool serves every
+    sandbox of the process, so that an idle sandbox holds none."""
 
-    KEEP = 8  # the pool grows to the busiest moment's concurrency, up to this
+    KEEP = 16  # per loop, the pool grows to the busiest moment's concurrency, up to this
 
     def __init__(self) -> None:
-        self._free: list[_LoopEpoll] = []
+        # Per loop; a closed loop's are closed when the next loop comes.
+        self._free: dict[asyncio.AbstractEventLoop, list[_LoopEpoll]] = {}
 
     def _take(self, loop: asyncio.AbstractEventLoop) -> _LoopEpoll:
-        while self._free:
-            entry = self._free.pop()
-            if entry.loop is loop:
-                return entry
-            entry.close()  # registered with an earlier loop
+        free = self._free.get(loop)
+        if free:
+            return free.pop()
         return _LoopEpoll(loop)
 
     def _give(self, entry: _LoopEpoll) -> None:
-        if len(self._free) < self.KEEP and not entry.loop.is_closed():
-            self._free.append(entry)
+        loop = entry.loop
+        if loop.is_closed():
+            entry.close()
+            return
+        free = self._free.get(loop)
+        if free is None:
+            free = self._free[loop] = []
+            self._sweep_closed()
+        if len(free) < self.KEEP:
+            free.append(entry)
         else:
             entry.close()
 
+    def _sweep_closed(self) -> None:
+        """Closes what is kept for loops that have closed since."""
+        for loop in [loop for loop in self._free if loop.is_closed()]:
+            for entry in self._free.pop(loop):
+                entry.close()
+
     def close(self) -> None:
-        while self._free:
-            self._free.pop().close()
+        for loop in list(self._free):
+            for entry in self._free.pop(loop):
+                entry.close()
 
 
 class Poller:
@@ -224,3 +239,6 @@ class Poller:
 def _expire(waiter: "asyncio.Future[bool]", result: bool = False) -> None:
     if not waiter.done():
         waiter.set_result(result)
+
+
+POLLERS = PollerPool()  # the process's

@@ -267,3 +267,72 @@ async def test_many_sandboxes_at_once() -> None:
     finally:
         for b in boxes:
             await b.close()
+
+
+FORKER = textwrap.dedent("""
+    import json, os, time, anyio, nsbox
+    async def main():
+        sb = await nsbox.Sandbox.create()
+        await sb.exec(["true"])
+        await sb.spawn(["sleep", "1000"])
+        child = os.fork()  # without exec: a worker of a multiprocessing pool, say
+        if child == 0:
+            time.sleep(1000)
+            os._exit(0)
+        print(json.dumps({"ns": os.readlink(f"/proc/{sb.pid}/ns/pid"), "child": child}), flush=True)
+        await anyio.sleep(1000)
+    anyio.run(main)
+""")
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_child_does_not_keep_its_parents_sandboxes_alive() -> None:
+    """The lifeline is the owner's: a child forked without exec drops its
+    copy, so the sandbox ends with the owner even while the child lives."""
+    owner = subprocess.Popen([sys.executable, "-c", FORKER], stdout=subprocess.PIPE, text=True)
+    child = None
+    try:
+        assert owner.stdout is not None
+        info = json.loads(owner.stdout.readline())
+        child = info["child"]
+        assert len(members(info["ns"])) >= 2
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+        assert psutil.pid_exists(child)
+        assert wait_until_empty(info["ns"], 5) == []
+    finally:
+        owner.kill()
+        owner.wait()
+        if child is not None:
+            try:
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+async def test_an_idle_sandbox_holds_no_descriptor_and_serves_the_next_request() -> None:
+    """Its control connection closes after a while without requests; the
+    sandbox lives on (its lifeline is the owner's pipe) and the next
+    request reconnects."""
+    from nsbox.init import client as init_client
+
+    def fds() -> set[str]:
+        return {os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+                if os.path.exists(f"/proc/self/fd/{fd}")}
+
+    async with nsbox.Sandbox() as warm:  # the process's own descriptors (zygote, lifeline, epolls)
+        await warm.exec(["true"])
+    before = len(os.listdir("/proc/self/fd"))
+    async with nsbox.Sandbox() as sb:
+        assert len(os.listdir("/proc/self/fd")) <= before, fds()  # made: nothing held
+        assert (await sb.exec(["sh", "-c", "echo $$ > /tmp/pid; sleep 1000 &"])).success
+        assert sb._client is not None and sb._client.connected
+        with anyio.fail_after(init_client.IDLE_CLOSE + 5):
+            while sb._client.connected:
+                await anyio.sleep(0.1)
+        assert len(os.listdir("/proc/self/fd")) <= before, fds()
+        # Still alive, its processes too; the next request reconnects.
+        assert sb.running
+        assert (await sb.exec(["sh", "-c", "pgrep -x sleep"])).stdout.strip()
+        assert await sb.read_file("/tmp/pid")
+    assert not sb.running
