@@ -28,7 +28,7 @@ bench:
 	$(PYTHON) bench/netmodes.py
 	$(PYTHON) bench/net.py
 	$(PYTHON) bench/eval.py --samples 200 --rounds 3
-	$(PYTHON) bench/eval.py --wide $(if $(BENCH_FULL),,--samples 200 --concurrency 100 --rounds 2)
+	$(PYTHON) bench/eval.py --wide $(if $(BENCH_FULL),,--samples 100 --concurrency 100 --rounds 2)
 
 clean:
 	rm -rf build dist *.egg-info nsbox/_native*.so nsbox/_text*.so nsbox/_native.c nsbox/nsbox-init nsbox/nsbox-create rootfs/build

@@ -103,7 +103,7 @@ def spread(per_round: list[list[float]] | None, unit: str) -> str:
         return "n/a"
     v = flat(per_round)
     if len(v) == 1 and unit != "ms":
-        return f"{num(v[0])} {unit}"
+        return f"{v[0]:.0f} {unit}" if v[0] == int(v[0]) else f"{num(v[0])} {unit}"
     scale = 1000 if unit == "ms" else 1
     return "/".join(num(x * scale) for x in (pct(v, 0.1), statistics.median(v), pct(v, 0.9))) + f" {unit}"
 
@@ -401,6 +401,8 @@ async def bench_compose(samples: int, count: int, notes: list[str]) -> list[Row]
     probes: list[int] = []
     by_helper: dict[str, float] = {}  # helper name -> CPU s per sample, summed over batches
     python3 = "/usr/bin/python3"  # the binary the services run (the host's /usr), not PATH's
+    # As in the sandboxes: no proxy between the client and its server.
+    env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
 
     async def nsbox_batch() -> None:
         inits = 0.0
@@ -431,18 +433,19 @@ async def bench_compose(samples: int, count: int, notes: list[str]) -> list[Row]
     async def bare_batch() -> None:
         async def sample(port: int) -> None:
             server = await anyio.open_process([python3, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
-                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=work)
+                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=work, env=env)
             try:
                 delay, tries = FAST_PROBE, 0
                 while True:  # the provider's probe schedule (nsbox/compose/services.py)
                     tries += 1
-                    if (await anyio.run_process([python3, "-c", HEALTH.format(port=port)], check=False)).returncode == 0:
+                    probe = [python3, "-c", HEALTH.format(port=port)]
+                    if (await anyio.run_process(probe, check=False, env=env)).returncode == 0:
                         break
                     assert server.returncode is None and tries < 100, "the bare server did not come up"
                     await anyio.sleep(delay)
                     delay = min(delay * 1.5, 1.0)
                 probes.append(tries)
-                await anyio.run_process([python3, "-c", FETCH.format(host="127.0.0.1", port=port)])
+                await anyio.run_process([python3, "-c", FETCH.format(host="127.0.0.1", port=port)], env=env)
             finally:
                 server.terminate()
                 await server.wait()
@@ -453,6 +456,16 @@ async def bench_compose(samples: int, count: int, notes: list[str]) -> list[Row]
 
     try:
         await Provider.task_init("bench", path)
+        # sample_init returns once web's healthcheck passed (the fetch in
+        # each timed sample, made at once, depends on it).
+        envs = await Provider.sample_init("bench", path, {})
+        services = envs["default"].as_type(Provider)._services
+        assert services is not None
+        healthy, shape = set(services.services._healthy), services.services.network
+        await Provider.sample_cleanup("bench", path, envs, False)
+        assert healthy == {"web"}, f"the provider did not wait for web's healthcheck: healthy {healthy}"
+        notes.append(f"compose: sample_init waited for web's healthcheck (its Services marked it healthy); "
+                     f"network shape {shape!r}")
         # One sample of each outside the timing (the images' first use).
         await rounds({"nsbox": nsbox_batch, "bare": bare_batch}, 1, 0, 1)
         for v in cpu.values():
@@ -466,7 +479,7 @@ async def bench_compose(samples: int, count: int, notes: list[str]) -> list[Row]
     left = await leaks.left()
     per = [sum(parts) for parts in zip(*cpu.values())]
     notes.append(f"compose: nsbox's CPU per sample (median of {count} batches): this process "
-                 f"{statistics.median(cpu['host process']) * 1000:.1f} ms + long-lived helpers "
+                 f"{statistics.median(cpu['host process']) * 1000:.1f} ms + helpers "
                  f"{statistics.median(cpu['helpers']) * 1000:.1f} ms + the services' nsbox-inits "
                  f"{statistics.median(cpu['inits']) * 1000:.1f} ms (their own CPU until the fetch; the services' "
                  f"processes, probes and the fetch not counted; helpers by name, mean: "
@@ -480,7 +493,7 @@ async def bench_compose(samples: int, count: int, notes: list[str]) -> list[Row]
     wall = Row(f"compose: {samples} samples at once (wall), provider", s["nsbox"], f"bare processes, {samples} at once",
                s["bare"], "ratio <= 1.10", at_most(1.10))
     leak_row = Row(f"compose: nothing left of {len(leaks.ids)} sandboxes", [[float(len(left))]], "(no baseline)",
-                   None, "0 left", None, unit="kinds")
+                   None, "0 left", None, unit="found")
     leak_row.check = lambda r: not left
     return [wall, cpu_row, leak_row]
 
@@ -565,7 +578,7 @@ async def bench_live(count: int, notes: list[str]) -> list[Row]:
         Row(f"live sandboxes: the {count}th create", [[float(made)]], "(no baseline)", None, "succeeds",
             lambda r: made == count, unit="made", extra=outcome if made < count else ""),
         Row("live sandboxes: nothing left after closing", [[float(len(left) + (fds_left > 0))]], "(no baseline)",
-            None, "0 left", lambda r: not left and fds_left <= 0, unit="kinds"),
+            None, "0 left", lambda r: not left and fds_left <= 0, unit="found"),
     ]
     return rows
 
