@@ -521,6 +521,16 @@ def available_kib() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
 
 
+def fd_targets() -> dict[str, str]:
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out[fd] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    return out
+
+
 def fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
@@ -535,6 +545,7 @@ async def bench_live(count: int, notes: list[str]) -> list[Row]:
         await sb.exec(["true"])
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     base_fds, base_rss, base_avail = fds(), rss_kib("self"), available_kib()
+    base_fd_set = fd_targets()
     boxes: list[nsbox.Sandbox] = []
     error = ""
     t = time.perf_counter()
@@ -560,6 +571,7 @@ async def bench_live(count: int, notes: list[str]) -> list[Row]:
                     tg.start_soon(sb.close)
     await anyio.to_thread.run_sync(removal.wait_swept, 120)
     fds_left = fds() - base_fds
+    new_fds = sorted(set(fd_targets().items()) - set(base_fd_set.items()))
     left = await leaks.left()
     per_kib = (host_kib + pss_total) / max(made, 1)
     outcome = f"sandbox {count} created" if made == count else f"sandbox {made + 1} failed: {error}"
@@ -568,8 +580,10 @@ async def bench_live(count: int, notes: list[str]) -> list[Row]:
     notes.append(f"live sandboxes: memory per sandbox = (this process's RSS growth {host_kib} KiB + the inits' "
                  f"PSS {pss_total} KiB) / {made} (the zygote and other helpers not counted); descriptors per idle "
                  f"sandbox = growth of /proc/self/fd / {made}; MemAvailable fell by {avail_drop / max(made, 1):.0f} KiB "
-                 f"per sandbox (kernel memory included, and whatever else this machine ran meanwhile); after closing: {fds_left:+d} descriptors, left "
-                 f"behind: {'; '.join(left) if left else 'nothing'}")
+                 f"per sandbox (kernel memory included, and whatever else this machine ran meanwhile)")
+    notes.append(f"live sandboxes: after closing, {fds_left:+d} descriptors"
+                 + (f" (new: {', '.join(f'{fd} -> {t}' for fd, t in new_fds[:5])})" if new_fds else "")
+                 + f"; left behind: {'; '.join(left) if left else 'nothing'}")
     rows = [
         Row(f"live sandboxes: memory per sandbox ({made})", [[per_kib]], "(no baseline)", None, "< 400 KiB",
             lambda r: flat(r.nsbox)[0] < 400, unit="KiB"),
