@@ -220,7 +220,7 @@ def sample_rows(s: dict[str, list[list[float]]], notes: list[str]) -> list[Row]:
 # ---- compose samples, many at a time ---------------------------------------
 
 PORT = 8000
-HEALTH = f"import urllib.request as u; u.urlopen('http://127.0.0.1:{{port}}/', timeout=5).read()"
+HEALTH = "import urllib.request as u; u.urlopen('http://127.0.0.1:{port}/', timeout=5).read()"
 FETCH = "import urllib.request as u; assert b'Directory listing' in u.urlopen('http://{host}:{port}/', timeout=10).read()"
 # The debian fixture has no python3: both services mount the host's /usr
 # (Debian bookworm, as the fixture), so they run the python3 the bare
@@ -305,13 +305,19 @@ class LeakCheck:
     """What a row must not leave behind, of the sandboxes it made (`add`):
     their entries in the state directory (the live-sandbox entry, the
     layer), processes (this process's descendants, and any nsbox-init of
-    theirs, orphans included) and the network namespaces such processes
-    hold. The zygote, id map holders and network helper live as long as
+    theirs, orphans included), the network namespaces such processes hold,
+    and descriptors of this process (a namespace held by one included). The zygote, id map holders and network helper live as long as
     this process, by design; other users of the machine do not count."""
 
     def __init__(self) -> None:
         self.ids: set[str] = set()
+        self.rebase()
+
+    def rebase(self) -> None:
+        """Takes the state to compare with now (after a warm-up: the zygote,
+        the network helper and their sockets come with first use)."""
         self.before = self.snapshot()
+        self.before["state entries"] = set()  # none may remain, whenever made
 
     def add(self, sandbox: nsbox.Sandbox) -> None:
         self.ids.add(sandbox.id)
@@ -338,7 +344,9 @@ class LeakCheck:
             except OSError:
                 pass
         netns.discard(os.readlink("/proc/self/ns/net"))
-        return {"processes": procs, "network namespaces": netns, "state entries": self.state()}
+        descriptors = {f"{fd} -> {target}" for fd, target in fd_targets().items()}
+        return {"processes": procs, "network namespaces": netns, "state entries": self.state(),
+                "descriptors of this process": descriptors}
 
     def state(self) -> set[str]:
         from nsbox.host import layers, live
@@ -468,6 +476,7 @@ async def bench_compose(samples: int, count: int, notes: list[str]) -> list[Row]
                      f"network shape {shape!r}")
         # One sample of each outside the timing (the images' first use).
         await rounds({"nsbox": nsbox_batch, "bare": bare_batch}, 1, 0, 1)
+        leaks.rebase()
         for v in cpu.values():
             v.clear()
         probes.clear()
@@ -543,6 +552,8 @@ async def bench_live(count: int, notes: list[str]) -> list[Row]:
     soft0, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     async with nsbox.Sandbox() as sb:  # imports, the zygote, caches: part of the base
         await sb.exec(["true"])
+    await anyio.to_thread.run_sync(removal.wait_swept, 60)
+    leaks.rebase()
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     base_fds, base_rss, base_avail = fds(), rss_kib("self"), available_kib()
     base_fd_set = fd_targets()
