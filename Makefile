@@ -19,12 +19,16 @@ test:
 	PYTHON=$(PYTHON) tests/run.sh
 
 # The main table in every identity mode (see bench/run.sh), then the rest
-# in this user's mode.
+# once, in this user's mode. BENCH_FULL=1: the heavy rows at full size
+# (compose samples 100 at a time, 10,000 live sandboxes, an eval of 1000
+# samples 500 at a time; see docs/benchmarks.md).
 bench:
 	PYTHON=$(PYTHON) bench/run.sh
+	$(PYTHON) bench/provider.py --rows compose,live $(if $(BENCH_FULL),--full)
 	$(PYTHON) bench/netmodes.py
 	$(PYTHON) bench/net.py
 	$(PYTHON) bench/eval.py --samples 200 --rounds 3
+	$(PYTHON) bench/eval.py --wide $(if $(BENCH_FULL),,--samples 100 --concurrency 100 --rounds 2)
 
 clean:
 	rm -rf build dist *.egg-info nsbox/_native*.so nsbox/_text*.so nsbox/_native.c nsbox/nsbox-init nsbox/nsbox-create rootfs/build

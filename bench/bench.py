@@ -10,7 +10,9 @@ that drift in machine load hits every variant alike.
     python bench/bench.py --check    # exit status 1 if a target is missed
     python bench/bench.py --scale 0.2  # fewer iterations (a quick look)
 
-See bench/README.md for what is measured and why.
+A second table (bench/provider.py) runs the same operations through the
+Inspect provider, as Inspect calls it, in rounds. See bench/README.md and
+docs/benchmarks.md for what is measured and why.
 """
 
 from __future__ import annotations
@@ -775,15 +777,23 @@ async def amain(args: argparse.Namespace) -> int:
         if envs is not None:
             await LocalSandboxEnvironment.sample_cleanup("bench", None, envs, False)
 
+    import provider  # bench/provider.py (imports this module's helpers)
+
+    provider_notes: list[str] = []
+    provider_rows = await provider.quick_rows(iters(200), iters(40), iters(60), args.rounds, provider_notes)
+
     print()
     print_table(rows)
     print()
     for note in notes:
         print("  " + note)
+    provider.print_table(f"Inspect provider path ({args.rounds} rounds; ratio per round: medians)", provider_rows)
+    for note in provider_notes:
+        print("  " + note)
     print(f"  total time {time.perf_counter() - t_start:.1f} s")
-    failed = [r for r in rows if r.result == "FAIL"]
+    failed = [f"{r.operation} vs {r.baseline}" for r in (*rows, *provider_rows) if r.result == "FAIL"]
     if failed:
-        print(f"targets missed: {', '.join(f'{r.operation} vs {r.baseline}' for r in failed)}")
+        print(f"targets missed: {', '.join(failed)}")
     return 1 if failed and args.check else 0
 
 
@@ -791,6 +801,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit with status 1 if a target is missed")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply the iteration counts (default 1)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the provider rows (default 3)")
     args = parser.parse_args()
     sys.exit(anyio.run(amain, args))
 
