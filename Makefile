@@ -1,7 +1,7 @@
 # Developer entry points. `make test` is the command CI and the README use.
 PYTHON ?= python3
 
-.PHONY: all install test rootfs bench clean
+.PHONY: all install test rootfs bench profile clean
 
 all: install
 
@@ -29,6 +29,10 @@ bench:
 	$(PYTHON) bench/net.py
 	$(PYTHON) bench/eval.py --samples 200 --rounds 3
 	$(PYTHON) bench/eval.py --wide $(if $(BENCH_FULL),,--samples 100 --concurrency 100 --rounds 2)
+
+# Where the CPU of an exec and of a sample's sandbox goes (docs/performance.md).
+profile:
+	$(PYTHON) bench/breakdown.py --top 25
 
 clean:
 	rm -rf build dist *.egg-info nsbox/_native*.so nsbox/_text*.so nsbox/_native.c nsbox/nsbox-init nsbox/nsbox-create rootfs/build
