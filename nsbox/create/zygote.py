@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 from ..init import fdwait
 from .._native import ffi, lib
 from ..plan.steps import PATH_FD_BASE, Kind, Step
+from .exhaustion import CLONE_ERRNOS, CloneError
 
 if TYPE_CHECKING:
     from ..host.idmap import IdMap, IdMaps
@@ -149,7 +150,7 @@ class _Zygote:
             theirs.close()
         if pid < 0:
             self.sock.close()
-            raise OSError(-pid, f"starting nsbox-create: {os.strerror(-pid)}")
+            raise CloneError(-pid, f"starting nsbox-create: {os.strerror(-pid)}")
         self.pid = pid
         self.owner = os.getpid()
 
@@ -215,7 +216,12 @@ class _SubZygote:
     def _request(self, byte: bytes, fds: Sequence[int]) -> socket.socket:
         """Asks the zygote for it; returns the socket its reply comes on."""
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        ours, reply = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            ours, reply = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        except BaseException:
+            self.sock.close()
+            theirs.close()
+            raise
         try:
             _send(byte, [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
                           array.array("i", [reply.fileno(), theirs.fileno(), *fds]))])
@@ -302,7 +308,9 @@ def holder(mapping: "IdMap") -> Holder | None:
             return None
         try:
             h = _holders[key] = Holder(idmaps)
-        except OSError:
+        except OSError as e:
+            if e.errno in CLONE_ERRNOS:
+                raise  # a limit reached (nsbox/create/exhaustion.py): the direct way would reach it too
             _holder_failed.add(key)  # e.g. nested user namespaces refused: the direct way works alike
             return None
         return h
@@ -378,7 +386,11 @@ def request_spawn(*, error_fd: int, sync_fd: int, via: _SubZygote | None = None,
         except BaseException:
             os.close(memfd)
             raise
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    except BaseException:
+        os.close(memfd)
+        raise
     try:
         go_fd, exec_fd = request.get("go_fd", -1), request["exec_fd"]
         fds = [theirs.fileno(), memfd, error_fd, sync_fd] + ([go_fd] if go_fd >= 0 else [])
@@ -494,7 +506,7 @@ def read_spawn_reply(sock: socket.socket) -> tuple[int, int]:
             os.close(pidfd)
         raise IdMapError(err, data[REPLY.size : REPLY.size + msglen].decode(errors="replace").strip(), pid)
     if pid <= 0:
-        raise OSError(err, os.strerror(err))
+        raise CloneError(err, os.strerror(err))
     return pid, pidfd
 
 
