@@ -29,10 +29,10 @@ from pathlib import Path
 from ..errors import NsboxError, ResourceExhausted
 from ..host import probe as facts
 from ..plan.steps import PATH_FD_BASE
+from . import zygote
+from .zygote import CloneError
 
-# What an errno means when a clone, fork or unshare failed / when a file
-# operation did.
-CLONE_ERRNOS = frozenset({errno.EAGAIN, errno.ENOSPC, errno.ENOMEM, errno.EMFILE, errno.ENFILE})
+# What a file operation fails with when a limit is reached.
 FILE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOSPC, errno.EDQUOT})
 
 KEEP = " (and in /etc/sysctl.d/ to keep it)"
@@ -43,11 +43,6 @@ CLOSE_SOME = "close sandboxes you no longer need"
 MIN_NOFILE = PATH_FD_BASE + 56
 
 NAMESPACES = ("user", "mnt", "pid", "ipc", "uts", "cgroup", "net")
-
-
-class CloneError(OSError):
-    """Cloning or spawning a process failed with this errno (not a file
-    operation: ENOSPC is then a namespace limit, EAGAIN a process limit)."""
 
 
 def translate(e: BaseException) -> ResourceExhausted | None:
@@ -97,8 +92,6 @@ def check_nofile() -> None:
     setup of a sandbox needs: it places descriptors from PATH_FD_BASE on.
     The limit that counts is the zygote's (its children inherit it), this
     process's until it runs (it will inherit this one)."""
-    from . import zygote
-
     for pid in sorted(zygote.helper_pids()) or [0]:
         try:
             soft, _ = resource.prlimit(pid, resource.RLIMIT_NOFILE)
@@ -157,8 +150,8 @@ def _descriptors(too_low: int | None = None) -> ResourceExhausted:
 def _processes(required: bool) -> ResourceExhausted | None:
     """EAGAIN from clone or fork: which process limit is reached. With
     `required`, one that cannot be told still gives the error."""
-    from . import zygote  # it clones: its limits count, not this process's (alike, unless changed since)
-
+    # The zygote and its holders clone: their limits count, not this
+    # process's (alike, unless changed since they started).
     clones = sorted(zygote.helper_pids()) or [os.getpid()]
     cgroup = next(filter(None, map(_pids_cgroup_reached, clones)), None)
     if cgroup is not None:

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 from ..init import fdwait
 from .._native import ffi, lib
 from ..plan.steps import PATH_FD_BASE, Kind, Step
-from .exhaustion import CLONE_ERRNOS, CloneError
 
 if TYPE_CHECKING:
     from ..host.idmap import IdMap, IdMaps
@@ -137,6 +136,16 @@ def _step_row(s: Step) -> tuple[object, ...]:
         _step_rows.clear()
     _step_rows[id(s)] = (s, row)
     return row
+
+
+class CloneError(OSError):
+    """Cloning or spawning a process failed with this errno: not a file
+    operation's, so ENOSPC is a namespace limit, EAGAIN a process limit
+    (nsbox/create/exhaustion.py)."""
+
+
+# What a clone fails with when a limit is reached (see CloneError).
+LIMIT_ERRNOS = frozenset({errno.EAGAIN, errno.ENOSPC, errno.ENOMEM, errno.EMFILE, errno.ENFILE})
 
 
 class _Zygote:
@@ -309,7 +318,7 @@ def holder(mapping: "IdMap") -> Holder | None:
         try:
             h = _holders[key] = Holder(idmaps)
         except OSError as e:
-            if e.errno in CLONE_ERRNOS:
+            if e.errno in LIMIT_ERRNOS:
                 raise  # a limit reached (nsbox/create/exhaustion.py): the direct way would reach it too
             _holder_failed.add(key)  # e.g. nested user namespaces refused: the direct way works alike
             return None
