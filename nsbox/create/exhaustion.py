@@ -29,7 +29,7 @@ from pathlib import Path
 from ..errors import NsboxError, ResourceExhausted
 from ..host import probe as facts
 from ..plan.steps import PATH_FD_BASE
-from . import zygote
+from . import hostcheck, zygote
 from .zygote import CloneError
 
 # What a file operation fails with when a limit is reached.
@@ -45,9 +45,10 @@ MIN_NOFILE = PATH_FD_BASE + 56
 NAMESPACES = ("user", "mnt", "pid", "ipc", "uts", "cgroup", "net")
 
 
-def translate(e: BaseException) -> ResourceExhausted | None:
+def translate(e: BaseException) -> NsboxError | None:
     """The resource-limit error that `e`, raised while creating a sandbox,
-    stands for; None if it is not one."""
+    stands for (for a failed clone, the host's refusal hostcheck names if it
+    is none); None if it is not one."""
     if isinstance(e, NsboxError) and not isinstance(e, ResourceExhausted):
         # An error of nsbox's own that a limit caused (a state directory
         # that could not be made, say): the limit is what to fix.
@@ -58,7 +59,7 @@ def translate(e: BaseException) -> ResourceExhausted | None:
     if not isinstance(e, OSError) or e.errno is None:
         return None
     if isinstance(e, CloneError):
-        return of_clone(e.errno)
+        return of_clone(e.errno) or hostcheck.clone_failed(e.errno)
     if e.errno == errno.EAGAIN:  # fork of a helper (subprocess): only a limit found reached counts
         return _processes(required=False)
     return of_errno(e.errno, e.filename)
@@ -179,8 +180,9 @@ def _processes(required: bool) -> ResourceExhausted | None:
                   f"RLIMIT_NPROC soft {_shown(soft)}, hard {_shown(hard)}; {threads} processes running")
 
 
-def _namespaces() -> ResourceExhausted:
-    """ENOSPC from clone: a max_*_namespaces limit; a probe finds which."""
+def _namespaces() -> ResourceExhausted | None:
+    """ENOSPC from clone: a max_*_namespaces limit; a probe finds which.
+    None where it is 0: disabled rather than used up, as hostcheck says."""
     kind = _probe_namespace_limit()
     inner = "" if _in_initial_userns() else (
         " (this is the limit of the user namespace nsbox runs in: its owner sets it, from outside)")
@@ -192,6 +194,8 @@ def _namespaces() -> ResourceExhausted:
                       f"`sudo sysctl -w user.max_KIND_namespaces=N`{inner or KEEP}", values)
     name = f"user.max_{kind}_namespaces"
     value = facts.sysctl(name) or "?"
+    if value == "0":
+        return None
     return _limit(f"the limit of {kind} namespaces is reached: {name} is {value}", name,
                   f"{CLOSE_SOME} (each holds a few namespaces), or raise it: "
                   f"`sudo sysctl -w {name}=15000`{inner or KEEP}")
