@@ -11,7 +11,9 @@ commands afterwards.
 
 The limits: RLIMIT_NOFILE (lowered to just above the descriptors in use,
 then one more at a time, so that every descriptor creation takes its turn
-to fail); processes (RLIMIT_NPROC of the processes that clone sandboxes,
+to fail; and that of the processes that clone sandboxes lowered below
+what a sandbox's setup needs; and, for `nsbox run`, below that from the
+start); processes (RLIMIT_NPROC of the processes that clone sandboxes,
 for an unprivileged user; root ignores RLIMIT_NPROC, so as root a pids
 cgroup whose pids.max is reached); user.max_user_namespaces (lowered in a
 user namespace the scenario creates: the sysctl is per user namespace and
@@ -148,6 +150,16 @@ NOFILE = """
                 resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) - 1 + more, hard))
                 return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
             await attempt(out, a, limit=limit)
+        # The processes that clone sandboxes (their children inherit their
+        # limit) below what a sandbox's setup needs: refused up front.
+        helpers = sorted(zygote.helper_pids())
+        saved = {pid: resource.prlimit(pid, resource.RLIMIT_NOFILE) for pid in helpers}
+        def helpers_limit():
+            for pid in helpers:
+                resource.prlimit(pid, resource.RLIMIT_NOFILE, (100, saved[pid][1]))
+            return lambda: [resource.prlimit(pid, resource.RLIMIT_NOFILE, saved[pid]) for pid in helpers]
+        out["helpers"] = await attempt(out, a, limit=helpers_limit)
+        out["tries"].pop()  # checked on its own
     run_scenario(body)
 """
 
@@ -160,6 +172,7 @@ def test_descriptor_limit_at_each_descriptor(tmp_path: Path) -> None:
     failed = check_failures(out, "RLIMIT_NOFILE", "too many open files", "RLIMIT_NOFILE soft", "ulimit -n")
     assert len(failed) >= 5, "expected several descriptors of the creation to take their turn to fail"
     assert out["tries"][-1]["type"] is None, "creation never succeeded within the tries"
+    check_failures({**out, "tries": [out["helpers"]]}, "RLIMIT_NOFILE", "below the 256", "nsbox-create's soft limit 100")
 
 
 NPROC = """
