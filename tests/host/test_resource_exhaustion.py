@@ -61,13 +61,12 @@ PRELUDE = textwrap.dedent("""
             import psutil
             return sorted(p.pid for p in psutil.Process().children(recursive=True))
 
-        def left(a):
-            '''What is there besides sandbox A (and this process's helpers).'''
+        def state():
+            '''The sandboxes' runtime directories, layers and live entries.'''
             removal.wait_swept(60)
-            run = sorted(set(os.listdir(dirs.runtime_dir())) - {a.id})
-            lay = sorted(n for n in os.listdir(layers.layers_dir()) if len(n) == 12 and n != a.id)
-            entries = sorted(e.id for e in live.entries() if e.id != a.id)
-            return {"run": [n for n in run if len(n) == 12], "layers": lay, "live": entries}
+            return {"run": {n for n in os.listdir(dirs.runtime_dir()) if len(n) == 12},
+                    "layers": {n for n in os.listdir(layers.layers_dir()) if len(n) == 12},
+                    "live": {e.id for e in live.entries()}}
 
         async def attempt(out, a, create=None, limit=None, **options):
             '''Tries to create a sandbox (`create`: another way, which returns
@@ -75,7 +74,7 @@ PRELUDE = textwrap.dedent("""
             one that lifts it); records what happened and what it left.'''
             async def sandbox():
                 return (await nsbox.Sandbox.create(**options)).close
-            before_fds, before_children = fds(), children()
+            before, before_fds, before_children = state(), fds(), children()
             rec = {}
             lift = limit() if limit else None
             try:
@@ -87,7 +86,7 @@ PRELUDE = textwrap.dedent("""
             except BaseException as e:
                 rec.update(type=type(e).__name__, message=str(e), limit=getattr(e, "limit", None),
                            nsbox=isinstance(e, nsbox.NsboxError))
-                rec["left"] = left(a)
+                rec["left"] = {k: sorted(v - before[k]) for k, v in state().items()}
                 rec["fd_delta"] = sorted(set(fds()) - set(before_fds))
                 rec["child_delta"] = sorted(set(children()) - set(before_children) - zygote.helper_pids())
             else:
@@ -173,6 +172,41 @@ def test_descriptor_limit_at_each_descriptor(tmp_path: Path) -> None:
     assert len(failed) >= 5, "expected several descriptors of the creation to take their turn to fail"
     assert out["tries"][-1]["type"] is None, "creation never succeeded within the tries"
     check_failures({**out, "tries": [out["helpers"]]}, "RLIMIT_NOFILE", "below the 256", "nsbox-create's soft limit 100")
+
+
+NETWORK = """
+    OPTIONS = {}
+    async def body(out, a, attempt, zygote):
+        import nsbox
+        async with nsbox.Network("exh", internal=True) as net:
+            first = await nsbox.Sandbox.create(network=net, hostname="first")
+            try:
+                out["members"] = []
+                soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+                for more in range(0, 24):
+                    def limit():
+                        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) - 1 + more, hard))
+                        return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+                    await attempt(out, a, limit=limit, network=net, hostname="second")
+                    out["members"].append([sorted(net.members), sorted(net._net.members)])
+                r = await first.exec(["cat", "/etc/hosts"])
+                out["hosts"] = r.stdout
+            finally:
+                await first.close()
+    run_scenario(body)
+"""
+
+
+@pytest.mark.timeout(200)
+def test_descriptor_limit_on_a_service_network(tmp_path: Path) -> None:
+    """The same on a service network: a member that could not be made is
+    no member (neither in this process nor in the network's worker), and
+    the member there keeps its view of the network."""
+    out = run(NETWORK, tmp_path)
+    assert len(check_failures(out, "RLIMIT_NOFILE", "too many open files")) >= 5
+    assert out["tries"][-1]["type"] is None, "creation never succeeded within the tries"
+    assert all(m == [["first"], ["first"]] for m in out["members"]), out["members"]
+    assert "second" not in out["hosts"], out["hosts"]
 
 
 NPROC = """
