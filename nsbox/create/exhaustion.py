@@ -9,7 +9,8 @@ to do. This module is the one place that turns such an errno into a
 ResourceExhausted error naming the limit, its value and the way to raise
 it: Sandbox.start does for whatever creating the sandbox raised
 (translate), the launch does for a failed clone or setup step (of_clone,
-of_errno).
+of_setup), and a descriptor limit too low for any sandbox is refused
+before anything exists (check_nofile).
 
 What the kernel reports depends on where it failed: ENOSPC from clone or
 unshare is a namespace limit (max_*_namespaces), from a file a full
