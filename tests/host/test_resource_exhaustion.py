@@ -34,6 +34,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.imagekit import Registry, busybox_oci, push, registry  # noqa: F401
+
 # Shared by the scenarios: what a failed creation must not leave, and A's health.
 PRELUDE = textwrap.dedent("""
     import ctypes, errno, json, os, resource, sys
@@ -56,6 +58,12 @@ PRELUDE = textwrap.dedent("""
 
         def fds():
             return sorted(int(fd) for fd in os.listdir("/proc/self/fd"))
+
+        def target(fd):
+            try:
+                return os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                return "?"
 
         def children():
             import psutil
@@ -86,12 +94,15 @@ PRELUDE = textwrap.dedent("""
             except BaseException as e:
                 rec.update(type=type(e).__name__, message=str(e), limit=getattr(e, "limit", None),
                            nsbox=isinstance(e, nsbox.NsboxError))
-                rec["left"] = {k: sorted(v - before[k]) for k, v in state().items()}
-                rec["fd_delta"] = sorted(set(fds()) - set(before_fds))
-                rec["child_delta"] = sorted(set(children()) - set(before_children) - zygote.helper_pids())
             else:
                 rec["type"] = None
                 await close()
+            if rec["type"] is not None:  # measured once the error is gone, as a caller that handled it
+                import gc; gc.collect()
+                rec["fds"] = len(fds())
+                rec["left"] = {k: sorted(v - before[k]) for k, v in state().items()}
+                rec["fd_delta"] = [f"{fd} {target(fd)}" for fd in sorted(set(fds()) - set(before_fds))]
+                rec["child_delta"] = sorted(set(children()) - set(before_children) - zygote.helper_pids())
             out["tries"].append(rec)
             return rec
 
@@ -121,9 +132,10 @@ def run(scenario: str, tmp_path: Path, *args: str, env: dict[str, str] | None = 
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def check_failures(out: dict, limit: str, *words: str) -> list[dict]:
+def check_failures(out: dict, limit: str, *words: str, fds: bool = True) -> list[dict]:
     """The failed tries: each nsbox's ResourceExhausted naming `limit` and
-    `words`, each leaving nothing behind; A ran before and after."""
+    `words`, each leaving nothing behind (`fds`: no descriptor either); A
+    ran before and after."""
     failed = [t for t in out["tries"] if t["type"] is not None]
     assert failed, f"no creation failed: {out}"
     for t in failed:
@@ -133,7 +145,7 @@ def check_failures(out: dict, limit: str, *words: str) -> list[dict]:
             assert word in t["message"], t
         assert "\n" not in t["message"] and "Traceback" not in t["message"], t
         assert t["left"] == {"run": [], "layers": [], "live": []}, t
-        assert t["fd_delta"] == [], t
+        assert t["fd_delta"] == [] or not fds, t
         assert t["child_delta"] == [], t
     assert out["a_before"] == out["a_after"] == "A"
     assert out["again"] is None, "creating a sandbox once the limit was lifted failed"
@@ -319,8 +331,8 @@ DISK = """
         if libc.mount(b"tmpfs", f"{state}/{d}".encode(), b"tmpfs", 0, b"size=8m,nr_inodes=4096,mode=0700") != 0:
             raise OSError(ctypes.get_errno(), "mount tmpfs")
 
-    def fill(d):
-        '''Takes every block and inode of the tmpfs at `d`.'''
+    def fill(d, inodes=True, leave=0):
+        '''Takes every block (and inode) of the tmpfs at `d`, but `leave` bytes.'''
         os.mkdir(f"{d}/filler")
         try:
             with open(f"{d}/filler/blocks", "wb") as f:
@@ -329,9 +341,10 @@ DISK = """
                     f.flush()
         except OSError as e:
             assert e.errno == errno.ENOSPC, e
-        n = 0
+        os.truncate(f"{d}/filler/blocks", max(0, os.path.getsize(f"{d}/filler/blocks") - leave))
+        n = 0 if inodes else None
         try:
-            while True:
+            while n is not None:
                 open(f"{d}/filler/{n}", "w").close()
                 n += 1
         except OSError as e:
@@ -342,11 +355,21 @@ DISK = """
         shutil.rmtree(f"{d}/filler")
 
     async def body(out, a, attempt, zygote):
-        for d in ("run", "data"):
-            fill(f"{state}/{d}")
+        image = sys.argv[2] if len(sys.argv) > 2 else None
+        # With an image: room for its directories and none for its files,
+        # then room for its compressed layer but not for it unpacked.
+        cases = [("data", 0), ("data", 1536 << 10), ("data", 1536 << 10)] if image else [("run", 0), ("data", 0)]
+        for d, leave in cases:
+            fill(f"{state}/{d}", inodes=not image, leave=leave)
             try:
-                rec = await attempt(out, a, **OPTIONS)
+                rec = await attempt(out, a, **OPTIONS, **({"image": image} if image else {}))
                 rec["full"] = d
+                if image:  # what a pull that ran out of room leaves in the image store
+                    images = f"{state}/data/images"
+                    rec["images"] = sorted(
+                        os.path.relpath(os.path.join(top, n), images) for top, dirs, files in os.walk(images)
+                        for n in dirs + files if top.endswith("/tmp") or ".staging" in n)
+                    rec["blobs"] = len(os.listdir(f"{images}/blobs/sha256")) if os.path.isdir(f"{images}/blobs/sha256") else 0
             finally:
                 unfill(f"{state}/{d}")
     run_scenario(body)
@@ -405,3 +428,21 @@ def test_inspect_provider_names_the_limit(tmp_path: Path) -> None:
     """
     out = run(scenario, tmp_path)
     check_failures(out, "RLIMIT_NOFILE", "too many open files", "RLIMIT_NOFILE soft")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.needs("docker-registry", "skopeo", "umoci")
+def test_full_filesystem_while_pulling_an_image(tmp_path: Path, registry: Registry, busybox_oci: Path) -> None:  # noqa: F811
+    """A sandbox of an image not yet pulled, the image store's filesystem
+    full: the same error, and no half-stored blob or unpacked layer left."""
+    push(f"oci:{busybox_oci}:plain", registry, "exhaust/busybox:1")
+    out = run(DISK, tmp_path, f"{registry.host}/exhaust/busybox:1")
+    download, unpack, again = check_failures(out, "disk space", "no space left", "NSBOX_STATE_DIR", fds=False)
+    for t in (download, unpack, again):
+        assert "/state/data" in t["message"], t
+        assert t["images"] == [], t
+    assert unpack["blobs"] > download["blobs"], "the second pull did not get as far as unpacking"
+    # The first removal of an unpacked tree starts the sweeper thread (with
+    # descriptors of its own): descriptors must not grow from one failure to the next.
+    assert download["fd_delta"] == [], download
+    assert again["fds"] <= unpack["fds"], (unpack, again)
