@@ -98,8 +98,13 @@ PRELUDE = textwrap.dedent("""
                 rec["type"] = None
                 await close()
             if rec["type"] is not None:  # measured once the error is gone, as a caller that handled it
-                import gc; gc.collect()
-                rec["fds"] = len(fds())
+                import gc, time
+                gc.collect()
+                for _ in range(50):  # the sweeper thread may still be removing what was made
+                    if len(fds()) <= len(before_fds):
+                        break
+                    time.sleep(0.1)
+                rec["fd_growth"] = len(fds()) - len(before_fds)
                 rec["left"] = {k: sorted(v - before[k]) for k, v in state().items()}
                 rec["fd_delta"] = [f"{fd} {target(fd)}" for fd in sorted(set(fds()) - set(before_fds))]
                 rec["child_delta"] = sorted(set(children()) - set(before_children) - zygote.helper_pids())
@@ -442,7 +447,8 @@ def test_full_filesystem_while_pulling_an_image(tmp_path: Path, registry: Regist
         assert "/state/data" in t["message"], t
         assert t["images"] == [], t
     assert unpack["blobs"] > download["blobs"], "the second pull did not get as far as unpacking"
-    # The first removal of an unpacked tree starts the sweeper thread (with
-    # descriptors of its own): descriptors must not grow from one failure to the next.
-    assert download["fd_delta"] == [], download
-    assert again["fds"] <= unpack["fds"], (unpack, again)
+    # The first removal of an unpacked tree starts the sweeper thread, which
+    # keeps a few descriptors (not always the same ones); the failures
+    # themselves leave none.
+    assert download["fd_delta"] == [], download["fd_delta"]
+    assert again["fd_growth"] <= 0, again["fd_delta"]
