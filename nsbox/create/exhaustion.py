@@ -227,7 +227,7 @@ def _disk(err: int, path: str | os.PathLike[str] | bytes | None) -> ResourceExha
         return _limit(f"your disk quota is exceeded on the filesystem of {where}", "disk quota",
                       f"free some of your space there (`quota -s` shows it), {move}", detail)
     return _limit(f"no space left on the filesystem of {where}", "disk space",
-                  f"free space there ({CLOSE_SOME}; `nsbox prune` removes unused images), {move}", detail)
+                  f"free space there ({CLOSE_SOME}; `nsbox image prune` removes unused images), {move}", detail)
 
 
 # ---- what the host says ----------------------------------------------------
