@@ -30,6 +30,17 @@ class SandboxSetupError(NsboxError):
     """Creating the sandbox failed."""
 
 
+class ResourceExhausted(SandboxSetupError):
+    """Creating the sandbox ran into a limit of this process, user or host
+    (descriptors, processes, namespaces, memory, disk): `limit` names it
+    (e.g. "RLIMIT_NOFILE", "user.max_user_namespaces"); the hint says how
+    to raise it. Nothing of the sandbox is left behind."""
+
+    def __init__(self, message: str, hint: str | None = None, limit: str = "") -> None:
+        super().__init__(message, hint)
+        self.limit = limit
+
+
 class SandboxUnavailable(NsboxError):
     """The sandbox is not running (closed, or its init died)."""
 

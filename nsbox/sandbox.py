@@ -37,7 +37,7 @@ from .errors import (
     UserUnsupported,
     note_once,
 )
-from .create import procedure
+from .create import exhaustion, procedure
 from .create.launch import Launched
 from .create.netattach import NetAttachment
 from .init.output_limits import exec_output_limit
@@ -181,6 +181,9 @@ class Sandbox:
                 await self._teardown()
             if isinstance(e, TimeoutError):
                 raise SandboxSetupError(f"creating the sandbox took more than {SETUP_TIMEOUT:.0f}s") from None
+            exhausted = exhaustion.translate(e)  # a limit reached: named, with the way to raise it
+            if exhausted is not None:
+                raise exhausted from e
             raise
         self._state = "running"
         return self
@@ -226,6 +229,7 @@ class Sandbox:
     async def _create(self) -> None:
         resources.check(resources.ResourceLimits.of(self.spec))  # strict_limits: before anything exists
         rlimits.raise_nofile_limit()  # once per process: soft NOFILE up to the hard limit
+        exhaustion.check_nofile()  # one below what a sandbox's setup needs: before anything exists
         collect_in_background()  # once per process: what killed processes of this user left
         procedure.choose(self)  # its id mapping, id and hostname; its GPUs' files in its spec
         service_net = service_view = None

@@ -31,11 +31,12 @@ from typing import Callable
 import anyio
 
 from ..init import fdwait
-from . import hostcheck, lifeline, zygote
+from . import exhaustion, hostcheck, lifeline, zygote
 from ..errors import NsboxError, SandboxSetupError
 from ..host import rlimits
 from ..host.idmap import IdMaps
 from ..plan.plan import ParentHook, Plan
+from ..plan.steps import Kind
 
 
 # Inits being waited for through a pidfd (reap), at most
@@ -123,7 +124,12 @@ async def launch(plan: Plan, launched: Launched, *, sandbox_id: str, socket_path
     process exits without running them)."""
     launched.cleanups.extend(plan.cleanups)  # whatever fails from here, the caller runs them
     err_r, err_w = os.pipe2(os.O_CLOEXEC)
-    go_r, go_w = os.pipe2(os.O_CLOEXEC)
+    try:
+        go_r, go_w = os.pipe2(os.O_CLOEXEC)
+    except BaseException:
+        os.close(err_r)
+        os.close(err_w)
+        raise
     zygote_goes = not plan.hooks  # right after the maps, without waiting for us
     failed: BaseException | None = None
     sub: zygote.SubZygote | None = None  # ours to close
@@ -170,7 +176,7 @@ async def launch(plan: Plan, launched: Launched, *, sandbox_id: str, socket_path
                     hint="check your /etc/subuid and /etc/subgid entries, or use id_mapping='single'",
                 ) from None
             except OSError as e:
-                raise hostcheck.clone_failed(e.errno) from None
+                raise exhaustion.of_clone(e.errno) or hostcheck.clone_failed(e.errno) from None
             finally:
                 if sub is not None:
                     sub.close()  # one sandbox per sub-zygote: it exits at EOF
@@ -219,14 +225,16 @@ async def _setup_alongside(hooks: list[ParentHook], pid: int, err_r: int) -> byt
 
 def _request(plan: Plan, launched: Launched, sandbox_id: str, socket_path: Path, err_w: int,
              go_r: int, via: zygote.SubZygote | zygote.Holder | None, go_w: int, host_go: bool) -> socket.socket:
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener = None
     init_fd = -1
     try:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             listener.bind(os.fspath(socket_path))
         except OSError as e:
-            raise SandboxSetupError(f"cannot create the sandbox's socket {socket_path}: {e.strerror}",
-                                    hint="set NSBOX_STATE_DIR to a shorter path") from None
+            raise exhaustion.of_errno(e.errno, socket_path) or SandboxSetupError(
+                f"cannot create the sandbox's socket {socket_path}: {e.strerror}",
+                hint="set NSBOX_STATE_DIR to a shorter path") from None
         listener.listen(64)
         init_fd = os.open(zygote.INIT_BINARY, os.O_RDONLY | os.O_CLOEXEC)
         idmaps = plan.idmap.how_to_write()
@@ -258,7 +266,8 @@ def _request(plan: Plan, launched: Launched, sandbox_id: str, socket_path: Path,
     finally:
         if init_fd >= 0:
             os.close(init_fd)
-        listener.close()
+        if listener is not None:
+            listener.close()
 
 
 def _shape_key(shape: dict[str, object]) -> tuple[object, ...]:
@@ -276,6 +285,11 @@ def _shape_key(shape: dict[str, object]) -> tuple[object, ...]:
 def setup_error(plan: Plan, step: int, err: int, layer: Path) -> NsboxError:
     """The error for a setup step (or stage) the child reported failed."""
     steps = plan.steps()
+    exhausted = exhaustion.of_setup(
+        err, clones=step == zygote.lib.NSBOX_SETUP_LOCK, path=layer,
+        places_fds=step == zygote.lib.NSBOX_SETUP_FDS or (0 <= step < len(steps) and steps[step].kind == Kind.PATH_FD))
+    if exhausted is not None:
+        return exhausted
     if 0 <= step < len(steps):
         return hostcheck.step_failed(steps[step], err, os.fspath(layer))
     stage = {

@@ -138,6 +138,16 @@ def _step_row(s: Step) -> tuple[object, ...]:
     return row
 
 
+class CloneError(OSError):
+    """Cloning or spawning a process failed with this errno: not a file
+    operation's, so ENOSPC is a namespace limit, EAGAIN a process limit
+    (nsbox/create/exhaustion.py)."""
+
+
+# What a clone fails with when a limit is reached (see CloneError).
+LIMIT_ERRNOS = frozenset({errno.EAGAIN, errno.ENOSPC, errno.ENOMEM, errno.EMFILE, errno.ENFILE})
+
+
 class _Zygote:
     """The nsbox-create process that clones sandboxes for this process."""
 
@@ -149,7 +159,7 @@ class _Zygote:
             theirs.close()
         if pid < 0:
             self.sock.close()
-            raise OSError(-pid, f"starting nsbox-create: {os.strerror(-pid)}")
+            raise CloneError(-pid, f"starting nsbox-create: {os.strerror(-pid)}")
         self.pid = pid
         self.owner = os.getpid()
 
@@ -215,7 +225,12 @@ class _SubZygote:
     def _request(self, byte: bytes, fds: Sequence[int]) -> socket.socket:
         """Asks the zygote for it; returns the socket its reply comes on."""
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        ours, reply = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            ours, reply = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        except BaseException:
+            self.sock.close()
+            theirs.close()
+            raise
         try:
             _send(byte, [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
                           array.array("i", [reply.fileno(), theirs.fileno(), *fds]))])
@@ -302,7 +317,9 @@ def holder(mapping: "IdMap") -> Holder | None:
             return None
         try:
             h = _holders[key] = Holder(idmaps)
-        except OSError:
+        except OSError as e:
+            if e.errno in LIMIT_ERRNOS:
+                raise  # a limit reached (nsbox/create/exhaustion.py): the direct way would reach it too
             _holder_failed.add(key)  # e.g. nested user namespaces refused: the direct way works alike
             return None
         return h
@@ -378,7 +395,11 @@ def request_spawn(*, error_fd: int, sync_fd: int, via: _SubZygote | None = None,
         except BaseException:
             os.close(memfd)
             raise
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    except BaseException:
+        os.close(memfd)
+        raise
     try:
         go_fd, exec_fd = request.get("go_fd", -1), request["exec_fd"]
         fds = [theirs.fileno(), memfd, error_fd, sync_fd] + ([go_fd] if go_fd >= 0 else [])
@@ -494,7 +515,7 @@ def read_spawn_reply(sock: socket.socket) -> tuple[int, int]:
             os.close(pidfd)
         raise IdMapError(err, data[REPLY.size : REPLY.size + msglen].decode(errors="replace").strip(), pid)
     if pid <= 0:
-        raise OSError(err, os.strerror(err))
+        raise CloneError(err, os.strerror(err))
     return pid, pidfd
 
 

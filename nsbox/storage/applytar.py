@@ -25,7 +25,8 @@ member never lands outside the layer or goes through a symlink:
 
 It prints one JSON line: the uncompressed digest (the layer's diff_id) and
 what was skipped. Exit 3: the blob is corrupt or truncated; 4: over a bound
-("size" or "files" on stderr); 1: other errors.
+("size" or "files" on stderr); 5: a limit reached (a full disk: the errno
+first on stderr); 1: other errors.
 """
 
 from __future__ import annotations
@@ -465,6 +466,10 @@ def remove_tree(pfd: int, name: str) -> None:
     os.rmdir(name, dir_fd=pfd)
 
 
+# What writing the layer fails with when the disk (or memory, or descriptors) runs out.
+LIMIT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM, errno.EMFILE, errno.ENFILE)
+
+
 def _fail(code: int, message: str) -> int:
     print(message, file=sys.stderr)
     return code
@@ -485,6 +490,8 @@ def main(argv: list[str]) -> int:
     except (ValueError, OverflowError) as e:  # a NUL in a name, a number out of range
         return _fail(3, f"corrupt layer: {applier.current or 'a member'}: {e}")
     except OSError as e:
+        if e.errno in LIMIT_ERRNOS:
+            return _fail(5, f"{e.errno} {applier.current or 'the layer'}: {e}")
         return _fail(1, f"{applier.current or 'the layer'}: {e}")
     report = {
         "diff_id": "sha256:" + reader.hash.hexdigest(), "size": reader.size, "compression": reader.kind,

@@ -196,6 +196,17 @@ class Store:
     def temp_path(self) -> Path:
         return self.tmp / f"{os.getpid()}-{secrets.token_hex(6)}"
 
+    def temp_file(self, data: bytes) -> Path:
+        """A new temp file holding `data`; none is left if writing it fails
+        (a full disk)."""
+        tmp = self.temp_path()
+        try:
+            tmp.write_bytes(data)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return tmp
+
     def commit_blob(self, tmp: Path, digest: str) -> Path:
         """Publishes a verified temp file as blob `digest` (atomic rename)."""
         final = self.blob_path(digest)
@@ -207,9 +218,7 @@ class Store:
     def put_bytes(self, data: bytes) -> str:
         digest = oci.digest_of(data)
         if not self.has_blob(digest):
-            tmp = self.temp_path()
-            tmp.write_bytes(data)
-            self.commit_blob(tmp, digest)
+            self.commit_blob(self.temp_file(data), digest)
         return digest
 
     def put_stream(self, src: IO[bytes], expected: str | None = None, size: int | None = None) -> tuple[str, int]:
@@ -262,9 +271,8 @@ class Store:
         return info if isinstance(info, dict) and info.get("diff_id") == diff_id else None
 
     def _mark(self, layer: Path, report: ApplyReport) -> None:
-        tmp = self.temp_path()
-        tmp.write_text(json.dumps({"diff_id": report.diff_id, "size": report.size, "entries": report.entries}))
-        os.rename(tmp, _marker(layer))
+        info = {"diff_id": report.diff_id, "size": report.size, "entries": report.entries}
+        os.rename(self.temp_file(json.dumps(info).encode()), _marker(layer))
 
     def _unpublish(self, layer: Path, mapping: idmap.IdMap | None) -> None:
         """Removes a layer directory, its marker first (so a crash between
@@ -329,10 +337,8 @@ class Store:
         return rec
 
     def _write_records(self, records: dict[str, Record]) -> None:
-        tmp = self.temp_path()
         data = {n: {k: v for k, v in r.to_dict().items() if k != "name"} for n, r in sorted(records.items())}
-        tmp.write_text(json.dumps(data, indent=1))
-        os.rename(tmp, self.refs_file)
+        os.rename(self.temp_file(json.dumps(data, indent=1).encode()), self.refs_file)
         # The new file may reuse the old one's inode within one mtime tick.
         _records.pop(self.refs_file, None)
 
@@ -564,7 +570,8 @@ async def task_group() -> AsyncIterator[anyio.abc.TaskGroup]:
             yield tg
     except _Group as group:
         errors = _flatten(group)
-        raise next((e for e in errors if isinstance(e, NsboxError)), errors[0]) from None
+        first = next((e for e in errors if isinstance(e, NsboxError)), errors[0])
+        raise first from first.__cause__  # its own cause kept (a full disk's errno), not the group
 
 
 def _flatten(e: BaseException) -> list[BaseException]:

@@ -241,7 +241,7 @@ async def test_a_layer_failing_while_the_zygote_clones_leaves_nothing(monkeypatc
 
     monkeypatch.setattr(procedure, "launch", spying_launch)
     monkeypatch.setattr(rootfs_mod.HostRootfs, "prepare", broken_prepare)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(nsbox.ResourceExhausted, match="no space left"):  # named as the limit it is
         await nsbox.Sandbox().start()
     assert seen["before_go"] is not None, "the layer was not prepared while the zygote cloned"
     pid = seen["pid"]

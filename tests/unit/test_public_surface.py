@@ -19,8 +19,8 @@ import nsbox.errors
 
 pytestmark = pytest.mark.timeout(60)
 
-ERRORS = {"NsboxError", "HostPrerequisiteError", "SandboxSetupError", "SandboxUnavailable", "UserUnsupported",
-          "OutputLimitExceeded", "CommandTimeout"}
+ERRORS = {"NsboxError", "HostPrerequisiteError", "SandboxSetupError", "ResourceExhausted", "SandboxUnavailable",
+          "UserUnsupported", "OutputLimitExceeded", "CommandTimeout"}
 DOCUMENTED = {"Sandbox", "SandboxSpec", "Network", "ExecResult", "__version__"} | ERRORS
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 

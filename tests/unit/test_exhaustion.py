@@ -1,0 +1,63 @@
+"""nsbox/create/exhaustion.py: each errno of a limit reached, as the error
+naming it (the limits themselves are reached for real in
+tests/host/test_resource_exhaustion.py; these are the ones a test cannot
+safely reach on a shared host: the host's file table, memory, quotas)."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+
+from nsbox.create import exhaustion
+from nsbox.create.zygote import CloneError
+from nsbox.errors import HostPrerequisiteError, NsboxError, ResourceExhausted, SandboxSetupError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize("err, limit, words", [
+    (errno.EMFILE, "RLIMIT_NOFILE", ("too many open files", "RLIMIT_NOFILE soft", "ulimit")),
+    (errno.ENFILE, "fs.file-max", ("table of open files is full", "sysctl -w fs.file-max")),
+    (errno.ENOMEM, "memory", ("out of memory", "MemAvailable")),
+    (errno.ENOSPC, "disk space", ("no space left on the filesystem of /tmp", "NSBOX_STATE_DIR")),
+    (errno.EDQUOT, "disk quota", ("disk quota is exceeded", "NSBOX_STATE_DIR")),
+])
+def test_each_errno_names_its_limit(err: int, limit: str, words: tuple[str, ...]) -> None:
+    e = exhaustion.translate(OSError(err, "x", "/tmp"))
+    assert isinstance(e, ResourceExhausted) and isinstance(e, SandboxSetupError)
+    assert e.limit == limit and e.hint
+    for word in words:
+        assert word in str(e)
+    assert "\n" not in str(e)
+
+
+def test_other_errors_are_left_alone() -> None:
+    assert exhaustion.translate(OSError(errno.ENOENT, "x", "/tmp/y")) is None
+    assert exhaustion.translate(ValueError("no")) is None
+    assert exhaustion.translate(NsboxError("its own message")) is None
+    assert exhaustion.translate(ResourceExhausted("already", limit="x")) is None
+
+
+def test_an_nsbox_error_caused_by_a_limit_names_the_limit() -> None:
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device", "/tmp/state/run")
+        except OSError as e:
+            raise NsboxError(f"cannot create the state directory: {e.strerror}") from None
+    except NsboxError as wrapped:
+        e = exhaustion.translate(wrapped)
+    assert isinstance(e, ResourceExhausted) and "/tmp/state/run" in str(e)
+
+
+def test_a_failed_clone_is_not_a_full_disk() -> None:
+    e = exhaustion.translate(CloneError(errno.EAGAIN, "Resource temporarily unavailable"))
+    assert isinstance(e, ResourceExhausted) and "no space" not in str(e)
+    # A clone refused for another reason keeps hostcheck's diagnosis.
+    assert isinstance(exhaustion.translate(CloneError(errno.EINVAL, "Invalid argument")), HostPrerequisiteError)
+
+
+def test_descriptors_placed_beyond_the_limit_are_the_descriptor_limit() -> None:
+    e = exhaustion.of_setup(errno.EINVAL, clones=False, places_fds=True, path="/tmp")
+    assert isinstance(e, ResourceExhausted) and e.limit == "RLIMIT_NOFILE"
+    assert exhaustion.of_setup(errno.EINVAL, clones=False, places_fds=False, path="/tmp") is None
