@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import os
 import platform
@@ -33,7 +32,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable
 
 import anyio
 
@@ -45,53 +44,23 @@ try:
 except ImportError:  # the table says "n/a" for the Inspect rows
     LocalSandboxEnvironment = None  # type: ignore[assignment,misc]
 
-MiB = 1024 * 1024
-OUT_BYTES = 10 * MiB
-FILE_BYTES = 50 * MiB
-RSS_SANDBOXES = 10
-BWRAP_ARGS = [
-    "--unshare-all", "--die-with-parent", "--ro-bind", "/usr", "/usr",
-    "--symlink", "usr/lib64", "/lib64", "--symlink", "usr/lib", "/lib",
-    "--symlink", "usr/bin", "/bin", "--proc", "/proc", "--dev", "/dev", "true",
-]
-UNSHARE_CMD = ["unshare", "-Urmpf", "--mount-proc", "true"]
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The debian fixture as an OCI image (rootfs/images.sh, run by `make bench`).
-OCI_LAYOUT = os.path.join(REPO, "rootfs", "build", "oci")
-OCI_TAG = "debian"
-BENCH_IMAGE = "nsbox-bench/debian:12"  # kept in this user's image store between runs
-PODMAN_PUBLISHED = (0.200, 0.280)  # `podman run --rm IMG true`, published figures (s)
-
-Op = Callable[[], Awaitable[Any]]
-
-
-# ---- measuring ---------------------------------------------------------
-
-async def interleaved(variants: dict[str, Op], n: int, warmup: int) -> dict[str, list[float]]:
-    """Times n calls of each variant (seconds), round-robin, after a warm-up.
-
-    The order within a round alternates so no variant always runs right
-    after another one's cleanup.
-    """
-    for _ in range(warmup):
-        for op in variants.values():
-            await op()
-    gc.collect()
-    samples: dict[str, list[float]] = {name: [] for name in variants}
-    items = list(variants.items())
-    for i in range(n):
-        for name, op in (items if i % 2 == 0 else items[::-1]):
-            t0 = time.perf_counter()
-            await op()
-            samples[name].append(time.perf_counter() - t0)
-    return samples
-
-
-def sync_op(cmd: list[str]) -> Op:
-    """An op timing a whole subprocess.run (run on the loop's thread)."""
-    async def op() -> None:
-        subprocess.run(cmd, check=True, stdin=subprocess.DEVNULL)
-    return op
+from timing import (  # noqa: E402  (bench/timing.py: what bench.py and provider.py share)
+    MiB,
+    OUT_BYTES,
+    FILE_BYTES,
+    RSS_SANDBOXES,
+    BWRAP_ARGS,
+    UNSHARE_CMD,
+    OCI_LAYOUT,
+    OCI_TAG,
+    BENCH_IMAGE,
+    PODMAN_PUBLISHED,
+    Op,
+    interleaved,
+    sync_op,
+    pct,
+    free_port,
+)
 
 
 def create_close(**options: Any) -> Op:
@@ -100,11 +69,6 @@ def create_close(**options: Any) -> Op:
         sb = await nsbox.Sandbox.create(**options)
         await sb.close()
     return op
-
-
-def pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 # ---- the table -----------------------------------------------------------
@@ -455,12 +419,6 @@ async def bench_compose(n: int, warmup: int, notes: list[str]) -> list[Row]:
                 "ms", "ratio <= 0.05", lambda _v, r: r <= 0.05),
             Row("compose: 2 services, a namespace each", n, med["per-service"], "the pod mode (row above)",
                 med["compose"], "ms", f"<= +2 ms ({diff * 1000:+.2f} ms)", lambda _v, _r: diff <= 0.002)]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class LoopbackRegistry:

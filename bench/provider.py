@@ -34,7 +34,7 @@ from typing import Any, Callable
 import anyio
 
 import nsbox
-from bench import BENCH_IMAGE, BWRAP_ARGS, OCI_LAYOUT, OCI_TAG, OUT_BYTES, Op, free_port, interleaved, pct, sync_op
+from timing import BENCH_IMAGE, BWRAP_ARGS, OCI_LAYOUT, OCI_TAG, OUT_BYTES, Op, free_port, interleaved, pct, sync_op
 
 try:
     from inspect_ai.util._sandbox.local import LocalSandboxEnvironment
