@@ -397,12 +397,11 @@ class Applier:
         elif m.isreg():
             fd = self.fresh(pfd, parts, lambda: os.open(base, CREATE, 0o600, dir_fd=pfd))
             try:
-                src = tf.extractfile(m)
-                assert src is not None
                 if m.issparse():
                     self.sparse(tf, m, fd)
-                else:
-                    copy(src, m, fd, 0, m.size)
+                else:  # straight from the stream, as tarfile's extractfile would read it
+                    tf.fileobj.seek(m.offset_data)  # type: ignore[union-attr]
+                    copy(tf.fileobj, m, fd, 0, m.size)
                 self.owner(fd, None, m)  # before chmod: chown clears setuid bits
                 os.chmod(fd, m.mode & 0o7777)
                 self.xattrs(fd, m)  # after chown: it clears security.capability
@@ -537,16 +536,16 @@ class Applier:
 
 def copy(src: Any, m: tarfile.TarInfo, fd: int, offset: int, size: int) -> None:
     """`size` bytes of the member from where `src` is to `offset` in fd."""
-    os.lseek(fd, offset, os.SEEK_SET)
-    remaining = size
-    while remaining > 0:
-        data = src.read(min(CHUNK, remaining))
+    end = offset + size
+    while offset < end:
+        data = src.read(min(CHUNK, end - offset))
         if not data:
             raise Corrupt(f"{m.name}: the archive ends inside this file (truncated)")
-        remaining -= len(data)
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            n = os.pwrite(fd, view, offset)
+            offset += n
+            view = view[n:]
 
 
 def remove_tree(pfd: int, name: str) -> None:
