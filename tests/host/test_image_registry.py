@@ -283,6 +283,17 @@ async def test_registry_dying_mid_blob(store: Store, tmp_path: Path) -> None:
         dying.close()
 
 
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_streamed_pull_on_trio(registry: Registry, busybox_oci: Path, store: Store) -> None:
+    """The pipe a layer streams through is waited on with anyio (the rest
+    of this module runs on asyncio)."""
+    push(f"oci:{busybox_oci}:app", registry, "test/trio:1")
+    image = await pull(store, f"{registry.host}/test/trio:1")
+    assert len(image.layers) == 2 and (image.layers[0] / "bin/busybox").is_file()
+    assert b"app:x:1000" in (image.layers[1] / "etc/passwd").read_bytes()
+    assert all(store.has_blob(d["digest"]) for d in store.read_json(image.digest)["layers"])
+
+
 async def test_missing_image_and_registry_errors(registry: Registry, store: Store) -> None:
     with pytest.raises(NsboxError, match="not found"):
         await pull(store, f"{registry.host}/test/nothing:1")
