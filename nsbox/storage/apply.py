@@ -3,7 +3,8 @@
 One throwaway sandbox (the host-composed root, network none; made by the
 runner storage/confined.py describes) serves a whole pull or import: it
 sees the blob directory read-only at /blobs and one staging directory at
-/staging, nothing else of the host's data. Each layer is applied there by
+/staging, nothing else of the host's data; a pull streams a layer it is
+downloading to the applier's stdin instead (one pass, see `_streamed`). Each layer is applied there by
 applytar.py under the host's python3, as sandbox root with the owner's id
 mapping, so the kernel enforces both the confinement and the ownership
 (see applytar.py for the path rules it adds on top).
@@ -11,8 +12,11 @@ mapping, so the kernel enforces both the confinement and the ownership
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -21,13 +25,19 @@ import anyio
 
 from ..errors import NsboxError
 from ..host.idmap import IdMap
+from ..init.client import ExecResult
 from ..spec import Bind
 from .confined import Confined, Runner, host_python
 from .oci import check_digest
 
 APPLIER = Path(__file__).with_name("applytar.py")
-# Two layers at once: the applier is single-threaded and machines have cores.
-PARALLEL = 2
+# Layers applied at once (each applier decompresses on a second thread).
+PARALLEL = 3
+F_SETPIPE_SZ = 1031
+PIPE_SIZE = 1 << 20  # the most an unprivileged user may ask for (pipe-max-size)
+# feed(write): writes a blob, in order, through `write`; returns once all is
+# written and verified.
+Feed = Callable[[Callable[[bytes], Awaitable[None]]], Awaitable[None]]
 
 
 class Exceeded(Exception):
@@ -96,16 +106,19 @@ class Unpacker:
                 self._box = box
         return self._box
 
-    async def apply(self, blob: str, name: str, max_bytes: int, max_files: int) -> ApplyReport:
+    async def apply(self, blob: str, name: str, max_bytes: int, max_files: int,
+                    feed: Feed | None = None) -> ApplyReport:
         """Unpacks blob `sha256:…` into staging/`name` (which must not exist),
         its tar stream at most `max_bytes`, its entries at most `max_files`
-        (else `Exceeded`)."""
+        (else `Exceeded`). With `feed`, the blob is not read from the store:
+        feed(write) writes it as it comes (see `_streamed`)."""
         algo, hexd = check_digest(blob, "a layer descriptor")
         box = await self._sandbox()
-        args = json.dumps({"blob": f"/blobs/{algo}/{hexd}", "dest": f"/staging/{name}",
+        args = json.dumps({"blob": "-" if feed else f"/blobs/{algo}/{hexd}", "dest": f"/staging/{name}",
                            "single": self.mapping.mode == "single", "max_bytes": max_bytes, "max_files": max_files})
+        cmd = [self._python, "-I", "-S", "-c", self._source, args]
         async with self._slots:
-            r = await box.exec([self._python, "-I", "-S", "-c", self._source, args])
+            r = await (self._streamed(box, cmd, feed) if feed else box.exec(cmd))
         if r.returncode == 4:
             raise Exceeded(r.stderr.strip().splitlines()[-1])
         if r.returncode == 3:
@@ -121,6 +134,80 @@ class Unpacker:
         data = json.loads(r.stdout.strip().splitlines()[-1])
         return ApplyReport(data["diff_id"], data["size"], data["compression"], data["files"],
                            data["skipped"], data["examples"], data["entries"])
+
+    async def _streamed(self, box: Confined, cmd: list[str], feed: Feed) -> ExecResult:
+        """Runs the applier on a pipe that `feed` writes the blob into.
+        The feed's error (a download that fails, a digest that does not
+        match at the end) is the one raised, whatever the applier made of
+        what came before it; an applier that stops early stops the feed."""
+        r_fd, w_fd = os.pipe2(os.O_CLOEXEC)
+        pipe, fds = _Pipe(w_fd), [r_fd]
+        failed: list[Exception] = []
+        try:
+            out = os.memfd_create("stdout", os.MFD_CLOEXEC)
+            fds.append(out)
+            err = os.memfd_create("stderr", os.MFD_CLOEXEC)
+            fds.append(err)
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(w_fd, F_SETPIPE_SZ, PIPE_SIZE)  # fewer wakeups on both sides
+            os.set_blocking(w_fd, False)
+
+            codes: list[int] = []
+
+            async def feeding() -> None:
+                try:
+                    await feed(pipe.write)
+                except Exception as e:
+                    failed.append(e)
+                finally:
+                    pipe.close()  # the applier sees the end of its input
+
+            async def applying() -> None:
+                try:
+                    codes.append(await box.run_forwarded(cmd, stdin=r_fd, stdout=out, stderr=err))
+                except Exception as e:
+                    failed.append(e)
+                finally:
+                    tg.cancel_scope.cancel()  # it read all there was, or stopped: nobody reads the rest
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(feeding)
+                tg.start_soon(applying)
+            if failed:
+                raise failed[0]
+            return ExecResult(codes[0] == 0, codes[0], _read_all(out), _read_all(err))
+        finally:
+            pipe.close()
+            for fd in fds:
+                os.close(fd)
+
+
+class _Pipe:
+    """The write end of the applier's stdin (non-blocking)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    async def write(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[os.write(self.fd, view):]
+            except BlockingIOError:
+                await anyio.wait_writable(self.fd)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _read_all(fd: int) -> str:
+    os.lseek(fd, 0, os.SEEK_SET)
+    chunks = []
+    while data := os.read(fd, 1 << 16):
+        chunks.append(data)
+    return b"".join(chunks).decode("utf-8", "replace")
 
 
 def dir_size(path: Path) -> int:

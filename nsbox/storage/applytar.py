@@ -2,8 +2,9 @@
 
 This file runs INSIDE a throwaway nsbox sandbox, as sandbox root, under the
 host's python3 (`python3 -I -S -c SOURCE ARGS_JSON`), so it uses the
-standard library only. The sandbox sees the blob read-only and one writable
-staging directory: the kernel confines what a bug here could touch, and
+standard library only. The sandbox sees the blob read-only (or gets it on
+stdin while a pull downloads it: "blob": "-") and one writable staging
+directory: the kernel confines what a bug here could touch, and
 applies the owner's id mapping to every chown. On top of that, every path is
 resolved component by component with O_NOFOLLOW from the layer's root, so a
 member never lands outside the layer or goes through a symlink:
@@ -38,18 +39,27 @@ import hashlib
 import json
 import lzma
 import os
+import queue
 import stat
 import subprocess
 import sys
 import tarfile
+import threading
 import urllib.parse
 import zlib
-from typing import Any
+from typing import Any, Callable, Iterator, TypeVar
 
-CHUNK = 1 << 20
+CHUNK = 1 << 20  # decompressed bytes at a time
+IN_CHUNK = 1 << 18  # compressed bytes at a time
+AHEAD = 8  # decompressed chunks ready ahead of the tar parser
+CACHED_DIRS = 256  # directory fds kept open while applying
 OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 OPAQUE = ".wh..wh..opq"
 WHITEOUT = ".wh."
+
+
+T = TypeVar("T")
 
 
 class Corrupt(Exception):
@@ -74,28 +84,36 @@ def _mtime(m: tarfile.TarInfo) -> tuple[int, int]:
 
 
 class Reader:
-    """The decompressed layer stream, hashed as it is read (the diff_id)."""
+    """The decompressed layer stream, hashed as it is read (the diff_id).
+
+    `path` is the blob, or "-": the compressed stream arrives on stdin (a
+    pull streams it from the registry). A thread decompresses and hashes
+    ahead (zlib, lzma, bz2 and hashlib let go of the GIL), so that work runs
+    on another core while the main thread parses the tar and writes files.
+    """
 
     def __init__(self, path: str, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self.raw = open(path, "rb", buffering=0)  # unbuffered: zstd reads the same fd
-        magic = self.raw.read(6)
-        self.raw.seek(0)
+        self.raw = open(0 if path == "-" else path, "rb", buffering=0, closefd=path != "-")
+        self.head = b""
+        while len(self.head) < 6 and (more := self.raw.read(6 - len(self.head))):
+            self.head += more  # a pipe may give fewer bytes at a time
         self.hash = hashlib.sha256()
         self.size = 0
         self.proc: subprocess.Popen[bytes] | None = None
-        self.buf = b""
         self.dec: Any = None
+        magic = self.head
         if magic.startswith(b"\x1f\x8b"):
             self.kind = "gzip"
             self.dec = zlib.decompressobj(wbits=31)
         elif magic.startswith(b"\x28\xb5\x2f\xfd"):
             self.kind = "zstd"
             try:
-                self.proc = subprocess.Popen(["zstd", "-dcq"], stdin=self.raw, stdout=subprocess.PIPE)
+                self.proc = subprocess.Popen(["zstd", "-dcq"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
             except FileNotFoundError:
                 raise SystemExit(_fail(1, "this layer is zstd-compressed and the zstd program is missing "
                                           "(apt-get install zstd)"))
+            threading.Thread(target=self._feed_zstd, daemon=True).start()
         elif magic.startswith(b"\xfd7zXZ\x00"):
             self.kind = "xz"
             self.dec = lzma.LZMADecompressor()
@@ -104,53 +122,106 @@ class Reader:
             self.dec = bz2.BZ2Decompressor()
         else:
             self.kind = "none"
+        self.queue: queue.Queue[bytes | BaseException | None] = queue.Queue(AHEAD)
+        self.buf = b""
+        self.pos = 0
+        self.done = False
+        threading.Thread(target=self._produce, daemon=True).start()
 
-    def _more(self, n: int) -> bytes:
+    def _raw(self, n: int) -> bytes:
+        if self.head:
+            data, self.head = self.head, b""
+            return data
+        return self.raw.read(n)
+
+    def _feed_zstd(self) -> None:
+        assert self.proc is not None and self.proc.stdin is not None
+        try:
+            while data := self._raw(CHUNK):
+                self.proc.stdin.write(data)
+        except OSError:
+            pass  # zstd stopped reading: it says why when it exits
+        finally:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+
+    def _chunks(self) -> Iterator[bytes]:
+        """The decompressed stream; reads the compressed one to its end."""
         if self.proc is not None:
             assert self.proc.stdout is not None
-            return self.proc.stdout.read(n)
+            while data := self.proc.stdout.read(CHUNK):
+                yield data
+            if self.proc.wait() != 0:
+                raise Corrupt("zstd could not decompress the layer (corrupt or truncated)")
+            return
         if self.dec is None:
-            return self.raw.read(n)
-        out = b""
-        while not out:
+            while data := self._raw(CHUNK):
+                yield data
+            return
+        data = b""
+        while True:
             if self.dec.eof:
-                rest = self.dec.unused_data
+                rest = self.dec.unused_data or self._raw(IN_CHUNK)
                 if self.kind != "gzip" or not rest.strip(b"\0"):
-                    return b""
+                    while self._raw(IN_CHUNK):
+                        pass  # what follows the stream is not read as layer, but the writer may not block
+                    return
                 self.dec = zlib.decompressobj(wbits=31)  # a multi-member gzip file
-                out = self.dec.decompress(rest, n)
-                continue
+                data = rest
             if self.kind == "gzip":
-                data = self.dec.unconsumed_tail or self.raw.read(CHUNK)
+                data = data or self._raw(IN_CHUNK)
                 hungry = True
             else:
                 hungry = self.dec.needs_input
-                data = self.raw.read(CHUNK) if hungry else b""
+                data = self._raw(IN_CHUNK) if hungry else b""
             if hungry and not data:
                 raise Corrupt(f"the {self.kind} stream ends early (truncated)")
-            out = self.dec.decompress(data, n)
-        return out
+            out = self.dec.decompress(data, CHUNK)
+            data = self.dec.unconsumed_tail if self.kind == "gzip" else b""
+            if out:
+                yield out
 
-    def read(self, n: int = -1) -> bytes:
-        if n < 0:
-            n = CHUNK
+    def _produce(self) -> None:
         try:
-            data = self._more(n)
+            for data in self._chunks():
+                self.hash.update(data)
+                self.size += len(data)
+                if self.size > self.max_bytes:
+                    raise TooBig("size")
+                self.queue.put(data)
+            self.queue.put(None)
         except (zlib.error, lzma.LZMAError, OSError, EOFError) as e:
             if isinstance(e, OSError) and e.errno is not None:
-                raise
-            raise Corrupt(f"the {self.kind} stream is corrupt: {e}") from None
-        self.hash.update(data)
-        self.size += len(data)
-        if self.size > self.max_bytes:
-            raise TooBig("size")
+                self.queue.put(e)
+            else:
+                self.queue.put(Corrupt(f"the {self.kind} stream is corrupt: {e}"))
+        except BaseException as e:
+            self.queue.put(e)
+
+    def read(self, n: int = -1) -> bytes:
+        if self.pos >= len(self.buf):
+            if self.done:
+                return b""
+            item = self.queue.get()
+            if item is None:
+                self.done = True
+                return b""
+            if isinstance(item, BaseException):
+                self.done = True
+                raise item
+            self.buf, self.pos = item, 0
+        if n < 0 or (self.pos == 0 and n >= len(self.buf)):
+            data = self.buf[self.pos:] if self.pos else self.buf
+        else:
+            data = self.buf[self.pos:self.pos + n]
+        self.pos += len(data)
         return data
 
     def drain(self) -> None:
         while self.read(CHUNK):
             pass
-        if self.proc is not None and self.proc.wait() != 0:
-            raise Corrupt("zstd could not decompress the layer (corrupt or truncated)")
 
 
 def clean(name: str) -> list[str] | None:
@@ -173,7 +244,7 @@ class Applier:
         self.root = os.open(dest, OPEN_DIR)
         self.single = single
         self.dirs: dict[tuple[str, ...], tarfile.TarInfo] = {}
-        self.cache: tuple[tuple[str, ...], int] | None = None
+        self.cache: dict[tuple[str, ...], int] = {}  # walked directories (not the root)
         self.skipped: dict[str, int] = {}
         self.examples: list[str] = []
         self.files = 0
@@ -184,42 +255,48 @@ class Applier:
 
     def parent(self, parts: list[str], create: bool) -> int:
         """An fd of the directory holding parts[-1], walked without following
-        symlinks; missing directories are made when `create`. Not to be closed."""
+        symlinks from the nearest directory already walked; missing
+        directories are made when `create`. Not to be closed.
+
+        The fds of walked directories are kept: a directory's path can only
+        come to name another inode if that directory is removed, and every
+        removal of a directory drops those at or below it (make_room)."""
         key = tuple(parts[:-1])
-        if self.cache and self.cache[0] == key:
-            return self.cache[1]
-        fd = os.dup(self.root)
-        try:
-            for comp in key:
-                try:
-                    nfd = os.open(comp, OPEN_DIR, dir_fd=fd)
-                except FileNotFoundError:
-                    if not create:
-                        raise Unsafe("missing in this layer") from None
-                    self.count()
-                    os.mkdir(comp, 0o755, dir_fd=fd)
-                    nfd = os.open(comp, OPEN_DIR, dir_fd=fd)
-                except OSError as e:
-                    if e.errno in (errno.ELOOP, errno.ENOTDIR):
-                        raise Unsafe("a parent is a symlink or not a directory") from None
-                    raise
-                os.close(fd)
-                fd = nfd
-        except BaseException:
-            os.close(fd)
-            raise
-        self.drop_cache()
-        self.cache = (key, fd)
+        fd = self.cache.get(key)
+        if fd is not None:
+            return fd
+        if len(self.cache) >= CACHED_DIRS:
+            self.drop_cache()
+        depth = len(key)
+        while depth and key[:depth] not in self.cache:
+            depth -= 1
+        fd = self.cache[key[:depth]] if depth else self.root
+        for i in range(depth, len(key)):
+            comp = key[i]
+            try:
+                fd = os.open(comp, OPEN_DIR, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    raise Unsafe("missing in this layer") from None
+                self.count()
+                os.mkdir(comp, 0o755, dir_fd=fd)
+                fd = os.open(comp, OPEN_DIR, dir_fd=fd)
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise Unsafe("a parent is a symlink or not a directory") from None
+                raise
+            self.cache[key[:i + 1]] = fd
         return fd
 
     def drop_cache(self) -> None:
-        if self.cache:
-            os.close(self.cache[1])
-            self.cache = None
+        for fd in self.cache.values():
+            os.close(fd)
+        self.cache.clear()
 
-    def make_room(self, pfd: int, name: str, keep_dir: bool) -> bool:
-        """Removes what is at `name` (without following it); True if it is
-        a directory that is kept."""
+    def make_room(self, pfd: int, parts: list[str], keep_dir: bool) -> bool:
+        """Removes what is at `parts` (without following it; `pfd` holds
+        it); True if it is a directory that is kept."""
+        name = parts[-1]
         try:
             st = os.lstat(name, dir_fd=pfd)
         except FileNotFoundError:
@@ -227,8 +304,10 @@ class Applier:
         if stat.S_ISDIR(st.st_mode):
             if keep_dir:
                 return True
-            self.drop_cache()
             remove_tree(pfd, name)
+            gone = tuple(parts)
+            for key in [k for k in self.cache if k[:len(gone)] == gone]:
+                os.close(self.cache.pop(key))
         else:
             os.unlink(name, dir_fd=pfd)
         return False
@@ -298,35 +377,32 @@ class Applier:
         if m.islnk():
             self.hardlink(m, parts, pfd)
             return
-        kept = self.make_room(pfd, base, keep_dir=m.isdir())
         if m.isdir():
-            if not kept:
-                os.mkdir(base, 0o700, dir_fd=pfd)
-            fd = os.open(base, OPEN_DIR, dir_fd=pfd)
             try:
-                self.owner(fd, None, m)
-                self.xattrs(fd, m)
-            finally:
-                os.close(fd)
+                os.mkdir(base, 0o700, dir_fd=pfd)
+            except FileExistsError:
+                if not self.make_room(pfd, parts, keep_dir=True):
+                    os.mkdir(base, 0o700, dir_fd=pfd)
+            fd = self.walked(parts, os.open(base, OPEN_DIR, dir_fd=pfd))
+            self.owner(fd, None, m)
+            self.xattrs(fd, m)
             self.dirs[tuple(parts)] = m
         elif m.issym():
-            os.symlink(m.linkname, base, dir_fd=pfd)
+            self.fresh(pfd, parts, lambda: os.symlink(m.linkname, base, dir_fd=pfd))
             self.owner(pfd, base, m)
             os.utime(base, ns=_mtime(m), dir_fd=pfd, follow_symlinks=False)
         elif m.isfifo():
-            os.mkfifo(base, 0o600, dir_fd=pfd)
+            self.fresh(pfd, parts, lambda: os.mkfifo(base, 0o600, dir_fd=pfd))
             self.owner(pfd, base, m)
             os.chmod(base, m.mode & 0o7777, dir_fd=pfd)
         elif m.isreg():
-            fd = os.open(base, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                         dir_fd=pfd)
+            fd = self.fresh(pfd, parts, lambda: os.open(base, CREATE, 0o600, dir_fd=pfd))
             try:
-                src = tf.extractfile(m)
-                assert src is not None
                 if m.issparse():
                     self.sparse(tf, m, fd)
-                else:
-                    copy(src, m, fd, 0, m.size)
+                else:  # straight from the stream, as tarfile's extractfile would read it
+                    tf.fileobj.seek(m.offset_data)  # type: ignore[union-attr]
+                    copy(tf.fileobj, m, fd, 0, m.size)
                 self.owner(fd, None, m)  # before chmod: chown clears setuid bits
                 os.chmod(fd, m.mode & 0o7777)
                 self.xattrs(fd, m)  # after chown: it clears security.capability
@@ -335,7 +411,28 @@ class Applier:
                 os.close(fd)
             self.files += 1
         else:
+            self.make_room(pfd, parts, keep_dir=False)
             self.skip("unknown")
+
+    def fresh(self, pfd: int, parts: list[str], make: Callable[[], T]) -> T:
+        """make() creates parts[-1] (never through what is there); what is
+        in the way is removed first (rarely: tried after)."""
+        try:
+            return make()
+        except FileExistsError:
+            self.make_room(pfd, parts, keep_dir=False)
+            return make()
+
+    def walked(self, parts: list[str], fd: int) -> int:
+        """Keeps the fd of directory `parts` for the members inside it."""
+        key = tuple(parts)
+        if key in self.cache:
+            os.close(fd)
+            return self.cache[key]
+        if len(self.cache) >= CACHED_DIRS:
+            self.drop_cache()
+        self.cache[key] = fd
+        return fd
 
     def sparse(self, tf: tarfile.TarFile, m: tarfile.TarInfo, fd: int) -> None:
         """Writes only the data of a sparse member; its holes stay holes
@@ -394,7 +491,7 @@ class Applier:
                     return
             except FileNotFoundError:
                 pass
-            self.make_room(pfd, parts[-1], keep_dir=False)
+            self.make_room(pfd, parts, keep_dir=False)
             pfd = self.parent(parts, create=True)
             try:
                 os.link(target[-1], parts[-1], src_dir_fd=tfd, dst_dir_fd=pfd, follow_symlinks=False)
@@ -440,16 +537,16 @@ class Applier:
 
 def copy(src: Any, m: tarfile.TarInfo, fd: int, offset: int, size: int) -> None:
     """`size` bytes of the member from where `src` is to `offset` in fd."""
-    os.lseek(fd, offset, os.SEEK_SET)
-    remaining = size
-    while remaining > 0:
-        data = src.read(min(CHUNK, remaining))
+    end = offset + size
+    while offset < end:
+        data = src.read(min(CHUNK, end - offset))
         if not data:
             raise Corrupt(f"{m.name}: the archive ends inside this file (truncated)")
-        remaining -= len(data)
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            n = os.pwrite(fd, view, offset)
+            offset += n
+            view = view[n:]
 
 
 def remove_tree(pfd: int, name: str) -> None:

@@ -34,6 +34,11 @@ class Confined(Protocol):
 
     async def exec(self, cmd: Sequence[str]) -> ExecResult: ...
 
+    async def run_forwarded(self, cmd: Sequence[str], *, stdin: int | None = None, stdout: int = 1,
+                            stderr: int = 2) -> int:
+        """Runs cmd on these host descriptors (stdin read as it comes); its exit status."""
+        ...
+
     async def __aenter__(self) -> Confined: ...
 
     async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,

@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import anyio
 import httpx
@@ -33,6 +33,7 @@ from ..host import idmap
 from ..errors import NsboxError
 from . import oci
 from .config import ImageConfig
+from .apply import Feed
 from .bounds import Budget
 from .progress import Progress
 from .reference import DOCKER_HUB, DOCKER_HUB_API, Reference, is_loopback, parse
@@ -40,8 +41,10 @@ from .store import Image, ImageNotFound, Store, task_group
 
 MIRROR_ENV = "NSBOX_REGISTRY_MIRROR"
 INSECURE_ENV = "NSBOX_INSECURE_REGISTRIES"
-# Concurrent layer downloads per pull (registries throttle more).
+# Concurrent layer downloads per pull (registries throttle more); each is
+# unpacked as it comes (storage/apply.py's PARALLEL at a time).
 DOWNLOADS = 4
+CHUNK = 1 << 18
 TIMEOUT = httpx.Timeout(30.0, read=60.0)
 MAX_MANIFEST = 4 << 20
 MAX_CONFIG = 4 << 20  # podman's and skopeo's bound too
@@ -276,23 +279,48 @@ class Registry:
         oci.verify(data, digest, f"blob {digest} of {self.ref}")
         return data
 
-    async def blob_to_store(self, desc: dict[str, Any], store: Store, progress: Progress) -> None:
+    async def blob_to_store(self, desc: dict[str, Any], store: Store, progress: Progress,
+                            unpack: Callable[[Feed | None], Awaitable[object]] | None = None) -> None:
         """Downloads a layer into the store, verifying size and digest; a
-        concurrent pull of the same blob waits for this one instead."""
-        digest, size = oci.check_descriptor(desc, f"the manifest of {self.ref}")["digest"], int(desc["size"])
-        async with store.lock(f"blob-{oci.check_digest(digest)[1]}"):
-            if store.has_blob(digest):
-                progress.advance(size)
-                return
-            for attempt in range(RETRIES + 1):
-                try:
-                    await self._download(digest, size, store, progress)
-                    return
-                except httpx.TransportError as e:
-                    if attempt == RETRIES:
-                        raise RegistryError(f"downloading {digest} of {self.ref} failed: {e}") from None
+        concurrent pull of the same blob waits for this one instead.
 
-    async def _download(self, digest: str, size: int, store: Store, progress: Progress) -> None:
+        `unpack(feed)` unpacks the layer (Session.layer), called once: with a
+        feed, it unpacks the download as it comes (one pass: the blob is
+        hashed and stored while the applier decompresses and unpacks it, and
+        nothing is published unless all of it matched its digest); with
+        None, from the stored blob."""
+        digest, size = oci.check_descriptor(desc, f"the manifest of {self.ref}")["digest"], int(desc["size"])
+        unpacked = fed = False
+        async with store.lock(f"blob-{oci.check_digest(digest)[1]}"):
+            if unpack is not None and not store.has_blob(digest):
+                async def feed(write: Callable[[bytes], Awaitable[None]]) -> None:
+                    nonlocal fed
+                    fed = True
+                    await self._download(digest, size, store, progress, write)
+
+                await self._retrying(digest, lambda: unpack(feed))
+                unpacked = True
+            if not store.has_blob(digest):  # the layer was there already: the blob is kept all the same
+                await self._retrying(digest, lambda: self._download(digest, size, store, progress))
+            elif not fed:
+                progress.advance(size)
+        if unpack is not None and not unpacked:
+            await unpack(None)
+
+    async def _retrying(self, digest: str, attempt: Callable[[], Awaitable[object]]) -> None:
+        """attempt(), again after a dropped connection (each starts over)."""
+        for n in range(RETRIES + 1):
+            try:
+                await attempt()
+                return
+            except httpx.TransportError as e:
+                if n == RETRIES:
+                    raise RegistryError(f"downloading {digest} of {self.ref} failed: {e}") from None
+
+    async def _download(self, digest: str, size: int, store: Store, progress: Progress,
+                        sink: Callable[[bytes], Awaitable[None]] | None = None) -> None:
+        """Fetches blob `digest` into the store; `sink` also gets its bytes
+        as they come. Stored only once all of it matched the digest."""
         tmp = store.temp_path()
         h = oci.hasher(digest)
         n = 0
@@ -303,12 +331,14 @@ class Registry:
                     await resp.aread()
                     raise RegistryError(f"blob {digest} of {self.ref}: {resp.status_code} {_error_text(resp)}")
                 with open(tmp, "wb") as f:
-                    async for chunk in resp.aiter_bytes(1 << 20):
+                    async for chunk in resp.aiter_bytes(CHUNK):
                         n += len(chunk)
                         if n > size:
                             raise oci.DigestMismatch(f"blob {digest} of {self.ref} is larger than its {size} bytes")
                         h.update(chunk)
                         f.write(chunk)
+                        if sink is not None:
+                            await sink(chunk)
                         progress.advance(len(chunk))
             finally:
                 await resp.aclose()
@@ -361,12 +391,15 @@ async def pull(store: Store, ref: str, *, platform: str | None = None, progress:
                 # Every image keeps its blobs (builds read them, prune and
                 # remove reason about them), even when another image's pull
                 # unpacked the layer already.
+                async def unpack(feed: Feed | None) -> object:
+                    return await s.layer(desc["digest"], diff_id, budget, feed)
+
                 if not store.has_blob(desc["digest"]):
                     async with downloads:
-                        await reg.blob_to_store(desc, store, progress)
+                        await reg.blob_to_store(desc, store, progress, unpack)
                 else:
                     progress.advance(int(desc["size"]))
-                await s.layer(desc["digest"], diff_id, budget)
+                    await unpack(None)
                 progress.layer_done()
 
             async with task_group() as tg:

@@ -48,7 +48,7 @@ from ..host.dirs import data_dir
 from ..errors import NsboxError
 from ..spec import Bind
 from . import oci
-from .apply import ApplyReport, CorruptLayer, Exceeded, Unpacker
+from .apply import ApplyReport, CorruptLayer, Exceeded, Feed, Unpacker
 from .config import ImageConfig
 from .confined import Confined, Runner
 from .bounds import Budget, TooLarge
@@ -466,10 +466,14 @@ class Session:
         self.unpacker = unpacker
         self.progress = progress
 
-    async def layer(self, blob: str, diff_id: str | None, budget: Budget | None = None) -> tuple[str, Path]:
+    async def layer(self, blob: str, diff_id: str | None, budget: Budget | None = None,
+                    feed: Feed | None = None) -> tuple[str, Path]:
         """Unpacks blob into its layer directory unless there already is a
         verified one; returns (diff_id, directory). diff_id None: learn it
-        by unpacking. `budget`: the image's bounds, shared by its layers."""
+        by unpacking. `budget`: the image's bounds, shared by its layers.
+        `feed`: the blob is not in the store yet, feed streams it (and
+        stores it once verified; see Unpacker.apply); not called when the
+        layer is there already."""
         key = self.mapping.key
         budget = budget or Budget(blob[:19])
         if diff_id:
@@ -477,7 +481,7 @@ class Session:
             if (info := self.store.verified(diff_id, key)) is None:
                 async with self.store.lock(f"layer-{key}-{final.name}"):
                     if (info := self.store.verified(diff_id, key)) is None:
-                        report, tmp = await self._unpack(blob, budget)
+                        report, tmp = await self._unpack(blob, budget, feed)
                         if report.diff_id != diff_id:
                             _remove(tmp, self.mapping)
                             raise CorruptLayer(f"layer {blob} unpacks to {report.diff_id}, but the image config "
@@ -486,7 +490,7 @@ class Session:
                         return diff_id, final
             self._count(final, info, budget)
             return diff_id, final
-        report, tmp = await self._unpack(blob, budget)
+        report, tmp = await self._unpack(blob, budget, feed)
         final = self.store.layer_dir(report.diff_id, key)
         async with self.store.lock(f"layer-{key}-{final.name}"):
             if (info := self.store.verified(report.diff_id, key)) is not None:
@@ -521,12 +525,12 @@ class Session:
         budget.published.clear()
         return error
 
-    async def _unpack(self, blob: str, budget: Budget) -> tuple[ApplyReport, Path]:
+    async def _unpack(self, blob: str, budget: Budget, feed: Feed | None = None) -> tuple[ApplyReport, Path]:
         name = secrets.token_hex(8)
         tmp = self.staging / name
         allowed = budget.for_layer()
         try:
-            report = await self.unpacker.apply(blob, name, *allowed)
+            report = await self.unpacker.apply(blob, name, *allowed, feed=feed)
         except BaseException as e:
             with anyio.CancelScope(shield=True):
                 _remove(tmp, self.mapping)

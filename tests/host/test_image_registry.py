@@ -18,7 +18,9 @@ import pytest
 
 from nsbox.errors import NsboxError
 from nsbox.storage import oci
+from nsbox.storage import apply as apply_mod
 from nsbox.storage import registry as reg_mod
+from nsbox.storage.progress import Progress
 from nsbox.sandbox import confined
 from nsbox.storage.registry import AuthError, pull
 from nsbox.storage.resolve import resolve
@@ -217,6 +219,79 @@ async def test_damaged_blob(registry: Registry, store: Store, tmp_path: Path, da
         await pull(store, f"{registry.host}/test/{damage}:1")
     assert not store.has_blob(layer["digest"])
     _nothing_published(store)
+
+
+async def test_tampered_blob_found_only_at_its_end(registry: Registry, store: Store, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layer is unpacked while it downloads; a blob that differs from its
+    digest only in its gzip header's timestamp unpacks completely, to the
+    right diff_id, and only the digest at its end tells: nothing of it is
+    kept (blob, layer, staging directory, temp file, name)."""
+    layout, manifest = _unique_image(tmp_path, "tampered-header")
+    push(f"oci:{layout.path}:tampered-header", registry, "test/tampered:1")
+    layer = manifest["layers"][0]
+    data = registry.blob_file(layer["digest"])
+    content = bytearray(data.read_bytes())
+    assert content[:2] == b"\x1f\x8b" and not content[3] & 0x02  # gzip, no header CRC
+    content[4:8] = (1_700_000_000).to_bytes(4, "little")  # MTIME: not under the data's CRC
+    data.write_bytes(bytes(content))
+    reports: list[Any] = []
+    real = apply_mod.Unpacker.apply
+
+    async def watching(self: Any, *a: Any, feed: Any = None) -> Any:
+        try:
+            reports.append(await real(self, *a, feed=feed))
+        except BaseException as e:
+            reports.append((feed is not None, e))
+            raise
+        return reports[-1]
+
+    monkeypatch.setattr(apply_mod.Unpacker, "apply", watching)
+    with pytest.raises(oci.DigestMismatch, match="does not match its digest"):
+        await pull(store, f"{registry.host}/test/tampered:1")
+    streamed, error = reports[0]
+    assert streamed and isinstance(error, oci.DigestMismatch)
+    assert not store.has_blob(layer["digest"])
+    _nothing_published(store)
+
+
+async def test_registry_dying_mid_blob(store: Store, tmp_path: Path) -> None:
+    """The registry is killed while a layer streams in: the pull fails with
+    one clear error, after its retries, and keeps nothing."""
+    dying = Registry(tmp_path / "dying")
+    try:
+        layout = Layout(tmp_path / "big")
+        # More than the sockets on both sides buffer: the kill cuts the stream.
+        layout.tag("big", layout.image([tar_bytes(lambda t: add(t, "big.bin", os.urandom(32 << 20)))],
+                                       compress=False))
+        push(f"oci:{layout.path}:big", dying, "test/big:1")
+
+        class Killing(Progress):
+            def advance(self, nbytes: int) -> None:
+                super().advance(nbytes)
+                if self.done > 1 << 20 and dying.proc.poll() is None:
+                    dying.proc.kill()
+                    dying.proc.wait()
+
+        progress = Killing()
+        with pytest.raises(NsboxError, match="downloading sha256:[0-9a-f]+ of .* failed"):
+            await pull(store, f"{dying.host}/test/big:1", progress=progress)
+        assert progress.done == 0  # what came is taken back
+        assert len(list(store.blobs.joinpath("sha256").iterdir())) == 2  # the manifest and config only
+        _nothing_published(store)
+    finally:
+        dying.close()
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_streamed_pull_on_trio(registry: Registry, busybox_oci: Path, store: Store) -> None:
+    """The pipe a layer streams through is waited on with anyio (the rest
+    of this module runs on asyncio)."""
+    push(f"oci:{busybox_oci}:app", registry, "test/trio:1")
+    image = await pull(store, f"{registry.host}/test/trio:1")
+    assert len(image.layers) == 2 and (image.layers[0] / "bin/busybox").is_file()
+    assert b"app:x:1000" in (image.layers[1] / "etc/passwd").read_bytes()
+    assert all(store.has_blob(d["digest"]) for d in store.read_json(image.digest)["layers"])
 
 
 async def test_missing_image_and_registry_errors(registry: Registry, store: Store) -> None:
