@@ -250,7 +250,12 @@ class InitClient:
         """Sends a request with a fresh channel (or `channel`: ours, and the
         end the init gets) in front of `fds`; the init holds its own copies
         of the descriptors once this returns."""
-        chan, chan_child = channel or socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            chan, chan_child = channel or socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        except BaseException:
+            if memfd is not None:
+                os.close(memfd)
+            raise
         try:
             await self.send(message, [chan_child.fileno(), *fds, *([memfd] if memfd is not None else [])])
         except BaseException:

@@ -452,3 +452,58 @@ def test_full_filesystem_while_pulling_an_image(tmp_path: Path, registry: Regist
     # themselves leave none.
     assert download["fd_delta"] == [], download["fd_delta"]
     assert again["fd_growth"] <= 0, again["fd_delta"]
+
+
+EXEC_NOFILE = textwrap.dedent("""
+    import json, os, resource
+    import anyio, nsbox
+
+    def open_fds():
+        return {int(fd): os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+                if os.path.exists(f"/proc/self/fd/{fd}")}
+
+    async def main():
+        async with nsbox.Sandbox() as sb:
+            big = {"BIG": "x" * 100_000}  # over the inline request size: its payload travels in a memfd
+            assert (await sb.exec(["true"], env=big)).success
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            tries = []
+            for more in range(8):
+                before = open_fds()
+                # The limit bounds descriptor numbers: the (more+1)-th new
+                # descriptor takes the (more+1)-th free number, and fails.
+                free = [n for n in range(max(before) + 16) if n not in before]
+                resource.setrlimit(resource.RLIMIT_NOFILE, (free[more], hard))
+                try:
+                    r = await sb.exec(["true"], env=big)
+                    error = None if r.success else r.stderr
+                except Exception as e:  # the limit, as the caller sees it
+                    error = f"{type(e).__name__}: {e}"
+                finally:
+                    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+                # What is left, but for the pipes and channel nsbox keeps
+                # ready for the next exec (nsbox/init/execfds.py).
+                left = {fd: what for fd, what in open_fds().items()
+                        if fd not in before and not what.startswith(("pipe:", "socket:"))}
+                tries.append({"error": error, "left": left})
+            again = (await sb.exec(["echo", "A"], env=big)).stdout
+        print("RESULT " + json.dumps({"tries": tries, "again": again}))
+
+    anyio.run(main)
+""")
+
+
+@pytest.mark.timeout(120)
+def test_descriptor_limit_during_an_exec_leaks_nothing(tmp_path: Path) -> None:
+    """An exec that meets RLIMIT_NOFILE at each descriptor it opens in turn
+    (its request's memfd, channel, pipes) fails and leaves no memfd open
+    (the pipes and channel it keeps ready for the next exec aside); the
+    sandbox serves the next exec."""
+    r = subprocess.run([sys.executable, "-c", EXEC_NOFILE], capture_output=True, text=True, timeout=100,
+                       env={**os.environ, "NSBOX_STATE_DIR": str(tmp_path)})
+    lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, r.stderr[-4000:]
+    out = json.loads(lines[-1][len("RESULT "):])
+    assert any(t["error"] for t in out["tries"]), out  # the limit was met
+    assert [t["left"] for t in out["tries"]] == [{}] * len(out["tries"]), out["tries"]
+    assert out["again"] == "A\n"
