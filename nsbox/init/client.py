@@ -385,9 +385,9 @@ class InitClient:
 
 class IdleConnections:
     """The open control connections, oldest use first; each is closed once
-    IDLE_CLOSE seconds pass without a request on it. On asyncio one timer
-    per event loop does it; elsewhere (trio), the next use of any
-    connection does."""
+    IDLE_CLOSE seconds pass without a request on it: by one timer per
+    asyncio event loop; elsewhere (trio, which has no loop timer to lend)
+    by the process's next request after that."""
 
     def __init__(self) -> None:
         self._last: dict[InitClient, float] = {}  # insertion order: oldest use first
@@ -400,13 +400,11 @@ class IdleConnections:
     def used(self, client: InitClient) -> None:
         now = time.monotonic()
         last = self._last
-        if last.pop(client, None) is None:  # newly opened
+        if last.pop(client, None) is None or self._timer is None:  # newly opened, or no timer
             self._arm()
             cap = rlimits.descriptor_share()
             if len(last) >= cap:
                 self.shed(len(last) - cap + 1)
-        elif self._timer is None:
-            self._arm()
         last[client] = now
 
     def shed(self, count: int) -> int:
