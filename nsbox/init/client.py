@@ -398,14 +398,22 @@ class IdleConnections:
         return len(self._last)
 
     def used(self, client: InitClient) -> None:
-        now = time.monotonic()
         last = self._last
-        if last.pop(client, None) is None or self._timer is None:  # newly opened, or no timer
-            self._arm()
+        new = last.pop(client, None) is None
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:  # not asyncio
+            loop = None
+        if loop is None:
+            self.sweep()
+        elif self._timer is None or self._timer_loop is not loop:  # none yet, or an earlier loop's
+            self._timer_loop = loop
+            self._timer = loop.call_later(IDLE_CLOSE, self._fire)
+        if new:
             cap = rlimits.descriptor_share()
             if len(last) >= cap:
                 self.shed(len(last) - cap + 1)
-        last[client] = now
+        last[client] = time.monotonic()
 
     def shed(self, count: int) -> int:
         """Closes up to `count` connections, the least recently used first,
@@ -423,16 +431,6 @@ class IdleConnections:
 
     def forget(self, client: InitClient) -> None:
         self._last.pop(client, None)
-
-    def _arm(self) -> None:
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # not asyncio
-            self.sweep()
-            return
-        if self._timer is None or self._timer.cancelled() or self._timer_loop is not loop:
-            self._timer_loop = loop
-            self._timer = loop.call_later(IDLE_CLOSE, self._fire)
 
     def _fire(self) -> None:
         self._timer = None
