@@ -60,6 +60,7 @@ from timing import (  # noqa: E402  (bench/timing.py: what bench.py and provider
     sync_op,
     pct,
     free_port,
+    proc_pss,
 )
 
 
@@ -612,17 +613,6 @@ def proc_status(pid: int) -> dict[str, int]:
             if value.strip().endswith("kB"):
                 out[key] = int(value.split()[0])
     return out
-
-
-def proc_pss(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
 
 
 async def bench_rss(count: int, notes: list[str]) -> list[Row]:

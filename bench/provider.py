@@ -34,7 +34,7 @@ from typing import Any, Callable
 import anyio
 
 import nsbox
-from timing import BENCH_IMAGE, BWRAP_ARGS, OCI_LAYOUT, OCI_TAG, OUT_BYTES, Op, free_port, interleaved, pct, sync_op
+from timing import BENCH_IMAGE, BWRAP_ARGS, OCI_LAYOUT, OCI_TAG, OUT_BYTES, Op, free_port, interleaved, pct, proc_pss, sync_op
 
 try:
     from inspect_ai.util._sandbox.local import LocalSandboxEnvironment
@@ -515,17 +515,6 @@ async def bench_compose(samples: int, count: int, notes: list[str]) -> list[Row]
 
 # ---- live sandboxes in one process -----------------------------------------
 
-def pss_kib(pid: int | str) -> int | None:
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
 def rss_kib(pid: int | str) -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
@@ -579,7 +568,7 @@ async def bench_live(count: int, notes: list[str]) -> list[Row]:
         host_kib = rss_kib("self") - base_rss
         avail_drop = base_avail - available_kib()
         fd_per = (fds() - base_fds) / max(made, 1)
-        pss = [pss_kib(sb.pid) for sb in boxes]
+        pss = [proc_pss(sb.pid) for sb in boxes]
         pss_total = sum(p for p in pss if p is not None)
     finally:
         with anyio.CancelScope(shield=True):

@@ -218,25 +218,18 @@ class InitClient:
 
     async def send(self, message: bytes, fds: Sequence[int]) -> None:
         ctl = self.ctl
-        try:
-            protocol.send(ctl, message, fds)
-            return
-        except BlockingIOError:
-            pass
-        except OSError as e:
-            raise self._send_failed(e) from None
         self._busy += 1
         try:
             while True:
-                async with self._room_wait:
-                    await anyio.wait_writable(ctl)
                 try:
                     protocol.send(ctl, message, fds)
                     return
                 except BlockingIOError:
-                    continue
+                    pass
                 except OSError as e:
                     raise self._send_failed(e) from None
+                async with self._room_wait:
+                    await anyio.wait_writable(ctl)
         finally:
             self._busy -= 1
 
