@@ -133,17 +133,18 @@ async def amain(args: argparse.Namespace) -> None:
         async def exec_true() -> None:
             await env.exec(["true"])
 
-        for _ in range(100):
-            await exec_true()
-        split = Split(env.sandbox.pid)
-        split.start()
-        for _ in range(args.execs):
-            await exec_true()
-        parts = split.stop(args.execs)
-        show(f"exec(['true']) through the provider, x{args.execs}", "us", 1e6, parts,
-             ["host", "init", "commands"])
-        if args.top:
-            await profiled(exec_true, args.execs // 2, args.top)
+        if args.execs > 0:
+            for _ in range(100):
+                await exec_true()
+            split = Split(env.sandbox.pid)
+            split.start()
+            for _ in range(args.execs):
+                await exec_true()
+            parts = split.stop(args.execs)
+            show(f"exec(['true']) through the provider, x{args.execs}", "us", 1e6, parts,
+                 ["host", "init", "commands"])
+            if args.top:
+                await profiled(exec_true, args.execs // 2, args.top)
     finally:
         await Provider.sample_cleanup("profile", None, envs, False)
 
@@ -152,6 +153,9 @@ async def amain(args: argparse.Namespace) -> None:
         await e["default"].exec(["true"])
         await Provider.sample_cleanup("profile", None, e, False)
 
+    if args.samples <= 0:
+        await Provider.task_cleanup("profile", None, True)
+        return
     for _ in range(20):
         await sample()
     split = Split()
