@@ -32,12 +32,15 @@ import cProfile
 import os
 import pstats
 import resource
+import shutil
+import subprocess
 import time
 from typing import Any, Awaitable, Callable
 
 import anyio
 
 from nsbox.create import zygote
+from timing import BWRAP_ARGS
 
 try:
     from nsbox.inspect.provider import NsboxSandboxEnvironment as Provider
@@ -168,6 +171,22 @@ async def amain(args: argparse.Namespace) -> None:
     if args.top:
         await profiled(sample, args.samples // 2, args.top)
     await Provider.task_cleanup("profile", None, True)
+    bwrap = shutil.which("bwrap")
+    if bwrap:
+        # The sample row's baseline, accounted alike: what a sample costs in
+        # CPU bounds how fast samples can come on this many cores, however
+        # much of a sandbox were made ahead of the sample.
+        cmd = [bwrap, *BWRAP_ARGS]
+        for _ in range(20):
+            subprocess.run(cmd, check=True)
+        split = Split()
+        split.start()
+        for _ in range(args.samples):
+            subprocess.run(cmd, check=True)
+        parts = split.stop(args.samples)
+        show(f"bubblewrap running true (the sample row's baseline), x{args.samples}", "ms", 1e3, parts,
+             ["host", "sandboxes"])
+        print(f"  (host: this process starting it; sandboxes: bwrap and true; {os.cpu_count()} cores)")
 
 
 def main() -> None:
