@@ -57,6 +57,7 @@ from timing import (  # noqa: E402  (bench/timing.py: what bench.py and provider
     PODMAN_PUBLISHED,
     Op,
     interleaved,
+    spawn_floor,
     sync_op,
     pct,
     free_port,
@@ -132,52 +133,6 @@ def ms_spread(samples: list[float]) -> str:
 
 # ---- the benchmarks ------------------------------------------------------
 
-# The cost of running `true` at all: posix_spawn + waitpid in a loop, from
-# C, timed per call (median, seconds). Any exec API pays at least this.
-SPAWN_FLOOR_C = r"""
-#include <spawn.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <sys/wait.h>
-#include <time.h>
-extern char **environ;
-static int cmp(const void *a, const void *b) { double x = *(const double *)a, y = *(const double *)b; return (x > y) - (x < y); }
-int main(int argc, char **argv) {
-    int n = atoi(argv[1]);
-    double *t = malloc(sizeof *t * n);
-    char *args[] = {"true", NULL};
-    for (int i = 0; i < n; i++) {
-        struct timespec a, b;
-        pid_t pid;
-        int st;
-        clock_gettime(CLOCK_MONOTONIC, &a);
-        if (posix_spawnp(&pid, "true", NULL, NULL, args, environ) || waitpid(pid, &st, 0) != pid) return 1;
-        clock_gettime(CLOCK_MONOTONIC, &b);
-        t[i] = (b.tv_sec - a.tv_sec) + (b.tv_nsec - a.tv_nsec) / 1e9;
-    }
-    qsort(t, n, sizeof *t, cmp);
-    printf("%.9f\n", t[n / 2]);
-    return 0;
-}
-"""
-
-
-def spawn_floor(n: int) -> float | None:
-    """Median seconds of one posix_spawn + waitpid of `true`, from C; None
-    without a C compiler."""
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        return None
-    with tempfile.TemporaryDirectory() as d:
-        src, exe = os.path.join(d, "floor.c"), os.path.join(d, "floor")
-        with open(src, "w") as f:
-            f.write(SPAWN_FLOOR_C)
-        if subprocess.run([cc, "-O2", "-o", exe, src], capture_output=True).returncode != 0:
-            return None
-        r = subprocess.run([exe, str(max(n, 1))], capture_output=True, text=True)
-        return float(r.stdout) if r.returncode == 0 else None
-
-
 async def bench_exec_true(sb: nsbox.Sandbox, local: Any, n: int, warmup: int, notes: list[str]) -> list[Row]:
     async def ns() -> None:
         r = await sb.exec(["true"])
@@ -201,7 +156,7 @@ async def bench_exec_true(sb: nsbox.Sandbox, local: Any, n: int, warmup: int, no
         variants["inspect local (concurrency=False)"] = insp_nc
     s = await interleaved(variants, n, warmup)
     med = {k: statistics.median(v) for k, v in s.items()}
-    floor = spawn_floor(n)
+    floor = spawn_floor(n, ["true"])
     notes.append("exec true: " + "; ".join(f"{k} {ms_spread(v)}" for k, v in s.items()))
     if floor is not None and med.get("inspect local"):
         notes.append(f"exec true: 0.70x Inspect local is {0.7 * med['inspect local'] * 1000:.3f} ms; "

@@ -35,7 +35,8 @@ from typing import Any, Callable
 import anyio
 
 import nsbox
-from timing import BENCH_IMAGE, BWRAP_ARGS, OCI_LAYOUT, OCI_TAG, OUT_BYTES, Op, free_port, interleaved, pct, proc_pss, sync_op
+from timing import (BENCH_IMAGE, BWRAP_ARGS, OCI_LAYOUT, OCI_TAG, OUT_BYTES, Op, free_port, interleaved, pct, proc_pss,
+                    spawn_floor, sync_op)
 
 try:
     from inspect_ai.util._sandbox.local import LocalSandboxEnvironment
@@ -172,6 +173,19 @@ async def quick_rows(n_exec: int, n_out: int, n_sample: int, count: int, notes: 
         Row(f"{mib}, provider", out["provider"], "inspect local", out["local"], "ratio <= 0.25", at_most(0.25)),
         Row(f"{mib}, raw API", out["raw"], "inspect local", out["local"], "report"),
     ]
+    # The command spawned from C, no sandbox (its stdout read into memory
+    # for the 10 MiB row): for `true`, what no exec API can go below; for
+    # 10 MiB, what a plain C program pays (how the reader and the writer
+    # share the CPUs moves it either way).
+    floors = {op: [[f] for _ in range(count) if (f := spawn_floor(n, cmd, capture)) is not None]
+              for op, n, cmd, capture in ((true, n_exec, ["true"], False),
+                                          (mib, n_out, ["head", "-c", str(OUT_BYTES), "/dev/zero"], True))}
+    for op, base, local in ((true, ex["provider"], ex["local"]), (mib, out["provider"], out["local"])):
+        if floors[op]:
+            rows.append(Row(f"{op}, provider", base, "posix_spawn + waitpid from C", floors[op], "report"))
+            floor, local_med = statistics.median(flat(floors[op])), statistics.median(flat(local))
+            notes.append(f"{op}: spawned from C without a sandbox it takes {floor * 1000:.2f} ms, "
+                         f"{floor / local_med:.2f}x of inspect local")
     return rows + sample_rows(samples, notes)
 
 

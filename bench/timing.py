@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from typing import Any, Awaitable, Callable
 
@@ -78,3 +80,72 @@ def proc_pss(pid: int | str) -> int | None:
     except OSError:
         pass
     return None
+
+
+# The cost of running a command at all, no sandbox: posix_spawn + waitpid in
+# a loop, from C, timed per call (median, seconds); with its stdout read to
+# the end into memory when asked (what capturing its output costs at least).
+# Any exec API pays at least this.
+SPAWN_FLOOR_C = r"""
+#include <spawn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+extern char **environ;
+static int cmp(const void *a, const void *b) { double x = *(const double *)a, y = *(const double *)b; return (x > y) - (x < y); }
+int main(int argc, char **argv) {
+    int n = atoi(argv[1]), capture = atoi(argv[2]);
+    double *t = malloc(sizeof *t * n);
+    size_t cap = 1 << 20, len;
+    char *buf = malloc(cap);
+    for (int i = 0; i < n; i++) {
+        struct timespec a, b;
+        posix_spawn_file_actions_t fa;
+        int p[2], st;
+        pid_t pid;
+        clock_gettime(CLOCK_MONOTONIC, &a);
+        posix_spawn_file_actions_init(&fa);
+        if (capture) {
+            if (pipe(p)) return 1;
+            posix_spawn_file_actions_adddup2(&fa, p[1], 1);
+            posix_spawn_file_actions_addclose(&fa, p[0]);
+            posix_spawn_file_actions_addclose(&fa, p[1]);
+        }
+        if (posix_spawnp(&pid, argv[3], &fa, NULL, argv + 3, environ)) return 1;
+        posix_spawn_file_actions_destroy(&fa);
+        if (capture) {
+            ssize_t r;
+            close(p[1]);
+            len = 0;
+            while ((r = read(p[0], buf + len, cap - len)) > 0)
+                if ((len += r) == cap && !(buf = realloc(buf, cap *= 2))) return 1;
+            close(p[0]);
+        }
+        if (waitpid(pid, &st, 0) != pid) return 1;
+        clock_gettime(CLOCK_MONOTONIC, &b);
+        t[i] = (b.tv_sec - a.tv_sec) + (b.tv_nsec - a.tv_nsec) / 1e9;
+    }
+    qsort(t, n, sizeof *t, cmp);
+    printf("%.9f\n", t[n / 2]);
+    return 0;
+}
+"""
+
+
+def spawn_floor(n: int, cmd: list[str], capture: bool = False) -> float | None:
+    """Median seconds of one posix_spawn + waitpid of `cmd` from C (its
+    stdout read into memory if `capture`); None without a C compiler."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return None
+    with tempfile.TemporaryDirectory() as d:
+        src, exe = os.path.join(d, "floor.c"), os.path.join(d, "floor")
+        with open(src, "w") as f:
+            f.write(SPAWN_FLOOR_C)
+        if subprocess.run([cc, "-O2", "-o", exe, src], capture_output=True).returncode != 0:
+            return None
+        r = subprocess.run([exe, str(max(n, 1)), str(int(capture)), *cmd], capture_output=True, text=True)
+        return float(r.stdout) if r.returncode == 0 else None
