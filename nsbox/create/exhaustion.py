@@ -111,7 +111,7 @@ def of_errno(err: int, path: str | os.PathLike[str] | bytes | None) -> ResourceE
     if err == errno.ENFILE:
         return _limit("the host's table of open files is full", "fs.file-max",
                       f"`sudo sysctl -w fs.file-max=N`{KEEP}, or {CLOSE_SOME}",
-                      detail=f"fs.file-nr (in use, free, max): {_read('/proc/sys/fs/file-nr') or '?'}")
+                      detail=f"fs.file-nr (in use, free, max): {facts.sysctl('fs.file-nr') or '?'}")
     if err == errno.ENOMEM:
         return _memory()
     if err in (errno.ENOSPC, errno.EDQUOT):

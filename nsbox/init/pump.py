@@ -195,10 +195,11 @@ def drain(fd: int, sink: OutputSink) -> bool:
 
 
 def grow_pipe(fd: int) -> None:
-    """A command whose first write fills a read is likely to write a lot:
-    a bigger pipe saves a context switch per 64 KiB. Small outputs keep the
-    default, so many concurrent commands do not use up the per-user pipe
-    allowance (fs.pipe-user-pages-soft)."""
+    """Makes pipe `fd` BIG_PIPE long, for a stream that is likely to be
+    large: a bigger pipe saves a context switch per 64 KiB. Here, a command
+    whose first write fills a read; small outputs keep the default, so many
+    concurrent commands do not use up the per-user pipe allowance
+    (fs.pipe-user-pages-soft)."""
     try:
         fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, BIG_PIPE)
     except OSError:

@@ -12,8 +12,6 @@ mapping, so the kernel enforces both the confinement and the ownership
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import os
 from collections.abc import Awaitable, Callable
@@ -26,6 +24,7 @@ import anyio
 from ..errors import NsboxError
 from ..host.idmap import IdMap
 from ..init.client import ExecResult
+from ..init.pump import grow_pipe
 from ..spec import Bind
 from .confined import Confined, Runner, host_python
 from .oci import check_digest
@@ -33,8 +32,6 @@ from .oci import check_digest
 APPLIER = Path(__file__).with_name("applytar.py")
 # Layers applied at once (each applier decompresses on a second thread).
 PARALLEL = 3
-F_SETPIPE_SZ = 1031
-PIPE_SIZE = 1 << 20  # the most an unprivileged user may ask for (pipe-max-size)
 # feed(write): writes a blob, in order, through `write`; returns once all is
 # written and verified.
 Feed = Callable[[Callable[[bytes], Awaitable[None]]], Awaitable[None]]
@@ -148,8 +145,7 @@ class Unpacker:
             fds.append(out)
             err = os.memfd_create("stderr", os.MFD_CLOEXEC)
             fds.append(err)
-            with contextlib.suppress(OSError):
-                fcntl.fcntl(w_fd, F_SETPIPE_SZ, PIPE_SIZE)  # fewer wakeups on both sides
+            grow_pipe(w_fd)  # a layer is large: fewer wakeups on both sides
             os.set_blocking(w_fd, False)
 
             codes: list[int] = []
