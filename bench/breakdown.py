@@ -40,23 +40,12 @@ from typing import Any, Awaitable, Callable
 import anyio
 
 from nsbox.create import zygote
-from timing import BWRAP_ARGS
+from timing import BWRAP_ARGS, rusage_cpu, stat_cpu
 
 try:
     from nsbox.inspect.provider import NsboxSandboxEnvironment as Provider
 except ImportError:  # no Inspect
     Provider = None  # type: ignore[assignment,misc]
-
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def stat_cpu(pid: int) -> tuple[float, float]:
-    """(own, reaped children's) CPU seconds of `pid`."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    utime, stime, cutime, cstime = (int(x) for x in fields[11:15])
-    return (utime + stime) / TICK, (cutime + cstime) / TICK
-
 
 def tree_cpu(root: int, skip: set[int]) -> float:
     """CPU seconds of `root`'s descendants (not `skip`), alive now."""
@@ -75,11 +64,6 @@ def tree_cpu(root: int, skip: set[int]) -> float:
     return total
 
 
-def self_cpu(who: int) -> float:
-    r = resource.getrusage(who)
-    return r.ru_utime + r.ru_stime
-
-
 class Split:
     """CPU of each part, between start() and stop()."""
 
@@ -87,7 +71,7 @@ class Split:
         self.init = init
 
     def read(self) -> dict[str, float]:
-        out = {"host": self_cpu(resource.RUSAGE_SELF), "sandboxes": self_cpu(resource.RUSAGE_CHILDREN)}
+        out = {"host": rusage_cpu(resource.RUSAGE_SELF), "sandboxes": rusage_cpu(resource.RUSAGE_CHILDREN)}
         zygotes = zygote.helper_pids()  # the zygote and its holders
         out["zygote"] = sum(sum(stat_cpu(z)) for z in zygotes)
         if self.init:

@@ -36,7 +36,7 @@ import anyio
 
 import nsbox
 from timing import (BENCH_IMAGE, BWRAP_ARGS, OCI_LAYOUT, OCI_TAG, OUT_BYTES, Op, free_port, interleaved, pct, proc_pss,
-                    spawn_floor, sync_op)
+                    rusage_cpu, spawn_floor, stat_cpu, sync_op)
 
 try:
     from inspect_ai.util._sandbox.local import LocalSandboxEnvironment
@@ -307,17 +307,10 @@ def cpu_seconds(pid: int) -> float:
     return total / 1e9
 
 
-def own_cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
 def reaped_cpu(pid: int) -> float:
     """CPU time of the children the process has reaped (cutime + cstime)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")
+        return stat_cpu(pid)[1]
     except (OSError, IndexError, ValueError):
         return 0.0
 
@@ -481,11 +474,11 @@ async def bench_compose(samples: int, count: int, notes: list[str]) -> list[Row]
             finally:
                 await Provider.sample_cleanup("bench", path, envs, False)
 
-        before, helpers0 = own_cpu(), helpers()
+        before, helpers0 = rusage_cpu(resource.RUSAGE_SELF), helpers()
         async with anyio.create_task_group() as tg:
             for i in range(samples):
                 tg.start_soon(sample, i)
-        cpu["host process"].append((own_cpu() - before) / samples)
+        cpu["host process"].append((rusage_cpu(resource.RUSAGE_SELF) - before) / samples)
         for k, v in helpers().items():
             by_helper[k[2]] = by_helper.get(k[2], 0.0) + (v - helpers0.get(k, 0.0)) / samples
         cpu["helpers"].append(sum(by_helper.values()) - sum(cpu["helpers"]))

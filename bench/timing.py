@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import os
+import resource
 import shutil
 import socket
 import subprocess
@@ -30,6 +31,7 @@ BENCH_IMAGE = "nsbox-bench/debian:12"  # kept in this user's image store between
 PODMAN_PUBLISHED = (0.200, 0.280)  # `podman run --rm IMG true`, published figures (s)
 
 Op = Callable[[], Awaitable[Any]]
+TICK = os.sysconf("SC_CLK_TCK")
 
 
 async def interleaved(variants: dict[str, Op], n: int, warmup: int) -> dict[str, list[float]]:
@@ -70,6 +72,20 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def stat_cpu(pid: int) -> tuple[float, float]:
+    """(own, reaped children's) CPU seconds of `pid`, from /proc/PID/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    utime, stime, cutime, cstime = (int(x) for x in fields[11:15])
+    return (utime + stime) / TICK, (cutime + cstime) / TICK
+
+
+def rusage_cpu(who: int) -> float:
+    """User + system CPU seconds of getrusage(`who`)."""
+    r = resource.getrusage(who)
+    return r.ru_utime + r.ru_stime
+
+
 def proc_pss(pid: int | str) -> int | None:
     """The proportional set size of `pid` in KiB (None if unreadable)."""
     try:
@@ -84,13 +100,13 @@ def proc_pss(pid: int | str) -> int | None:
 
 # The cost of running a command at all, no sandbox: posix_spawn + waitpid in
 # a loop, from C, timed per call (median, seconds); with its stdout read to
-# the end into memory when asked (what capturing its output costs at least).
-# Any exec API pays at least this.
+# the end into memory when asked. For `true`, any exec API pays at least
+# this; for captured output, it is what a plain C program pays (how reader
+# and writer share the CPUs moves it either way).
 SPAWN_FLOOR_C = r"""
 #include <spawn.h>
 #include <stdio.h>
 #include <stdlib.h>
-#include <string.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
