@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import select
 
 import anyio
@@ -26,6 +27,17 @@ def readable_now(fd: int) -> bool:
     p = select.poll()
     p.register(fd, select.POLLIN)
     return bool(p.poll(0))
+
+
+async def write_all(fd: int, data: bytes | memoryview) -> None:
+    """Writes all of `data` to non-blocking `fd` (a pipe), waiting while it
+    is full; BrokenPipeError once its reader is gone."""
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(fd, view[: 1 << 20]) :]
+        except BlockingIOError:
+            await anyio.wait_writable(fd)
 
 
 async def readable(fd: int, timeout: float | None = None) -> bool:

@@ -37,6 +37,7 @@ from typing import Any, Awaitable, Callable, Literal
 
 import anyio
 
+from . import fdwait
 from .capture import READ_CHUNK, OutputQueue
 from .client import START_TIMEOUT, Channel, Command, ExecResult, InitClient, failed_start
 from ..errors import NsboxError, SandboxUnavailable
@@ -288,11 +289,7 @@ class Process:
             self._writing = True
             try:
                 os.set_blocking(self._in_w, False)
-                while view:
-                    try:
-                        view = view[os.write(self._in_w, view[: 1 << 20]) :]
-                    except BlockingIOError:
-                        await anyio.wait_writable(self._in_w)
+                await fdwait.write_all(self._in_w, view)
             finally:
                 self._writing = False
                 if self._finished:

@@ -24,6 +24,7 @@ import anyio
 from ..errors import NsboxError
 from ..host.idmap import IdMap
 from ..init.client import ExecResult
+from ..init.fdwait import write_all
 from ..init.pump import grow_pipe
 from ..spec import Bind
 from .confined import Confined, Runner, host_python
@@ -185,12 +186,7 @@ class _Pipe:
         self.fd = fd
 
     async def write(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            try:
-                view = view[os.write(self.fd, view):]
-            except BlockingIOError:
-                await anyio.wait_writable(self.fd)
+        await write_all(self.fd, data)
 
     def close(self) -> None:
         if self.fd >= 0:
