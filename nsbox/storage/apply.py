@@ -123,9 +123,12 @@ class Unpacker:
             raise CorruptLayer(f"layer {blob}: {r.stderr.strip()[-500:]}",
                                hint="pull or import the image again; if it recurs, the source is damaged")
         if r.returncode == 5:  # a limit reached (a full disk): the errno, for nsbox/create/exhaustion.py
-            last = r.stderr.strip().splitlines()[-1]
-            err = int(last.split()[0])
-            raise NsboxError(f"unpacking layer {blob} failed: {last.split(' ', 1)[1]}") from OSError(
+            last = (r.stderr.strip().splitlines() or [""])[-1]  # "ERRNO what": one line (applytar's _fail)
+            code, _, what = last.partition(" ")
+            if not code.isdigit():
+                raise NsboxError(f"unpacking layer {blob} failed: {last[-1000:]}")
+            err = int(code)
+            raise NsboxError(f"unpacking layer {blob} failed: {what}") from OSError(
                 err, os.strerror(err), os.fspath(self.staging))
         if r.returncode != 0:
             raise NsboxError(f"unpacking layer {blob} failed: {r.stderr.strip()[-1000:]}")

@@ -265,27 +265,43 @@ class Applier:
         fd = self.cache.get(key)
         if fd is not None:
             return fd
-        if len(self.cache) >= CACHED_DIRS:
-            self.drop_cache()
         depth = len(key)
         while depth and key[:depth] not in self.cache:
             depth -= 1
+        if len(self.cache) + len(key) - depth > CACHED_DIRS:
+            self.drop_cache()
+            depth = 0
+        # Of a path deeper than CACHED_DIRS, only the last levels are kept:
+        # the others are closed as the walk goes on.
+        keep_from = len(key) - CACHED_DIRS
         fd = self.cache[key[:depth]] if depth else self.root
-        for i in range(depth, len(key)):
-            comp = key[i]
-            try:
-                fd = os.open(comp, OPEN_DIR, dir_fd=fd)
-            except FileNotFoundError:
-                if not create:
-                    raise Unsafe("missing in this layer") from None
-                self.count()
-                os.mkdir(comp, 0o755, dir_fd=fd)
-                fd = os.open(comp, OPEN_DIR, dir_fd=fd)
-            except OSError as e:
-                if e.errno in (errno.ELOOP, errno.ENOTDIR):
-                    raise Unsafe("a parent is a symlink or not a directory") from None
-                raise
-            self.cache[key[:i + 1]] = fd
+        loose = -1  # the walk's fd that is not kept, closed once the next is open
+        try:
+            for i in range(depth, len(key)):
+                comp = key[i]
+                try:
+                    fd = os.open(comp, OPEN_DIR, dir_fd=fd)
+                except FileNotFoundError:
+                    if not create:
+                        raise Unsafe("missing in this layer") from None
+                    self.count()
+                    os.mkdir(comp, 0o755, dir_fd=fd)
+                    fd = os.open(comp, OPEN_DIR, dir_fd=fd)
+                except OSError as e:
+                    if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                        raise Unsafe("a parent is a symlink or not a directory") from None
+                    raise
+                if loose >= 0:
+                    os.close(loose)
+                    loose = -1
+                if i >= keep_from:
+                    self.cache[key[:i + 1]] = fd
+                else:
+                    loose = fd
+        except BaseException:
+            if loose >= 0:
+                os.close(loose)
+            raise
         return fd
 
     def drop_cache(self) -> None:
@@ -321,7 +337,7 @@ class Applier:
     def skip(self, kind: str, name: str = "") -> None:
         self.skipped[kind] = self.skipped.get(kind, 0) + 1
         if name and kind in ("unsafe", "hardlink") and len(self.examples) < 5:
-            self.examples.append(name)
+            self.examples.append(shown(name))
 
     # -- members ------------------------------------------------------
 
@@ -567,15 +583,30 @@ def remove_tree(pfd: int, name: str) -> None:
 LIMIT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.ENOMEM, errno.EMFILE, errno.ENFILE)
 
 
+def shown(text: str) -> str:
+    """`text` with its unprintable characters escaped: a member's name may
+    hold any (a newline that would fake the line the host parses, a
+    terminal's escape sequence)."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def _fail(code: int, message: str) -> int:
-    print(message, file=sys.stderr)
+    """Exits with `code`, the message on one line of stderr (the last)."""
+    print(shown(message), file=sys.stderr)
     return code
+
+
+def _bound(args: dict[str, Any], key: str) -> int:
+    """A bound from the request: absent is none, 0 is 0 (an image whose
+    earlier layers used its bound up leaves the next one nothing)."""
+    value = args.get(key)
+    return 1 << 62 if value is None else int(value)
 
 
 def main(argv: list[str]) -> int:
     args = json.loads(argv[1])
-    reader = Reader(args["blob"], int(args.get("max_bytes") or 1 << 62))
-    applier = Applier(args["dest"], bool(args.get("single")), int(args.get("max_files") or 1 << 62))
+    reader = Reader(args["blob"], _bound(args, "max_bytes"))
+    applier = Applier(args["dest"], bool(args.get("single")), _bound(args, "max_files"))
     try:
         with tarfile.open(fileobj=reader, mode="r|") as tf:  # type: ignore[call-overload]
             applier.apply(tf)

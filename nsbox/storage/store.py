@@ -270,9 +270,11 @@ class Store:
             return None
         return info if isinstance(info, dict) and info.get("diff_id") == diff_id else None
 
-    def _mark(self, layer: Path, report: ApplyReport) -> None:
+    def _marker_file(self, report: ApplyReport) -> Path:
+        """A temp file holding the marker of an unpacked layer (_publish
+        renames it into place)."""
         info = {"diff_id": report.diff_id, "size": report.size, "entries": report.entries}
-        os.rename(self.temp_file(json.dumps(info).encode()), _marker(layer))
+        return self.temp_file(json.dumps(info).encode())
 
     def _unpublish(self, layer: Path, mapping: idmap.IdMap | None) -> None:
         """Removes a layer directory, its marker first (so a crash between
@@ -503,10 +505,22 @@ class Session:
     def _publish(self, tmp: Path, final: Path, report: ApplyReport, budget: Budget) -> None:
         """Renames a verified unpack into place (replacing what is there
         unverified: a crash's leftover or not ours), then marks it."""
-        if os.path.lexists(final):
-            self.store._unpublish(final, self.mapping)
-        os.rename(tmp, final)
-        self.store._mark(final, report)
+        # The marker is written first: a full disk then fails before
+        # anything is in place, and leaves neither half behind.
+        marker = self.store._marker_file(report)
+        try:
+            if os.path.lexists(final):
+                self.store._unpublish(final, self.mapping)
+            os.rename(tmp, final)
+            try:
+                os.rename(marker, _marker(final))
+            except BaseException:
+                self.store._unpublish(final, self.mapping)
+                raise
+        except BaseException:
+            marker.unlink(missing_ok=True)
+            _remove(tmp, self.mapping)
+            raise
         budget.published.append(final)
         self._count(final, {"size": report.size, "entries": report.entries}, budget)
 

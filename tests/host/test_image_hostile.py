@@ -233,6 +233,114 @@ async def test_image_size_bound(tmp_path: Path, store: Store, monkeypatch: pytes
     _nothing_published(store)
 
 
+async def test_a_bound_used_up_leaves_the_next_layer_nothing(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the layers before it used up the image's bound exactly, the next
+    layer may unpack nothing: its applier is given 0 and stops at its first
+    member (0 had read as "no bound", so the layer unpacked in full first)."""
+    from nsbox.storage.apply import Exceeded
+    from nsbox.storage.bounds import Budget
+
+    _limited(monkeypatch, "files=3")
+    first = tar_bytes(lambda t: [add(t, f"f{i}", b"x") for i in range(3)])
+    second = tar_bytes(lambda t: [add(t, f"g{i}", b"y") for i in range(200)])
+    blobs = [store.put_bytes(raw) for raw in (first, second)]
+    budget = Budget("bound:1")
+    outcomes: list[tuple[Any, ...]] = []
+    async with store.session() as s:
+        real = s.unpacker.apply
+
+        async def apply(blob: str, name: str, max_bytes: int, max_files: int, feed: Any = None) -> Any:
+            try:
+                report = await real(blob, name, max_bytes, max_files, feed=feed)
+            except Exceeded:
+                outcomes.append(("stopped", max_files))
+                raise
+            outcomes.append(("unpacked", max_files, report.entries))
+            return report
+
+        s.unpacker.apply = apply  # type: ignore[method-assign]
+        await s.layer(blobs[0], None, budget)
+        with pytest.raises(NsboxError, match=r"more than 3 files.*NSBOX_IMAGE_LIMITS"):
+            await s.layer(blobs[1], None, budget)
+    assert outcomes == [("unpacked", 3, 3), ("stopped", 0)]
+    assert not list(store.tmp.iterdir())
+    for key in store.layers_root.iterdir():
+        assert list(key.iterdir()) == [], list(key.iterdir())
+
+
+async def test_a_full_disk_at_the_layer_marker_leaves_no_layer(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The marker of an unpacked layer cannot be written (a full disk): no
+    layer directory is left without it (it was renamed into place first),
+    and once there is room the same layer unpacks and is marked."""
+    import errno
+
+    from nsbox.storage.bounds import Budget
+
+    blob = store.put_bytes(tar_bytes(lambda t: add(t, "f", b"x")))
+    real = store.temp_file
+
+    def full(data: bytes) -> Path:
+        if b'"diff_id"' in data:  # the marker
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(data)
+
+    monkeypatch.setattr(store, "temp_file", full)
+    async with store.session() as s:
+        with pytest.raises(OSError, match="No space left"):
+            await s.layer(blob, None, Budget("full:1"))
+    assert [list(key.iterdir()) for key in store.layers_root.iterdir()] == [[]]
+    assert not list(store.tmp.iterdir())
+    monkeypatch.setattr(store, "temp_file", real)
+    async with store.session() as s:
+        diff_id, layer = await s.layer(blob, None, Budget("full:1"))
+    assert store.verified(diff_id, MODE.key) is not None and (layer / "f").read_bytes() == b"x"
+
+
+def _applier(tmp_path: Path, raw: bytes, nofile: int | None = None) -> subprocess.CompletedProcess[str]:
+    """applytar.py run on `raw` in a process of its own, its descriptors
+    bounded to `nofile` (a sandbox's limit may be as low)."""
+    import resource
+    import sys
+
+    from nsbox.storage import applytar
+
+    blob = tmp_path / "blob"
+    blob.write_bytes(raw)
+    args = json.dumps({"blob": str(blob), "dest": str(tmp_path / "dest"), "single": True})
+
+    def limit() -> None:
+        if nofile is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+    return subprocess.run([sys.executable, "-I", applytar.__file__, args], capture_output=True, text=True,
+                          timeout=60, preexec_fn=limit)
+
+
+def test_a_member_deeper_than_the_descriptor_limit(tmp_path: Path) -> None:
+    """A member 600 directories deep unpacks under a limit of 512
+    descriptors: the walk keeps at most CACHED_DIRS of its directories open
+    (it had kept all of them: EMFILE, reported as a resource limit)."""
+    deep = "/".join(["d"] * 600)
+    try:
+        r = _applier(tmp_path, tar_bytes(lambda t: add(t, deep + "/f", b"deep")), nofile=512)
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["entries"] == 601
+        assert (tmp_path / "dest" / deep / "f").read_bytes() == b"deep"
+    finally:  # not left to pytest's recursive removal of old temp directories
+        subprocess.run(["rm", "-rf", str(tmp_path / "dest")], check=True, timeout=60)
+
+
+def test_member_names_cannot_fake_the_error_line(tmp_path: Path) -> None:
+    """The applier's error is one line whatever the member's name holds: a
+    newline would fake the line the host parses (an errno, for a full
+    disk), an escape sequence would reach the user's terminal."""
+    name = "x" * 300 + "\n28 fake\x1b[31m"
+    r = _applier(tmp_path, tar_bytes(lambda t: add(t, name, b"z")))
+    assert r.returncode == 1, r.stderr  # the name is too long for the filesystem
+    assert r.stderr.count("\n") == 1 and "\x1b" not in r.stderr, r.stderr
+    assert r.stderr.startswith("x" * 300 + "\\n28 fake\\x1b[31m: "), r.stderr
+
+
 def test_limits_setting_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     from nsbox.storage.bounds import ImageBounds
 
