@@ -53,6 +53,7 @@ class Launched:
     # a running sandbox costs this process no descriptor.
     pidfd: int = -1
     cleanups: list[Callable[[], None]] = field(default_factory=list)  # the plan's, for after the init exits
+    started: int | None = None  # the init's start time, once its pidfd is closed
 
     @property
     def exited(self) -> bool:
@@ -67,8 +68,15 @@ class Launched:
 
     def release_pidfd(self) -> None:
         if self.pidfd >= 0:
+            # Read while the pidfd pins the pid: what tells it from a process
+            # that gets the pid if something else in this process reaps the
+            # init (a waitpid(-1) of the user's) before reap() does.
+            self.started = start_time(self.pid)
             os.close(self.pidfd)
             self.pidfd = -1
+
+    def _still_ours(self) -> bool:
+        return self.started is None or start_time(self.pid) == self.started
 
     async def reap(self, wait: float) -> None:
         """Waits up to `wait` seconds for the init to exit, kills it then,
@@ -89,6 +97,10 @@ class Launched:
                     if e.errno not in (errno.EMFILE, errno.ENFILE):
                         raise
                     await self._reap_without_descriptor(wait)
+                if pidfd >= 0 and not self._still_ours():  # reaped by someone else, the pid reused
+                    os.close(pidfd)
+                    self.pid = 0
+                    return
         if pidfd >= 0:
             _waiting += 1
             try:
@@ -98,10 +110,11 @@ class Launched:
             finally:
                 _waiting -= 1
                 os.close(pidfd)
-        try:
-            os.waitpid(self.pid, 0)
-        except ChildProcessError:
-            pass
+        if self.pid:
+            try:
+                os.waitpid(self.pid, 0)
+            except ChildProcessError:
+                pass
         self.pid = 0
 
     async def _reap_without_descriptor(self, wait: float) -> None:
@@ -110,9 +123,21 @@ class Launched:
         while not self.exited and time.monotonic() < deadline:
             await anyio.sleep(0.01)
         if not self.exited:
+            if not self._still_ours():  # reaped by someone else, the pid reused
+                self.pid = 0
+                return
             os.kill(self.pid, signal.SIGKILL)
             while not self.exited:
                 await anyio.sleep(0.01)
+
+
+def start_time(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot); None if there is none."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 async def launch(plan: Plan, launched: Launched, *, sandbox_id: str, socket_path: Path, layer: Path,

@@ -16,6 +16,7 @@ import errno
 import os
 import socket
 import struct
+import threading
 import time
 from dataclasses import dataclass
 from typing import Mapping, Sequence
@@ -168,15 +169,35 @@ class InitClient:
     def ctl(self) -> socket.socket:
         """The connection, opened if need be (SandboxUnavailable if the init
         is gone)."""
+        with IDLE.lock:
+            return self._open()
+
+    def _open(self) -> socket.socket:
         if self._ctl is None:
             if self._closed:
                 raise SandboxUnavailable(f"sandbox {self.sandbox_id} is closed")
             try:
                 self._connect()
-            except OSError:
-                raise self._gone() from None
+            except OSError as e:
+                # Only an init that is not there; a limit of this process's
+                # (EMFILE, a full backlog's timeout) is not the sandbox's end.
+                if e.errno in (errno.ENOENT, errno.ECONNREFUSED, errno.ECONNRESET, errno.ENOTCONN):
+                    raise self._gone() from None
+                raise
         IDLE.used(self)
         return self._ctl  # type: ignore[return-value]
+
+    def _hold(self) -> socket.socket:
+        """The connection, counted in use until _let_go(): no idle sweep or
+        shed, of any thread, closes it meanwhile."""
+        with IDLE.lock:
+            ctl = self._open()
+            self._busy += 1
+            return ctl
+
+    def _let_go(self) -> None:
+        with IDLE.lock:
+            self._busy -= 1
 
     def _connect(self) -> None:
         try:
@@ -207,18 +228,18 @@ class InitClient:
         return self._ctl is not None
 
     def close(self) -> None:
-        self._closed = True
-        IDLE.forget(self)
-        if self._ctl is not None:
+        with IDLE.lock:
+            self._closed = True
+            IDLE.forget(self)
             ctl, self._ctl = self._ctl, None
+        if ctl is not None:
             ctl.close()
 
     def _gone(self) -> SandboxUnavailable:
         return SandboxUnavailable(f"sandbox {self.sandbox_id} is not running (its init has exited)")
 
     async def send(self, message: bytes, fds: Sequence[int]) -> None:
-        ctl = self.ctl
-        self._busy += 1
+        ctl = self._hold()
         try:
             while True:
                 try:
@@ -231,7 +252,7 @@ class InitClient:
                 async with self._room_wait:
                     await anyio.wait_writable(ctl)
         finally:
-            self._busy -= 1
+            self._let_go()
 
     def _send_failed(self, e: OSError) -> OSError | NsboxError:
         if e.errno in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.EBADF):
@@ -340,10 +361,9 @@ class InitClient:
     async def _control(self, op: int) -> bytes:
         """A request answered on the control connection itself."""
         async with self._control_turn:
-            self._busy += 1
+            ctl = self._hold()
             try:
                 await self.send(protocol.REQUEST.pack(op, *[0] * 9), [])
-                ctl = self.ctl
                 with anyio.fail_after(START_TIMEOUT):
                     while True:
                         await anyio.wait_readable(ctl)
@@ -357,7 +377,7 @@ class InitClient:
                             raise self._gone()
                         return data
             finally:
-                self._busy -= 1
+                self._let_go()
 
     async def status(self) -> dict[str, int]:
         """The init's counters (execs served, commands running) and whether
@@ -378,19 +398,24 @@ class InitClient:
 
 class IdleConnections:
     """The open control connections, oldest use first; each is closed once
-    IDLE_CLOSE seconds pass without a request on it: by one timer per
-    asyncio event loop; elsewhere (trio, which has no loop timer to lend)
-    by the process's next request after that."""
+    IDLE_CLOSE seconds pass without a request on it: by a timer on each
+    asyncio event loop that used one; elsewhere (trio, which has no loop
+    timer to lend) by the process's next request after that.
+
+    Sandboxes may be used from several threads, each with its loop: `lock`
+    guards the registry and every open, close and in-use count of a
+    connection (InitClient._hold)."""
 
     def __init__(self) -> None:
+        self.lock = threading.RLock()  # re-entered: a connect that meets EMFILE sheds
         self._last: dict[InitClient, float] = {}  # insertion order: oldest use first
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_loop: asyncio.AbstractEventLoop | None = None
+        self._armed: set[asyncio.AbstractEventLoop] = set()  # loops with a timer pending
 
     def __len__(self) -> int:
         return len(self._last)
 
     def used(self, client: InitClient) -> None:
+        """(Under `lock`.) `client` was used now."""
         last = self._last
         new = last.pop(client, None) is None
         try:
@@ -399,53 +424,60 @@ class IdleConnections:
             loop = None
         if loop is None:
             self.sweep()
-        elif self._timer is None or self._timer_loop is not loop:  # none yet, or an earlier loop's
-            self._timer_loop = loop
-            self._timer = loop.call_later(IDLE_CLOSE, self._fire)
+        elif loop not in self._armed:
+            self._arm(loop, IDLE_CLOSE)
         if new:
             cap = rlimits.descriptor_share()
             if len(last) >= cap:
                 self.shed(len(last) - cap + 1)
         last[client] = time.monotonic()
 
+    def _arm(self, loop: asyncio.AbstractEventLoop, delay: float) -> None:
+        # A closed loop's timer never fires: forget such loops as others come.
+        self._armed = {armed for armed in self._armed if not armed.is_closed()}
+        self._armed.add(loop)
+        loop.call_later(delay, self._fire, loop)
+
     def shed(self, count: int) -> int:
         """Closes up to `count` connections, the least recently used first,
         however recently: a burst over many sandboxes must not use up this
         process's descriptors. Returns how many it closed."""
         closed = 0
-        for client in list(self._last):
-            if closed >= count:
-                break
-            if not client._busy:
-                del self._last[client]
-                client.disconnect()
-                closed += 1
+        with self.lock:
+            for client in list(self._last):
+                if closed >= count:
+                    break
+                if not client._busy:
+                    del self._last[client]
+                    client.disconnect()
+                    closed += 1
         return closed
 
     def forget(self, client: InitClient) -> None:
-        self._last.pop(client, None)
+        with self.lock:
+            self._last.pop(client, None)
 
-    def _fire(self) -> None:
-        self._timer = None
-        self.sweep()
-        if self._last:
-            oldest = next(iter(self._last.values()))
-            loop = asyncio.get_running_loop()
-            self._timer_loop = loop
-            self._timer = loop.call_later(max(0.05, oldest + IDLE_CLOSE - time.monotonic()), self._fire)
+    def _fire(self, loop: asyncio.AbstractEventLoop) -> None:
+        with self.lock:
+            self._armed.discard(loop)
+            self.sweep()
+            if self._last:  # look again when the oldest is due
+                oldest = next(iter(self._last.values()))
+                self._arm(loop, max(0.05, oldest + IDLE_CLOSE - time.monotonic()))
 
     def sweep(self) -> None:
         """Closes the connections idle for IDLE_CLOSE seconds or more."""
         limit = time.monotonic() - IDLE_CLOSE
-        last = self._last
-        for client, at in list(last.items()):
-            if at > limit:
-                break
-            del last[client]
-            if client._busy:
-                last[client] = time.monotonic()  # in use: look again later
-            else:
-                client.disconnect()
+        with self.lock:
+            last = self._last
+            for client, at in list(last.items()):
+                if at > limit:
+                    break
+                del last[client]
+                if client._busy:
+                    last[client] = time.monotonic()  # in use: look again later
+                else:
+                    client.disconnect()
 
 
 # Seconds a control connection stays open after its last request: long

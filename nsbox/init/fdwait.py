@@ -122,14 +122,15 @@ class PollerPool:
             entry.close()
 
     def _sweep_closed(self) -> None:
-        """Closes what is kept for loops that have closed since."""
-        for loop in [loop for loop in self._free if loop.is_closed()]:
-            for entry in self._free.pop(loop):
+        """Closes what is kept for loops that have closed since (each
+        thread's loop adds its own entry: the keys are copied first)."""
+        for loop in [loop for loop in list(self._free) if loop.is_closed()]:
+            for entry in self._free.pop(loop, []):
                 entry.close()
 
     def close(self) -> None:
         for loop in list(self._free):
-            for entry in self._free.pop(loop):
+            for entry in self._free.pop(loop, []):
                 entry.close()
 
 

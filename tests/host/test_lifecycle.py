@@ -3,6 +3,7 @@ the sandboxed processes try and however the owner ends."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -338,3 +339,125 @@ async def test_an_idle_sandbox_holds_no_descriptor_and_serves_the_next_request()
             assert (await sb.exec(["sh", "-c", "pgrep -x sleep"])).stdout.strip()
             assert await sb.read_file("/tmp/pid")
         assert not sb.running
+
+
+THREADS = textwrap.dedent("""
+    import asyncio, collections, json, sys, threading, time
+    import anyio, nsbox
+    from nsbox.init import client as C
+
+    stress = sys.argv[1] == "stress"
+    if stress:
+        C.IDLE_CLOSE = 0.003  # sweeps all the time
+        sys.setswitchinterval(1e-5)  # threads switch between any two bytecodes
+    errors = collections.Counter()
+    timers = {}
+    together = threading.Barrier(3)
+
+    def pending_idle_timers(loop):
+        return sum(1 for h in loop._scheduled if not h.cancelled()
+                   and getattr(h._callback, "__func__", None) is C.IdleConnections._fire)
+
+    def worker(name, backend):
+        async def main():
+            if backend == "asyncio":
+                asyncio.get_running_loop().set_exception_handler(
+                    lambda loop, ctx: errors.update([f"{name} timer: {ctx.get('exception')!r}"]))
+            async with nsbox.Sandbox() as a, nsbox.Sandbox() as b:
+                together.wait()
+                t0 = time.monotonic()
+                while time.monotonic() - t0 < (4 if stress else 1):  # (else within IDLE_CLOSE)
+                    for sb in (a, b):
+                        try:
+                            r = await sb.exec(["true"])
+                            assert r.success, r
+                        except Exception as e:
+                            errors[f"{name} exec: {e!r}"] += 1
+                    await anyio.sleep(0.003 if stress else 0.02)
+                if backend == "asyncio":
+                    timers[name] = pending_idle_timers(asyncio.get_running_loop())
+        anyio.run(main, backend=backend)
+
+    threads = [threading.Thread(target=worker, args=args) for args in
+               (("A", "asyncio"), ("B", "asyncio"), ("C", "trio"))]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    print("RESULT", json.dumps({"errors": dict(errors), "timers": timers}))
+""")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("load", ["stress", "timers"])
+def test_sandboxes_used_from_several_threads(load: str) -> None:
+    """Sandboxes used from three threads at once (two asyncio loops, one
+    trio). With the idle sweep running all the time, no request fails (the
+    registry of open connections was shared without a lock: KeyError out
+    of exec, a connection closed under another thread's request). Within
+    IDLE_CLOSE, each loop has one idle timer (each request from another
+    loop than the last had added one)."""
+    r = subprocess.run([sys.executable, "-c", THREADS, load], capture_output=True, text=True, timeout=100)
+    lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, r.stderr[-3000:]
+    out = json.loads(lines[-1][len("RESULT "):])
+    assert out["errors"] == {}
+    if load == "timers":
+        assert out["timers"] == {"A": 1, "B": 1}
+
+
+async def test_reconnecting_out_of_descriptors_is_not_a_dead_sandbox() -> None:
+    """A request that must reopen the connection and meets RLIMIT_NOFILE
+    raises EMFILE, not "the sandbox is not running"; the sandbox serves the
+    next request."""
+    import resource
+
+    from nsbox.init import client as init_client
+
+    async with nsbox.Sandbox() as sb:
+        assert (await sb.exec(["true"])).success
+        client = sb._client
+        assert client is not None
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        errors = []
+        for extra in range(8):  # each descriptor the request opens in turn
+            client.disconnect()  # as the idle timer does
+            init_client.IDLE.forget(client)
+            used = {int(fd) for fd in os.listdir("/proc/self/fd")}
+            free = [n for n in range(max(used) + 16) if n not in used]
+            resource.setrlimit(resource.RLIMIT_NOFILE, (free[extra], hard))
+            try:
+                await sb.exec(["true"])
+            except Exception as e:
+                errors.append(e)
+            finally:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert errors and all(isinstance(e, OSError) and e.errno == errno.EMFILE for e in errors), errors
+        assert sb.running
+        assert (await sb.exec(["echo", "ok"])).stdout == "ok\n"
+
+
+@pytest.mark.parametrize("descriptors", ["pidfd", "none to spare"])
+async def test_closing_after_someone_else_reaped_the_init(descriptors: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The init of a running sandbox is watched through no descriptor; if
+    something else in the process reaps it (a waitpid(-1) of the user's)
+    and its pid goes to another process, closing the sandbox leaves that
+    process alone (here the pid is handed to a child of the test's, as
+    reuse would)."""
+    from nsbox.create import launch
+
+    if descriptors != "pidfd":
+        monkeypatch.setattr(launch.rlimits, "descriptor_share", lambda: 0)  # closes poll instead
+    other = None
+    try:
+        async with nsbox.Sandbox() as sb:
+            launched = sb._launched
+            assert launched is not None and launched.pidfd < 0  # no descriptor watches it
+            await anyio.sleep(0.05)  # start times count in ticks of 10 ms: a later one
+            other = subprocess.Popen(["sleep", "60"])
+            os.kill(launched.pid, signal.SIGKILL)
+            os.waitpid(launched.pid, 0)  # the user's reaping
+            launched.pid = other.pid  # the pid reused
+        assert other.poll() is None  # neither killed nor reaped
+    finally:
+        if other is not None:
+            other.kill()
+            other.wait()
