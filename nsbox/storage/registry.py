@@ -374,19 +374,22 @@ async def pull(store: Store, ref: str, *, platform: str | None = None, progress:
             if oci.media_type(doc, ctype) not in oci.MANIFEST_TYPES:
                 raise RegistryError(f"{r}: the index entry for {want} is not an image manifest")
         layers = oci.layer_descriptors(doc)
-        store.put_bytes(data)
-        config_bytes = await reg.small_blob(doc.get("config"))
-        store.put_bytes(config_bytes)
-        cfg = ImageConfig.parse(json.loads(config_bytes))
-        if cfg.architecture and cfg.architecture != want.architecture:
-            progress.note(f"warning: {r.short()} is for {cfg.os}/{cfg.architecture}, not {want}")
-        if len(layers) != len(cfg.diff_ids):
-            raise RegistryError(f"{r}: the manifest has {len(layers)} layers, its config {len(cfg.diff_ids)}")
-        for d in layers:
-            progress.expect(int(d["size"]))
-        downloads = anyio.Semaphore(DOWNLOADS)
-        budget = Budget(r.short())
+        # Under the session's shared lock from the first blob stored: a
+        # prune (exclusive) would take what no name refers to yet.
         async with store.session(id_mapping, progress) as s:
+            store.put_bytes(data)
+            config_bytes = await reg.small_blob(doc.get("config"))
+            store.put_bytes(config_bytes)
+            cfg = ImageConfig.parse(json.loads(config_bytes))
+            if cfg.architecture and cfg.architecture != want.architecture:
+                progress.note(f"warning: {r.short()} is for {cfg.os}/{cfg.architecture}, not {want}")
+            if len(layers) != len(cfg.diff_ids):
+                raise RegistryError(f"{r}: the manifest has {len(layers)} layers, its config {len(cfg.diff_ids)}")
+            for d in layers:
+                progress.expect(int(d["size"]))
+            downloads = anyio.Semaphore(DOWNLOADS)
+            budget = Budget(r.short())
+
             async def one(desc: dict[str, Any], diff_id: str) -> None:
                 # Every image keeps its blobs (builds read them, prune and
                 # remove reason about them), even when another image's pull

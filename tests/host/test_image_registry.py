@@ -346,6 +346,31 @@ async def test_prune_keeps_named_and_in_use(registry: Registry, busybox_oci: Pat
     assert [p.name for p in store.blobs.joinpath("sha256").iterdir()] == []
 
 
+async def test_a_prune_during_a_pull_keeps_what_the_pull_stored(registry: Registry, busybox_oci: Path, store: Store,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prune that starts while a pull fetches the config (its manifest
+    stored already, no name for it yet) waits for the pull: it had deleted
+    the manifest, and the pull then named an image without one."""
+    push(f"oci:{busybox_oci}:app", registry, "test/raced:1")
+    real = reg_mod.Registry.small_blob
+    pruned: list[Any] = []
+
+    async with anyio.create_task_group() as tg:
+        async def prune() -> None:
+            pruned.append(await store.prune())
+
+        async def racing(self: reg_mod.Registry, desc: dict[str, Any]) -> bytes:
+            tg.start_soon(prune)
+            await anyio.sleep(0.5)  # time enough for a prune that does not wait
+            return await real(self, desc)
+
+        monkeypatch.setattr(reg_mod.Registry, "small_blob", racing)
+        image = await pull(store, f"{registry.host}/test/raced:1")
+    assert pruned and pruned[0].blobs == 0, pruned
+    assert store.image(image.digest, name=image.name, key=MODE.key) is not None
+    assert all(store.has_blob(d["digest"]) for d in store.read_json(image.digest)["layers"])
+
+
 async def test_a_pull_restores_a_blob_whose_layer_is_unpacked(registry: Registry, busybox_oci: Path,
                                                               store: Store) -> None:
     """Builds read an image's layer blobs: a pull keeps them, even when the
