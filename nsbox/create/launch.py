@@ -76,7 +76,17 @@ class Launched:
             self.pidfd = -1
 
     def _still_ours(self) -> bool:
-        return self.started is None or start_time(self.pid) == self.started
+        """False only when shown: the pid names no process, or one that
+        started at another time. Unable to tell (out of descriptors, say),
+        it is taken to be the init, as before the pidfd was closed."""
+        if self.started is None:
+            return True
+        try:
+            return read_start_time(self.pid) == self.started
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+        except (OSError, IndexError, ValueError):
+            return True
 
     async def reap(self, wait: float) -> None:
         """Waits up to `wait` seconds for the init to exit, kills it then,
@@ -131,11 +141,16 @@ class Launched:
                 await anyio.sleep(0.01)
 
 
+def read_start_time(pid: int) -> int:
+    """When process `pid` started (clock ticks since boot);
+    FileNotFoundError if there is no such process."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return int(f.read().rsplit(b")", 1)[1].split()[19])
+
+
 def start_time(pid: int) -> int | None:
-    """When process `pid` started (clock ticks since boot); None if there is none."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rsplit(b")", 1)[1].split()[19])
+        return read_start_time(pid)
     except (OSError, IndexError, ValueError):
         return None
 

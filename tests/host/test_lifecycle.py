@@ -461,3 +461,28 @@ async def test_closing_after_someone_else_reaped_the_init(descriptors: str, monk
         if other is not None:
             other.kill()
             other.wait()
+
+
+async def test_closing_without_a_descriptor_to_spare_ends_the_sandbox() -> None:
+    """Closed while this process can open no descriptor (not a pidfd, not
+    /proc/PID/stat), the sandbox still ends: what cannot be checked is not
+    taken for "someone else reaped the init" (its layer would have been
+    reused while it ran)."""
+    import resource
+
+    sb = await nsbox.Sandbox.create()
+    try:
+        assert (await sb.exec(["true"])).success
+        pid = sb.pid
+        assert sb._client is not None
+        sb._client.disconnect()  # as the idle timer does: closing needs no connection
+        used = {int(fd) for fd in os.listdir("/proc/self/fd")}
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(n for n in range(max(used) + 2) if n not in used), hard))
+        try:
+            await sb.close()
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert not os.path.exists(f"/proc/{pid}")
+    finally:
+        await sb.close()
