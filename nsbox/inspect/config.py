@@ -212,8 +212,16 @@ class NsboxConfig(SandboxSettings):
         base = self.model_dump(include=set(SandboxSettings.model_fields))
         return SandboxSettings(**{**base, **(entry.model_dump(exclude_unset=True) if entry is not None else {})})
 
+    # Equal as the hash says (the settings worked out, a private attribute,
+    # would make pydantic's __eq__ tell a used configuration from a fresh
+    # load of it): the provider finds a task's sandboxes by configuration.
     def __hash__(self) -> int:
         return hash(self.model_dump_json())
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, NsboxConfig):
+            return NotImplemented
+        return self is other or self.model_dump_json() == other.model_dump_json()
 
 
 def _bind(mount: str) -> None:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
+
+import pytest
 
 from nsbox.host import dirs, idmap
 from nsbox.inspect.provider import NsboxConfig, NsboxSandboxEnvironment
@@ -54,3 +57,25 @@ async def test_tarball_rootfs_and_named_sandboxes(tmp_path: Path) -> None:
     NsboxSandboxEnvironment._rootfs.clear()
     await NsboxSandboxEnvironment.task_init("startup", cfg)
     assert image.stat().st_mtime_ns == stamp
+
+
+@pytest.mark.parametrize("given", ["object", "touched file"])
+async def test_task_cleanup_finds_the_sandboxes_of_its_samples(tmp_path: Path, given: str) -> None:
+    """task_cleanup(cleanup=False), as `--no-sandbox-cleanup`, detaches what
+    the task's samples left, given the configuration as an object or as a
+    file touched during the task (the configuration it was looked up by
+    had told itself from the one the samples used, once that one had
+    worked out its settings: nothing was detached)."""
+    path = tmp_path / "nsbox.yaml"
+    path.write_text("network: none\n")
+    config: NsboxConfig | str = NsboxConfig(network="none") if given == "object" else str(path)
+    envs = await NsboxSandboxEnvironment.sample_init("kept", config, {"__sample_id__": "1"})
+    sb = envs["default"].sandbox
+    try:
+        if given != "object":
+            os.utime(path, ns=(1, 1))  # the file changed as far as the cache knows; the same settings
+        await NsboxSandboxEnvironment.task_cleanup("kept", config, cleanup=False)
+        assert sb._detached and sb.running
+        assert not any(sb is env.sandbox for live in NsboxSandboxEnvironment._live.values() for env in live)
+    finally:
+        await sb.close()
