@@ -162,7 +162,7 @@ def _processes(required: bool) -> ResourceExhausted | None:
                       f"{CLOSE_SOME}, or raise {path}/pids.max (systemd: TasksMax=)",
                       f"pids.max {maximum}, pids.current {current}")
     soft, hard = min((_nproc(pid) for pid in clones), key=lambda lim: _finite(lim[0]))
-    if soft != resource.RLIM_INFINITY and not _exempt_from_nproc():
+    if soft != resource.RLIM_INFINITY and not _exempt_from_nproc() and _user_tasks(os.getuid()) >= soft * 9 // 10:
         return _limit("the limit of processes of your user is reached", "RLIMIT_NPROC",
                       f"{CLOSE_SOME}, or raise the limit: `ulimit -u N` (up to the hard one; as root: nproc in "
                       "/etc/security/limits.conf, TasksMax= of a systemd unit)",
@@ -295,6 +295,23 @@ def _tasks() -> int:
         try:
             count += len(os.listdir(f"/proc/{p}/task")) if p.isdigit() else 0
         except OSError:
+            pass  # exited meanwhile
+    return count
+
+
+def _user_tasks(uid: int) -> int:
+    """The threads whose real uid is `uid` (what RLIMIT_NPROC counts; the
+    sandboxes' processes of its own id included)."""
+    count = 0
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        status = _read(f"/proc/{p}/status") or ""
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        try:
+            if int(fields["Uid"].split()[0]) == uid:
+                count += int(fields["Threads"])
+        except (KeyError, ValueError, IndexError):
             pass  # exited meanwhile
     return count
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from ..init import fdwait
 from .._native import ffi, lib
+from ..errors import SandboxSetupError
 from ..plan.steps import PATH_FD_BASE, Kind, Step
 
 if TYPE_CHECKING:
@@ -159,7 +160,10 @@ class _Zygote:
             theirs.close()
         if pid < 0:
             self.sock.close()
-            raise CloneError(-pid, f"starting nsbox-create: {os.strerror(-pid)}")
+            if -pid in LIMIT_ERRNOS:  # a limit of processes or memory (nsbox/create/exhaustion.py)
+                raise CloneError(-pid, f"starting nsbox-create: {os.strerror(-pid)}")
+            raise SandboxSetupError(f"cannot start {os.fsdecode(CREATE_HELPER)}: {os.strerror(-pid)}",
+                                    hint="reinstall nsbox (`pip install .` in its checkout builds that helper)")
         self.pid = pid
         self.owner = os.getpid()
 

@@ -57,3 +57,29 @@ def test_masked_proc_and_network_filesystems(monkeypatch: pytest.MonkeyPatch) ->
 def test_old_kernels_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
     err = str(hostcheck.clone_failed(errno.EINVAL))
     assert "5.12" in err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("helper", ["not executable", "missing"])
+def test_a_helper_that_cannot_start_is_named(tmp_path: Path, helper: str) -> None:
+    """nsbox-create that cannot be started (a broken install) is named, with
+    the fix: not "user namespaces are not available", which a failure to
+    start it had read as."""
+    path = tmp_path / "nsbox-create"
+    if helper == "not executable":
+        path.write_text("not a program\n")
+    code = ("import anyio, os, sys, nsbox\n"
+            "from nsbox.create import zygote\n"
+            "zygote.CREATE_HELPER = os.fsencode(sys.argv[1])\n"
+            "async def main():\n"
+            "    try:\n"
+            "        async with nsbox.Sandbox():\n"
+            "            pass\n"
+            "    except nsbox.NsboxError as e:\n"
+            "        print(type(e).__name__, e)\n"
+            "anyio.run(main)\n")
+    r = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=50,
+                       env={**os.environ, "NSBOX_STATE_DIR": str(tmp_path / "state")})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"SandboxSetupError cannot start {path}: "), r.stdout
+    assert "reinstall nsbox" in r.stdout and "namespace" not in r.stdout, r.stdout

@@ -61,3 +61,25 @@ def test_descriptors_placed_beyond_the_limit_are_the_descriptor_limit() -> None:
     e = exhaustion.of_setup(errno.EINVAL, clones=False, places_fds=True, path="/tmp")
     assert isinstance(e, ResourceExhausted) and e.limit == "RLIMIT_NOFILE"
     assert exhaustion.of_setup(errno.EINVAL, clones=False, places_fds=False, path="/tmp") is None
+
+
+def test_nproc_is_blamed_only_when_reached() -> None:
+    """EAGAIN with a finite RLIMIT_NPROC far above what this user runs is
+    not "your limit of processes is reached" (it had been, uncounted), in a
+    process that is not exempt from the limit."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import errno, os, resource\n"
+            "from nsbox.create import exhaustion\n"
+            "hard = resource.getrlimit(resource.RLIMIT_NPROC)[1]\n"
+            "soft = 60000 if hard == resource.RLIM_INFINITY else min(hard, 60000)\n"
+            "resource.setrlimit(resource.RLIMIT_NPROC, (soft, hard if os.geteuid() else soft))\n"
+            "if os.geteuid() == 0:  # root is exempt: nobody is not\n"
+            "    os.setgroups([]); os.setresgid(65534, 65534, 65534); os.setresuid(65534, 65534, 65534)\n"
+            "print(exhaustion.translate(BlockingIOError(errno.EAGAIN, 'x')))\n"
+            "print(exhaustion.of_clone(errno.EAGAIN).limit)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["None", "processes"]
