@@ -285,7 +285,9 @@ class Holder(_SubZygote):
             os.close(memfd)
         try:
             with ours:
-                self.pid, _ = read_spawn_reply(ours)
+                self.pid, pidfd = read_spawn_reply(ours)
+            if pidfd >= 0:
+                os.close(pidfd)  # waited for by pid: the holder is this process's child
         except IdMapError as e:
             self.pid = e.pid
             self.close()

@@ -486,3 +486,32 @@ async def test_closing_without_a_descriptor_to_spare_ends_the_sandbox() -> None:
         assert not os.path.exists(f"/proc/{pid}")
     finally:
         await sb.close()
+
+
+PIDFDS = textwrap.dedent("""
+    import anyio, json, os, nsbox
+    from nsbox.create import zygote
+
+    def pidfds():
+        return [fd for fd in os.listdir("/proc/self/fd") if os.path.exists(f"/proc/self/fd/{fd}")
+                and "pidfd" in os.readlink(f"/proc/self/fd/{fd}")]
+
+    async def main():
+        async with nsbox.Sandbox() as sb:
+            assert (await sb.exec(["true"])).success
+        print("RESULT " + json.dumps({"holders": len(zygote._holders), "pidfds": pidfds()}))
+
+    anyio.run(main)
+""")
+
+
+@pytest.mark.timeout(60)
+def test_a_closed_sandbox_leaves_no_pidfd() -> None:
+    """Made and closed in a fresh process, a sandbox leaves no pidfd open:
+    not its init's, nor the holder's that made its user namespace (where
+    the id mapping uses one: it had been kept, unread, for good)."""
+    r = subprocess.run([sys.executable, "-c", PIDFDS], capture_output=True, text=True, timeout=50)
+    lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, r.stderr[-3000:]
+    out = json.loads(lines[-1][len("RESULT "):])
+    assert out["pidfds"] == [], out
