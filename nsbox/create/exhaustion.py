@@ -78,14 +78,20 @@ def of_clone(err: int) -> ResourceExhausted | None:
     return None
 
 
-def of_setup(err: int, *, clones: bool, places_fds: bool, path: str | os.PathLike[str]) -> ResourceExhausted | None:
+def of_setup(err: int, *, clones: bool, places_fds: bool, path: str | os.PathLike[str],
+             mounts: bool = False) -> ResourceExhausted | None:
     """The error for a setup step of the sandbox's first process that
     failed with `err`: one that `clones` (the namespaces that lock its
     mounts), one that `places_fds` (at fixed numbers, up to
-    PATH_FD_BASE and above: beyond the limit is EINVAL or EBADF), or one
+    PATH_FD_BASE and above: beyond the limit is EINVAL or EBADF), one that
+    `mounts` (ENOSPC there is the limit of mounts, not a full disk), or one
     on the writable layer at `path`."""
     if places_fds and err in (errno.EINVAL, errno.EBADF, errno.EMFILE):
         return _descriptors()
+    if mounts and err == errno.ENOSPC:
+        return _limit("the limit of mounts is reached", "fs.mount-max",
+                      f"{CLOSE_SOME} (each holds a few dozen mounts), or `sudo sysctl -w fs.mount-max=N`{KEEP}",
+                      f"fs.mount-max {facts.sysctl('fs.mount-max') or '?'}")
     return of_clone(err) if clones else of_errno(err, path)
 
 
@@ -192,7 +198,8 @@ def _namespaces() -> ResourceExhausted | None:
                            for k in NAMESPACES)
         return _limit("a limit of namespaces is reached (ENOSPC from clone)", "user.max_*_namespaces",
                       f"{CLOSE_SOME} (each holds a few namespaces), or raise the limit that is reached with "
-                      f"`sudo sysctl -w user.max_KIND_namespaces=N`{inner or KEEP}", values)
+                      f"`sudo sysctl -w user.max_KIND_namespaces=N`{inner or KEEP}",
+                      f"{values}; or user namespaces are nested 32 deep, the kernel's most")
     name = f"user.max_{kind}_namespaces"
     value = facts.sysctl(name) or "?"
     if value == "0":

@@ -322,12 +322,17 @@ def _shape_key(shape: dict[str, object]) -> tuple[object, ...]:
     return tuple((name, part(name, value)) for name, value in shape.items())
 
 
+# The steps that add mounts (ENOSPC from them is fs.mount-max).
+MOUNTING = frozenset({Kind.MOUNT, Kind.TREE_CLONE, Kind.TREE_ATTACH})
+
+
 def setup_error(plan: Plan, step: int, err: int, layer: Path) -> NsboxError:
     """The error for a setup step (or stage) the child reported failed."""
     steps = plan.steps()
     exhausted = exhaustion.of_setup(
         err, clones=step == zygote.lib.NSBOX_SETUP_LOCK, path=layer,
-        places_fds=step == zygote.lib.NSBOX_SETUP_FDS or (0 <= step < len(steps) and steps[step].kind == Kind.PATH_FD))
+        places_fds=step == zygote.lib.NSBOX_SETUP_FDS or (0 <= step < len(steps) and steps[step].kind == Kind.PATH_FD),
+        mounts=0 <= step < len(steps) and steps[step].kind in MOUNTING)
     if exhausted is not None:
         return exhausted
     if 0 <= step < len(steps):

@@ -83,3 +83,12 @@ def test_nproc_is_blamed_only_when_reached() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["None", "processes"]
+
+
+def test_enospc_from_a_mount_is_the_limit_of_mounts() -> None:
+    """ENOSPC from a step that mounts is fs.mount-max (mount(2) needs no
+    disk space); from a step that writes the layer, a full disk."""
+    e = exhaustion.of_setup(errno.ENOSPC, clones=False, places_fds=False, path="/tmp/layer", mounts=True)
+    assert e is not None and e.limit == "fs.mount-max" and "sysctl -w fs.mount-max" in str(e)
+    e = exhaustion.of_setup(errno.ENOSPC, clones=False, places_fds=False, path="/tmp/layer")
+    assert e is not None and e.limit == "disk space"
