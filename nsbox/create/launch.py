@@ -33,7 +33,7 @@ import anyio
 from ..init import fdwait
 from . import exhaustion, hostcheck, lifeline, zygote
 from ..errors import NsboxError, SandboxSetupError
-from ..host import rlimits
+from ..host import live, rlimits
 from ..host.idmap import IdMaps
 from ..plan.plan import ParentHook, Plan
 from ..plan.steps import Kind
@@ -53,7 +53,7 @@ class Launched:
     # a running sandbox costs this process no descriptor.
     pidfd: int = -1
     cleanups: list[Callable[[], None]] = field(default_factory=list)  # the plan's, for after the init exits
-    started: int | None = None  # the init's start time, once its pidfd is closed
+    started: int | None = None  # the init's start time (start_time())
 
     @property
     def exited(self) -> bool:
@@ -66,12 +66,18 @@ class Launched:
         except ChildProcessError:  # reaped by someone else
             return True
 
+    def start_time(self) -> int | None:
+        """The init's start time, read once, while its pidfd pins the pid:
+        what tells it from a process that gets the pid if something else in
+        this process reaps the init (a waitpid(-1) of the user's) before
+        reap() does."""
+        if self.started is None and self.pid and self.pidfd >= 0:
+            self.started = live.process_start_time(self.pid)
+        return self.started
+
     def release_pidfd(self) -> None:
         if self.pidfd >= 0:
-            # Read while the pidfd pins the pid: what tells it from a process
-            # that gets the pid if something else in this process reaps the
-            # init (a waitpid(-1) of the user's) before reap() does.
-            self.started = start_time(self.pid)
+            self.start_time()
             os.close(self.pidfd)
             self.pidfd = -1
 
@@ -82,7 +88,7 @@ class Launched:
         if self.started is None:
             return True
         try:
-            return read_start_time(self.pid) == self.started
+            return live.read_start_time(self.pid)[1] == self.started  # a zombie still: not reaped
         except (FileNotFoundError, ProcessLookupError):
             return False
         except (OSError, IndexError, ValueError):
@@ -139,20 +145,6 @@ class Launched:
             os.kill(self.pid, signal.SIGKILL)
             while not self.exited:
                 await anyio.sleep(0.01)
-
-
-def read_start_time(pid: int) -> int:
-    """When process `pid` started (clock ticks since boot);
-    FileNotFoundError if there is no such process."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        return int(f.read().rsplit(b")", 1)[1].split()[19])
-
-
-def start_time(pid: int) -> int | None:
-    try:
-        return read_start_time(pid)
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 async def launch(plan: Plan, launched: Launched, *, sandbox_id: str, socket_path: Path, layer: Path,

@@ -138,8 +138,8 @@ def register(sb: Member, network: str) -> None:
     and `nsbox rm` read); `network`: its network mode in effect."""
     assert sb.idmap is not None and sb._layer is not None
     live.write(live.SandboxInfo(
-        id=sb.id, owner_pid=os.getpid(), owner_start=live.process_start_time(os.getpid()),
-        init_pid=sb.pid, init_start=live.process_start_time(sb.pid), rootfs=str(sb.rootfs),
+        id=sb.id, owner_pid=os.getpid(), owner_start=live.own_start_time(),
+        init_pid=sb.pid, init_start=sb._launched.start_time(), rootfs=str(sb.rootfs),
         layer=os.fspath(sb._layer), hostname=sb.hostname, user=sb.user, workdir=sb.workdir,
         idmap=sb.idmap.to_dict(), origin=sb.origin, label=sb.label,
         lowers=[os.fspath(p) for p in (sb.image.layers if sb.image else ())],

@@ -21,20 +21,36 @@ INFO = "info.json"
 SOCKET = "ctl.sock"
 
 
+def read_start_time(pid: int) -> tuple[bytes, int]:
+    """(state, start time in clock ticks since boot) of `pid`, a zombie
+    too; OSError if it cannot be read (FileNotFoundError: no such process)."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        data = f.read()
+    # The command name (field 2) may contain spaces and ')'; field 3 is the
+    # state and field 22 the start time.
+    fields = data[data.rindex(b")") + 2 :].split()
+    return fields[0], int(fields[19])
+
+
 def process_start_time(pid: int) -> int | None:
     """The start time of `pid` in clock ticks since boot, or None if it is
     gone (or a zombie, which has finished running)."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
+        state, start = read_start_time(pid)
     except OSError:
         return None
-    # The command name (field 2) may contain spaces and ')'; field 3 is the
-    # state and field 22 the start time.
-    fields = data[data.rindex(b")") + 2 :].split()
-    if fields[0] in (b"Z", b"X"):
-        return None
-    return int(fields[19])
+    return None if state in (b"Z", b"X") else start
+
+
+_own: tuple[int, int | None] = (0, None)  # (pid, start time) of this process
+
+
+def own_start_time() -> int | None:
+    """This process's start time (read once per process, forks included)."""
+    global _own
+    if _own[0] != os.getpid():
+        _own = (os.getpid(), process_start_time(os.getpid()))
+    return _own[1]
 
 
 def process_alive(pid: int, start_time: int | None) -> bool:

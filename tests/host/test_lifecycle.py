@@ -493,8 +493,14 @@ PIDFDS = textwrap.dedent("""
     from nsbox.create import zygote
 
     def pidfds():
-        return [fd for fd in os.listdir("/proc/self/fd") if os.path.exists(f"/proc/self/fd/{fd}")
-                and "pidfd" in os.readlink(f"/proc/self/fd/{fd}")]
+        found = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:  # (the listing's own descriptor, and the sweeper thread's, come and go)
+                if "pidfd" in os.readlink(f"/proc/self/fd/{fd}"):
+                    found.append(fd)
+            except FileNotFoundError:
+                pass
+        return found
 
     async def main():
         async with nsbox.Sandbox() as sb:
