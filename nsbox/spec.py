@@ -6,7 +6,6 @@ provider all produce one, so each option is declared and checked here, once.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import posixpath
 import re
@@ -126,13 +125,13 @@ def _check_network(spec: "SandboxSpec") -> None:
         if spec.ports:
             raise ValueError("ports cannot be published by a sandbox that joins another's network: "
                              "publish them on that sandbox")
-    from .net.hosts import check_name
+    from .net.hosts import check_address, check_name
 
     hosts = {}
     for name, address in dict(spec.hosts).items():
         # HOST_GATEWAY (Docker's "host-gateway"): the host's loopback, which
         # the entry also asks nat to open (nothing else opens it).
-        hosts[check_name(name)] = HOST_GATEWAY if address == HOST_GATEWAY else str(ipaddress.ip_address(address))
+        hosts[check_name(name)] = HOST_GATEWAY if address == HOST_GATEWAY else check_address(address)
     object.__setattr__(spec, "hosts", hosts)
     if spec.host_loopback and spec.network not in ("nat", "host") and not spec.network.startswith(CONTAINER):
         raise ValueError(f"host_loopback applies to the nat network mode, not to {spec.network!r}"

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 from ..init import fdwait
 from .._native import ffi, lib
 from ..errors import SandboxSetupError
+from ..host.fdpass import recv_fds
 from ..plan.steps import PATH_FD_BASE, Kind, Step
 
 if TYPE_CHECKING:
@@ -342,7 +343,7 @@ class SubZygote(_SubZygote):
     def _enter(self, fds: list[int]) -> None:
         ours = self._request(b"j", fds)
         with ours:
-            data, fds, _, _ = socket.recv_fds(ours, REPLY.size, 1)
+            data, fds = recv_fds(ours, REPLY.size, 1)
         for fd in fds:
             os.close(fd)
         if len(data) < REPLY.size:
@@ -509,7 +510,7 @@ def read_spawn_reply(sock: socket.socket) -> tuple[int, int]:
     failed (the process is then killed; the caller still reaps the
     exception's `pid`).
     """
-    data, fds, _, _ = socket.recv_fds(sock, REPLY.size + lib.NSBOX_ZYGOTE_MSG_MAX, 1)
+    data, fds = recv_fds(sock, REPLY.size + lib.NSBOX_ZYGOTE_MSG_MAX, 1)
     if len(data) < REPLY.size:
         for fd in fds:
             os.close(fd)

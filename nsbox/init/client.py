@@ -27,6 +27,7 @@ from . import protocol
 from .._native import ffi, lib
 from ..errors import NsboxError, SandboxUnavailable, UserUnsupported
 from ..host import rlimits
+from ..host.fdpass import recv_fds
 from .fdwait import POLLERS
 
 # PATH of every command that sets none: protocol.h's, the init's too.
@@ -335,7 +336,7 @@ class InitClient:
                 while len(data) < protocol.REPLY.size:
                     await anyio.wait_readable(chan.sock)
                     try:
-                        chunk, fds_in, _, _ = socket.recv_fds(chan.sock, protocol.REPLY.size - len(data), 1)
+                        chunk, fds_in = recv_fds(chan.sock, protocol.REPLY.size - len(data), 1)
                     except BlockingIOError:
                         continue
                     received += fds_in

@@ -14,6 +14,7 @@ import select
 import socket
 import subprocess
 import sys
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -21,6 +22,7 @@ from typing import Any, Sequence
 import anyio
 
 from ..errors import NsboxError
+from ..host.fdpass import recv_fds
 
 HELPER = Path(__file__).with_name("helper.py")
 MAX_MESSAGE = 65536
@@ -71,6 +73,7 @@ class NetHelper:
         self._fixed = chan is not None
         if chan is not None:
             chan.setblocking(False)
+            _holding.add(self)
         self._chan: socket.socket | None = chan
         self._proc: subprocess.Popen[bytes] | None = None
         self._lock = anyio.Lock()
@@ -93,6 +96,7 @@ class NetHelper:
         ours.setblocking(False)
         self._chan = ours
         self._pid_at_start = os.getpid()
+        _holding.add(self)
         return ours
 
     def _channel(self) -> socket.socket:
@@ -124,7 +128,7 @@ class NetHelper:
             while True:
                 await anyio.wait_readable(chan)
                 try:
-                    data, got, _, _ = socket.recv_fds(chan, MAX_MESSAGE, 16)
+                    data, got = recv_fds(chan, MAX_MESSAGE, 16)
                 except BlockingIOError:
                     continue
                 if not data:
@@ -165,6 +169,24 @@ class NetHelper:
 
 
 _default: NetHelper | None = None
+# Those holding a channel (to the helper, or to a bridge worker).
+_holding: weakref.WeakSet[NetHelper] = weakref.WeakSet()
+
+
+def _forget_in_child() -> None:
+    """A child forked without exec drops its parent's channels: the helper
+    and bridge workers end with the parent (EOF), not with the child."""
+    global _default
+    for h in list(_holding):
+        if h._chan is not None:
+            h._chan.close()
+            h._chan = None
+        h._proc = None
+    _holding.clear()
+    _default = None
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def helper() -> NetHelper:

@@ -9,6 +9,7 @@ when members join or leave.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from typing import Iterable, Sequence
 
@@ -24,6 +25,16 @@ def check_name(name: str) -> str:
     return name
 
 
+def check_address(address: str) -> str:
+    """`address` as it stands in /etc/hosts (an IPv4 or IPv6 address,
+    normalised), else ValueError. A scope id (fe80::1%eth0) is refused:
+    Python takes anything after the '%', newlines too."""
+    ip = ipaddress.ip_address(address)
+    if getattr(ip, "scope_id", None) is not None:
+        raise ValueError(f"{address!r}: an address with a scope id (%...) cannot stand in /etc/hosts")
+    return str(ip)
+
+
 def render_hosts(hostname: str, peers: Iterable[tuple[str, Sequence[str]]] = (),
                  host_address: str | None = None, own_address: str | None = None) -> str:
     """/etc/hosts for a sandbox called `hostname`.
@@ -35,11 +46,11 @@ def render_hosts(hostname: str, peers: Iterable[tuple[str, Sequence[str]]] = (),
     lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback",
              f"{own_address or '127.0.1.1'}\t{check_name(hostname)}"]
     if host_address:
-        lines.append(f"{host_address}\t{HOST_NAME}")
+        lines.append(f"{check_address(host_address)}\t{HOST_NAME}")
     for address, names in peers:
         names = [check_name(n) for n in names if n != hostname]
         if names:
-            lines.append(f"{address}\t{' '.join(names)}")
+            lines.append(f"{check_address(address)}\t{' '.join(names)}")
     return "\n".join(lines) + "\n"
 
 

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import os
 import socket
+import weakref
 from dataclasses import dataclass
 
 import anyio
@@ -52,6 +54,20 @@ class PortSpec:
         return f"{address}:{self.host_port}:{self.port}"
 
 
+# The host's listening sockets of published ports: a child forked without
+# exec closes its copies, so that a port ends with the process serving it.
+_listening: weakref.WeakSet[socket.socket] = weakref.WeakSet()
+
+
+def _close_in_child() -> None:
+    for sock in list(_listening):
+        sock.close()
+    _listening.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
+
+
 class PublishedPort:
     """A listener on the host forwarding into the sandbox. `await open()`,
     run `serve()` in a task group, cancel it (or `aclose()`) to stop."""
@@ -77,6 +93,7 @@ class PublishedPort:
             raise
         self.host_port = sock.getsockname()[1]
         self._listener = await SocketListener.from_socket(sock)
+        _listening.add(sock)
         return self
 
     async def serve(self) -> None:

@@ -21,6 +21,7 @@ import tempfile
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -254,15 +255,20 @@ async def test_a_taken_host_port_fails_creation() -> None:
 # ---- lifetimes -------------------------------------------------------------------
 
 OWNER = textwrap.dedent("""
-    import anyio, json, os, sys, nsbox
+    import anyio, json, os, sys, time, nsbox
     from nsbox.plan import netmodes
 
     async def main():
-        network = sys.argv[1]
+        network, fork = sys.argv[1], sys.argv[2] == "fork"
         sbs = [await nsbox.Sandbox(network=network, ports=["0:8000"]).start(),
                await nsbox.Sandbox(network="proxy", allow=["example.com"]).start()]
+        child = os.fork() if fork else 0  # (a multiprocessing worker, say)
+        if fork and child == 0:
+            time.sleep(600)
+            os._exit(0)
         print(json.dumps({"inits": [sb.pid for sb in sbs], "helper": netmodes.runner().helper.pid,
-                          "usernet": sbs[0]._network.attached.usernet_pid, "port": sbs[0].host_ports[0]}), flush=True)
+                          "usernet": sbs[0]._network.attached.usernet_pid, "port": sbs[0].host_ports[0],
+                          "child": child}), flush=True)
         await anyio.sleep(600)
 
     anyio.run(main)
@@ -270,18 +276,63 @@ OWNER = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("network", ["proxy", pytest.param("nat", marks=needs_tun)])
-def test_nothing_is_left_after_sigkill_of_the_owner(network: str) -> None:
-    owner = subprocess.Popen([sys.executable, "-c", OWNER, network], stdout=subprocess.PIPE)
+@pytest.mark.parametrize("children", ["none", "fork"])
+def test_nothing_is_left_after_sigkill_of_the_owner(network: str, children: str) -> None:
+    """Killed, the owner takes down its sandboxes, its network helper,
+    pasta and its published ports; also while a child it forked without
+    exec lives on (its copies of the helper's channel and of the ports'
+    listeners had kept both)."""
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, network, children], stdout=subprocess.PIPE)
+    state: dict[str, Any] = {}
     try:
         assert owner.stdout is not None
         state = json.loads(owner.stdout.readline())
-    finally:
         owner.send_signal(signal.SIGKILL)
         owner.wait()
-    assert state["helper"] and state["port"]
-    for pid in [*state["inits"], state["helper"], state["usernet"]]:
-        assert _gone(pid), f"process {pid} outlived its owner"
-    assert _refused(state["port"])
+        assert state["helper"] and state["port"]
+        for pid in [*state["inits"], state["helper"], state["usernet"]]:
+            assert _gone(pid), f"process {pid} outlived its owner"
+        assert _refused(state["port"])
+        if children == "fork":
+            assert not _gone(state["child"], 0)
+    finally:
+        owner.kill()
+        owner.wait()
+        if state.get("child"):
+            os.kill(state["child"], signal.SIGKILL)
+
+
+def test_descriptors_nsbox_holds_are_close_on_exec() -> None:
+    """What this process holds for a sandbox (its init's pidfd, the proxy's
+    socket inside it, a file read from it) is close-on-exec: a program it
+    runs (os.system, close_fds=False) inherits none of them
+    (socket.recv_fds drops the flag it is given)."""
+    code = textwrap.dedent("""
+        import anyio, fcntl, json, os, nsbox
+
+        def inheritable():
+            found = set()
+            for fd in os.listdir("/proc/self/fd"):
+                try:
+                    if not fcntl.fcntl(int(fd), fcntl.F_GETFD) & fcntl.FD_CLOEXEC:
+                        found.add(os.readlink(f"/proc/self/fd/{fd}"))
+                except OSError:
+                    pass
+            return found
+
+        async def main():
+            before = inheritable()
+            async with nsbox.Sandbox(network="proxy", allow=["example.com"], ports=["0:8000"]) as sb:
+                await sb.read_file("/etc/hostname")
+                assert (await sb.exec(["true"])).success
+                print("RESULT " + json.dumps(sorted(inheritable() - before)))
+
+        anyio.run(main)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, r.stderr[-3000:]
+    assert json.loads(lines[-1][len("RESULT "):]) == []
 
 
 async def test_close_stops_what_the_process_serves() -> None:

@@ -67,7 +67,6 @@ def test_nproc_is_blamed_only_when_reached() -> None:
     """EAGAIN with a finite RLIMIT_NPROC far above what this user runs is
     not "your limit of processes is reached" (it had been, uncounted), in a
     process that is not exempt from the limit."""
-    import os
     import subprocess
     import sys
 
