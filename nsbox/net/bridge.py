@@ -271,7 +271,8 @@ class Network:
         member = self.members[name]
         host = usernet.GATEWAY if self.host_access and not self.internal else None
         own = [(address, [n]) for n, address in member.extra.items()]
-        return render_hosts(name, [*self.peers(name), *own], host_address=host, own_address=member.ip)
+        return render_hosts(name, [*self.peers(name), *own], host_address=host, own_address=member.ip,
+                            aliases=member.aliases)
 
     async def stop(self) -> None:
         """Ends a named network (refused while it has members)."""

@@ -36,15 +36,18 @@ def check_address(address: str) -> str:
 
 
 def render_hosts(hostname: str, peers: Iterable[tuple[str, Sequence[str]]] = (),
-                 host_address: str | None = None, own_address: str | None = None) -> str:
+                 host_address: str | None = None, own_address: str | None = None,
+                 aliases: Sequence[str] = ()) -> str:
     """/etc/hosts for a sandbox called `hostname`.
 
     peers: (address, [name, alias...]) of the other members of its networks.
     host_address: where the host's loopback is reachable (nat: the gateway).
     own_address: the sandbox's address on a network (else 127.0.1.1).
+    aliases: its own other names there (as Docker's DNS answers them to it too).
     """
+    own = [check_name(hostname), *(check_name(a) for a in dict.fromkeys(aliases) if a != hostname)]
     lines = ["127.0.0.1\tlocalhost", "::1\tlocalhost ip6-localhost ip6-loopback",
-             f"{own_address or '127.0.1.1'}\t{check_name(hostname)}"]
+             f"{check_address(own_address) if own_address else '127.0.1.1'}\t{' '.join(own)}"]
     if host_address:
         lines.append(f"{check_address(host_address)}\t{HOST_NAME}")
     for address, names in peers:

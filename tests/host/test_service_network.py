@@ -54,6 +54,8 @@ async def test_members_talk_by_name_and_others_cannot_reach_them() -> None:
                 assert r.stdout == "db\n", r
                 r = await web.exec(fetch("postgres"))  # by its alias
                 assert r.stdout == "db\n", r
+                r = await db.exec(fetch("postgres"))  # a member reaches itself by its alias too, as in Docker
+                assert r.stdout == "db\n", r
                 # Own addresses on the private subnet, not the loopback.
                 ip = net.address_of("db")
                 assert ip.startswith("10.89.") and ip != net.address_of("web")
