@@ -45,4 +45,6 @@ async def for_spec(ref: str, spec: SandboxSpec, *, runner: Runner) -> tuple[Imag
                           pull=spec.pull, platform=spec.platform, progress=Progress(sys.stderr))
     config = image.config
     user, note = config.effective_user(mapping, spec.user)
-    return image, spec.replace(user=user, env=config.merge_env(spec.env), workdir=spec.workdir or config.workdir), note
+    # An image without WORKDIR runs in /, as in Docker (not in the user's home).
+    workdir = spec.workdir or config.workdir or "/"
+    return image, spec.replace(user=user, env=config.merge_env(spec.env), workdir=workdir), note

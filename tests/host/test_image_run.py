@@ -62,6 +62,18 @@ async def test_image_config_applies(app_image: str) -> None:
         assert r.stdout == "0\n/tmp\nmine\n", r
 
 
+async def test_an_image_without_workdir_runs_in_the_root(registry: Registry, busybox_oci: Path) -> None:  # noqa: F811
+    """No WORKDIR: commands run in /, as in Docker (they had run in the
+    user's home, /root)."""
+    push(f"oci:{busybox_oci}:plain", registry, "run/plain:1")
+    ref = f"{registry.host}/run/plain:1"
+    try:
+        async with nsbox.Sandbox(image=ref, user="root") as sb:
+            assert (await sb.exec(["pwd"])).stdout == "/\n"
+    finally:
+        await Store().remove(ref)
+
+
 async def test_image_sandboxes_are_copy_on_write(app_image: str) -> None:
     async with nsbox.Sandbox(image=app_image, user="root") as a, nsbox.Sandbox(image=app_image, user="root") as b:
         await a.exec(["sh", "-c", "echo changed > /etc/motd; rm /bin/sh.bak 2>/dev/null; touch /srv/only-a"])
