@@ -28,15 +28,16 @@ class Build:
 
 @dataclass
 class Healthcheck:
-    """Docker's defaults apply where the file says nothing. `test` None
-    means the image's own HEALTHCHECK; ["NONE"] means disabled."""
+    """What the file says; None (or 0, as Docker reads it) is unset: the
+    image's HEALTHCHECK gives it, else Docker's default. `test` None means
+    the image's test; ["NONE"] means disabled."""
 
     test: list[str] | None = None  # ["CMD", ...], ["CMD-SHELL", "..."] or ["NONE"]
-    interval: float = 30.0
-    timeout: float = 30.0
-    retries: int = 3
-    start_period: float = 0.0
-    start_interval: float = 5.0
+    interval: float | None = None
+    timeout: float | None = None
+    retries: int | None = None
+    start_period: float | None = None
+    start_interval: float | None = None
 
     @property
     def disable(self) -> bool:

@@ -174,6 +174,8 @@ class Reader:
             hc.test = [self.string("healthcheck.test", t) for t in test]
             if not hc.test or hc.test[0] not in ("CMD", "CMD-SHELL", "NONE"):
                 raise self.fail("healthcheck.test", f"a list must start with CMD, CMD-SHELL or NONE, not {test!r}")
+            if hc.test[0] != "NONE" and not any(hc.test[1:]):
+                raise self.fail("healthcheck.test", f"{hc.test[0]} needs a command, not {test!r}")
         elif test is not None:
             raise self.fail("healthcheck.test", f"expected a string or a list, not {test!r}")
         if "disable" in value and self.boolean("healthcheck.disable", value["disable"]):
@@ -183,12 +185,12 @@ class Reader:
                 seconds = self.duration(f"healthcheck.{key}", value[key])
                 if seconds < 0:
                     raise self.fail(f"healthcheck.{key}", f"must not be negative, not {value[key]!r}")
-                setattr(hc, key, seconds)
+                setattr(hc, key, seconds or None)  # 0: unset, as Docker reads it
         if value.get("retries") is not None:
             retries = self.number("healthcheck.retries", value["retries"])
             if retries != int(retries) or retries < 0:
                 raise self.fail("healthcheck.retries", f"expected a whole number, not {value['retries']!r}")
-            hc.retries = int(retries)
+            hc.retries = int(retries) or None
         return hc
 
     def depends_on(self, value: Any) -> dict[str, Any]:

@@ -33,6 +33,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import secrets
 import shlex
@@ -131,6 +132,20 @@ class Healthcheck:
                              retries=int(retries) if isinstance(retries, int) and retries > 0 else RETRIES,
                              start_period=seconds("StartPeriod", 0.0))
 
+    @classmethod
+    def merged(cls, test: Sequence[str] | None, image: Mapping[str, object] | None,
+               **timing: float | int | None) -> "Healthcheck | None":
+        """A compose healthcheck over its image's, field by field, as Docker
+        merges them: the test and each timing the file leaves unset (None)
+        come from the image's HEALTHCHECK, else Docker's defaults."""
+        base = cls.from_image(image) if image else None
+        given = {k: v for k, v in timing.items() if v is not None}
+        if test:
+            inherited = {} if base is None else {"interval": base.interval, "timeout": base.timeout,
+                                                 "retries": base.retries, "start_period": base.start_period}
+            return cls.from_test(test, **{**inherited, **given})  # type: ignore[arg-type]
+        return None if base is None else dataclasses.replace(base, **given)
+
     def schedule(self) -> float:
         """The longest a healthcheck can take to decide, as Inspect's docker
         provider reckons it (a probe that starts inside the start period is
@@ -160,6 +175,9 @@ class ServiceSpec:
     # "services" mode: its networks, each with the names it answers to there
     # (the first carries its outbound traffic); none: its spec's network.
     networks: dict[str, list[str]] = field(default_factory=dict)
+    # Its tmpfs paths, each with its mode: empty directories of the writable
+    # layer, made before its command starts (Docker mounts a tmpfs there).
+    tmpfs: list[tuple[str, int]] = field(default_factory=list)
 
 
 def start_order(services: Sequence[ServiceSpec]) -> list[ServiceSpec]:
@@ -196,6 +214,8 @@ class Services:
         self.wait_limit = wait_limit
         self.sandboxes: dict[str, Sandbox] = {}
         self._healthy: set[str] = set()
+        self._probing: dict[str, anyio.Lock] = {}  # one prober per service, whoever waits for it
+        self._started: dict[str, anyio.Event] = {}  # its command started (or it has none)
         # Main processes: with their output where a service waits for their exit.
         self._main: dict[str, "streaming.Process | Watched"] = {}
         self._given = [s.name for s in services]
@@ -207,10 +227,10 @@ class Services:
         """Creates every service's sandbox; on failure closes those made and raises.
 
         The first service's sandbox owns the shared namespaces, so it comes
-        first; the others' are then created at once, while the commands
-        start in dependency order, each once its own sandbox exists and
-        its dependencies' conditions hold (as compose creates containers
-        before it starts them in order)."""
+        first; the others' are then created at once. Each service's command
+        starts once its own sandbox exists and its own dependencies'
+        conditions hold, whatever the other services wait for (as compose
+        starts containers), and then it must get ready."""
         try:
             deadline = anyio.current_time() + self.wait_limit
             first, *rest = self.order
@@ -220,21 +240,22 @@ class Services:
             else:
                 await self._create(first)
             created = {s.name: anyio.Event() for s in rest}
+            self._started = {s.name: anyio.Event() for s in self.order}
             failed: list[Exception] = []
 
             async def create(service: ServiceSpec) -> None:
                 await self._create(service)
                 created[service.name].set()
 
-            async def commands() -> None:
-                for service in self.order:
-                    if service.name in created:
-                        await created[service.name].wait()
-                    for dep, condition in service.depends_on.items():
-                        await self._wait_for(dep, condition, deadline)
-                    await self._run_command(service)
-                for service in self.order:  # then every service must get ready, at once
-                    tg.start_soon(guarded, functools.partial(self._wait_ready, service.name, deadline))
+            async def bring_up(service: ServiceSpec) -> None:
+                if service.name in created:
+                    await created[service.name].wait()
+                for dep, condition in service.depends_on.items():
+                    await self._wait_for(dep, condition, deadline)
+                await self._make_tmpfs_dirs(service)
+                await self._run_command(service)
+                self._started[service.name].set()
+                await self._wait_ready(service.name, deadline)
 
             async def guarded(work: Callable[[], Awaitable[None]]) -> None:
                 # The first failure is raised as itself, not in a group.
@@ -247,7 +268,8 @@ class Services:
             async with anyio.create_task_group() as tg:
                 for service in rest:
                     tg.start_soon(guarded, functools.partial(create, service))
-                tg.start_soon(guarded, commands)
+                for service in self.order:
+                    tg.start_soon(guarded, functools.partial(bring_up, service))
             if failed:
                 raise failed[0]
             # A main process that exited while the others got ready (after
@@ -330,7 +352,19 @@ class Services:
     def _service(self, name: str) -> ServiceSpec:
         return next(s for s in self.order if s.name == name)
 
+    async def _make_tmpfs_dirs(self, service: ServiceSpec) -> None:
+        """Its tmpfs paths, as empty directories with their modes (by root)."""
+        sb = self.sandboxes[service.name]
+        for path, mode in service.tmpfs:
+            r = await sb.exec(["mkdir", "-p", "--", path], user="root")
+            if r.success:
+                r = await sb.exec(["chmod", f"{mode:o}", "--", path], user="root")
+            if not r.success:
+                raise ServicesError(f"service {service.name}: making its tmpfs directory {path} failed: "
+                                    f"{(r.stderr or r.stdout).strip()[-200:]}")
+
     async def _wait_for(self, name: str, condition: str, deadline: float) -> None:
+        await self._started[name].wait()  # its command started (every condition implies it)
         if condition == "service_started":
             return
         sb = self.sandboxes[name]
@@ -387,20 +421,27 @@ class Services:
         return f"service {name} exited with status {process.returncode}{': ' + tail if tail else ''}"
 
     async def _wait_healthy(self, name: str, sb: Sandbox, deadline: float) -> None:
-        if name in self._healthy:
-            return
+        async with self._probing.setdefault(name, anyio.Lock()):  # the others wait for its verdict
+            if name not in self._healthy:
+                await self._probe_until_healthy(name, sb, deadline)
+
+    async def _probe_until_healthy(self, name: str, sb: Sandbox, deadline: float) -> None:
         check = self._healthcheck(name)
         process = self._main.get(name)
         if check is None:
             raise ServicesError(f"service {name} has no healthcheck, but another service depends on it with "
                                 f"condition service_healthy")
-        # Healthy at the first passing probe; unhealthy once the start
-        # period and `retries` intervals passed without one (Docker's worst
-        # case), or at the sample's deadline. Probes run often meanwhile.
+        # Healthy at the first passing probe. Unhealthy, as in Docker, once
+        # `retries` probes started after the start period failed, and no
+        # sooner than the start period and `retries` intervals (probes run
+        # more often than every interval, to be healthy sooner); or at the
+        # sample's deadline.
         started = anyio.current_time()
-        last, delay = "", FAST_PROBE
-        give_up = min(deadline, started + check.start_period + check.retries * check.interval)
+        last, delay, failures = "", FAST_PROBE, 0
+        period_end = started + check.start_period
+        give_up = min(deadline, period_end + check.retries * check.interval)
         while True:
+            probe_start = anyio.current_time()
             try:
                 r = await sb.exec(check.test, timeout=check.timeout)
                 if r.success:
@@ -414,11 +455,12 @@ class Services:
             if process is not None and process.returncode is not None:  # it will never be healthy
                 raise ServicesError(f"{await self._exited(name, process)} before it was healthy "
                                     f"(last probe: {last})")
+            failures += probe_start >= period_end
             now = anyio.current_time()
-            if now >= give_up:
+            if now >= deadline or (now >= give_up and failures >= check.retries):
                 raise ServicesError(f"service {name} is unhealthy after {now - started:.1f}s: "
                                     f"{shlex.join(check.test)} failed ({last})")
-            await anyio.sleep(min(delay, give_up - now))
+            await anyio.sleep(min(delay, max(0.0, give_up - now)) if now < give_up else delay)
             delay = min(delay * 1.5, max(check.interval, FAST_PROBE))
 
     def _stop_watching(self) -> None:

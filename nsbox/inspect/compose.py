@@ -233,9 +233,8 @@ async def start_sample(task: ComposeTask, label: str, *, output_limit_mode: str 
             check = None
             if service.healthcheck is not None and not service.healthcheck.disable:
                 h = service.healthcheck
-                check = Healthcheck.from_test(h.test, interval=h.interval, timeout=h.timeout, retries=h.retries,
-                                              start_period=h.start_period) if h.test else \
-                    Healthcheck.from_image(image.config.healthcheck)
+                check = Healthcheck.merged(h.test, image.config.healthcheck, interval=h.interval, timeout=h.timeout,
+                                           retries=h.retries, start_period=h.start_period)
                 if check is not None:
                     declared.append(check)
             # main_command applied Docker's rules already: [] runs nothing (not the image's).
@@ -243,7 +242,9 @@ async def start_sample(task: ComposeTask, label: str, *, output_limit_mode: str 
                                      depends_on=dict(service.depends_on), healthcheck=check,
                                      no_healthcheck=service.healthcheck is not None and service.healthcheck.disable,
                                      names=[n for n in names.get(service.name, []) if n != service.name],
-                                     networks=per_service.get(service.name, {})))
+                                     networks=per_service.get(service.name, {}),
+                                     tmpfs=[(m.target, 0o1777 if m.mode is None else m.mode) for m in
+                                            [*service.tmpfs, *(v for v in service.volumes if v.type == "tmpfs")]]))
         if volumes is not None:
             give(volumes, mapping.host_root)  # the volume directories service_spec made
             for service in start_order(project):  # the first service to mount a volume seeds it

@@ -213,3 +213,57 @@ def test_a_kept_samples_main_processes_outlive_its_process() -> None:
             info = live.read(sandbox_id)
             if info is not None:
                 manage.remove(info, force=True)
+
+
+async def test_a_service_starts_without_waiting_for_unrelated_ones() -> None:
+    """default waits for web's health; web's healthcheck needs db, which
+    nothing orders: db starts at once, as in Docker (services had started
+    one after another, db after default: web never got healthy)."""
+    web = ServiceSpec("web", _spec(), command=["sleep", "infinity"], healthcheck=PROBE)
+    default = ServiceSpec("default", _spec(), command=["sleep", "infinity"], depends_on={"web": "service_healthy"})
+    db = ServiceSpec("db", _spec(), command=SERVER)
+    services = Services([default, web, db], wait_limit=30)
+    try:
+        sandboxes = await services.start()
+        r = await sandboxes["default"].exec(["python3", "-c", GET.format("db")])
+        assert r.stdout == "200\n", r
+    finally:
+        await services.close()
+
+
+async def test_a_slow_probe_gets_its_retries() -> None:
+    """A probe that takes longer than its interval fails `retries` times
+    before the service is unhealthy, as in Docker (the retries had been a
+    time budget: one slow probe used it up)."""
+    check = Healthcheck.from_test(["CMD-SHELL", "sleep 2; test -f /tmp/ready"], interval=0.5, timeout=10, retries=2)
+    ready = ["sh", "-c", "sleep 3; touch /tmp/ready; exec sleep infinity"]
+    services = Services([ServiceSpec("default", _spec(), command=ready, healthcheck=check)], wait_limit=30)
+    try:
+        await services.start()
+    finally:
+        await services.close()
+
+
+async def test_tmpfs_paths_are_made_with_their_modes() -> None:
+    services = Services([ServiceSpec("default", _spec(), command=["sleep", "infinity"],
+                                     tmpfs=[("/scratch", 0o1777), ("/run/own/deep", 0o700)])])
+    try:
+        sandboxes = await services.start()
+        r = await sandboxes["default"].exec(["stat", "-c", "%a %U", "/scratch", "/run/own/deep"], user="root")
+        assert r.stdout.split("\n")[:2] == ["1777 root", "700 root"], r
+    finally:
+        await services.close()
+
+
+def test_a_compose_healthcheck_is_merged_over_the_images() -> None:
+    """Field by field, as Docker: what the file leaves unset comes from the
+    image's HEALTHCHECK, else Docker's defaults."""
+    image = {"Test": ["CMD", "test", "-f", "/ready"], "Interval": 1_000_000_000, "Retries": 1}
+    check = Healthcheck.merged(None, image, interval=None, timeout=None, retries=20, start_period=None)
+    assert check is not None and (check.test, check.interval, check.retries, check.timeout) == (
+        ["test", "-f", "/ready"], 1.0, 20, 30.0)
+    check = Healthcheck.merged(["CMD", "true"], image, interval=2.0, timeout=None, retries=None, start_period=None)
+    assert check is not None and (check.test, check.interval, check.retries) == (["true"], 2.0, 1)
+    check = Healthcheck.merged(["CMD", "true"], None, interval=None, timeout=None, retries=None, start_period=None)
+    assert check is not None and (check.interval, check.timeout, check.retries, check.start_period) == (30.0, 30.0, 3, 0.0)
+    assert Healthcheck.merged(None, None, interval=5.0, timeout=None, retries=None, start_period=None) is None

@@ -402,16 +402,19 @@ def test_healthcheck_forms_and_durations(tmp_path):
         """)
     hc = s.healthcheck
     assert (hc.test, hc.interval, hc.timeout, hc.retries, hc.start_period, hc.start_interval) == (
-        ["CMD", "curl", "-f", "http://localhost"], 90.0, 0.5, 5, 3723.5, 0.0)
+        ["CMD", "curl", "-f", "http://localhost"], 90.0, 0.5, 5, 3723.5, None)  # 0: unset, as Docker reads it
     assert not hc.disable
     shell = one(tmp_path, "image: alpine\nhealthcheck:\n  test: pg_isready\n").healthcheck
-    assert (shell.test, shell.interval, shell.timeout, shell.retries) == (["CMD-SHELL", "pg_isready"], 30.0, 30.0, 3)
+    # Unset: the image's HEALTHCHECK fills them in, else Docker's defaults (services.Healthcheck.merged).
+    assert (shell.test, shell.interval, shell.timeout, shell.retries) == (["CMD-SHELL", "pg_isready"], None, None, None)
     assert one(tmp_path, "image: alpine\nhealthcheck: {disable: true}\n").healthcheck.disable
     assert one(tmp_path, "image: alpine\nhealthcheck: {test: [NONE]}\n").healthcheck.disable
     assert one(tmp_path, "image: alpine\nhealthcheck: {interval: 2s}\n").healthcheck.test is None  # the image's
 
 
 @pytest.mark.parametrize("bad, message", [
+    ("test: [CMD]", "CMD needs a command"),
+    ("test: [CMD-SHELL, '']", "CMD-SHELL needs a command"),
     ("interval: 30", "expected a duration such as 30s"),
     ("interval: 5 s", "expected a duration"),
     ("timeout: -1s", "must not be negative"),
