@@ -42,7 +42,6 @@ MODELLED = frozenset({
 # Accepted silently (listed in Service.ignored): they do not change what
 # commands in the sandbox see.
 HARMLESS = {
-    "restart": "a sandbox lives as long as its sample; nothing is restarted",
     "stop_grace_period": "only shapes how a container stops; nsbox ends the whole sandbox",
     "stop_signal": "only shapes how a container stops; nsbox ends the whole sandbox",
     "pre_stop": "teardown hooks; nsbox ends the whole sandbox",
@@ -60,6 +59,8 @@ HARMLESS = {
 
 # Accepted, honoured only approximately: a warning says how.
 APPROXIMATE = {
+    # (restart: "no" is harmless: review_service)
+    "restart": "a main process that exits is not restarted (before the sample is up, its exit fails the sample)",
     "ulimits": "ulimits are not applied",
     "shm_size": "/dev/shm keeps nsbox's size",
     "memswap_limit": "swap is not limited separately (memory is)",
@@ -181,7 +182,7 @@ def review_service(name: str, raw: dict[str, Any]) -> Review:
     for key, value in raw.items():
         if key.startswith("x-"):
             continue
-        if key in HARMLESS:
+        if key in HARMLESS or (key == "restart" and str(value) in ("no", "None", "")):
             r.ignored.append(key)
         elif key in APPROXIMATE:
             r.warnings.append(f"service {name}: {key}: {APPROXIMATE[key]}")

@@ -313,7 +313,9 @@ def test_service_keys_into_the_model(tmp_path, monkeypatch):
     assert (s.volumes[5].type, s.volumes[5].size, s.volumes[5].mode) == ("tmpfs", 64 * MiB, 0o1777)
     assert [(m.target, m.size, m.mode) for m in s.tmpfs] == [("/run", 10 * MiB, 0o755), ("/tmp2", None, None)]
     assert (s.x_local, s.x_nsbox, s.x_default) == (True, {"nested_userns": True}, False)
-    assert s.ignored == ["restart", "labels"]
+    assert s.ignored == ["labels"]  # restart: always is a warning (nothing is restarted)
+    assert any("service app: restart: a main process that exits is not restarted" in w
+               for w in project.warnings), project.warnings
     assert project.services["db"].networks == {"back": []}
     assert set(project.volumes) == {"cache"} and not project.volumes["cache"].external
 
@@ -559,7 +561,7 @@ def test_compose_error_is_an_nsbox_error_with_issues(tmp_path):
 def test_harmless_keys_are_accepted_and_listed(tmp_path):
     s = one(tmp_path, """
         image: alpine
-        restart: on-failure
+        restart: "no"
         stop_grace_period: 1m
         stop_signal: SIGINT
         container_name: box
@@ -578,6 +580,7 @@ def test_harmless_keys_are_accepted_and_listed(tmp_path):
 
 
 @pytest.mark.parametrize("service_yaml, warning", [
+    ("restart: on-failure", "restart: a main process that exits is not restarted"),
     ("cap_drop: [ALL]", "cap_drop is not enforced"),
     ("read_only: true", "read_only: the root filesystem stays writable"),
     ("tmpfs: /run", "tmpfs /run is a directory of the writable layer"),
@@ -887,7 +890,7 @@ def test_fixture_image_with_platform_list_command_and_limits():
     assert (s.platform, s.command, s.user) == ("linux/amd64", ["tail", "-f", "/dev/null"], "1000:1000")
     assert (s.memory, s.cpus, s.pids_limit) == (512 * MiB, 1.5, 512)
     assert s.environment == {"PYTHONUNBUFFERED": "1", "HOME": "/home/agent"}
-    assert s.ignored == ["restart", "logging"]
+    assert s.ignored == ["logging"]  # restart: unless-stopped is a warning
 
 
 def test_fixture_target_and_attacker_on_an_internal_network():
