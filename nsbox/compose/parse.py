@@ -263,6 +263,8 @@ class Reader:
         mounts = []
         for item in self.string_list("tmpfs", value):
             target, _, opts = item.partition(":")
+            if not target.startswith("/"):
+                raise self.fail("tmpfs", f"target must be an absolute path in the container, not {target!r}")
             size = mode = None
             for opt in filter(None, opts.split(",")):
                 k, _, v = opt.partition("=")

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import posixpath
 import secrets
 import shlex
 import signal
@@ -353,13 +354,19 @@ class Services:
         return next(s for s in self.order if s.name == name)
 
     async def _make_tmpfs_dirs(self, service: ServiceSpec) -> None:
-        """Its tmpfs paths, as empty directories with their modes (by root)."""
+        """Its tmpfs paths that do not exist, as directories with their
+        modes (made by root; one that exists is left as it is: through a
+        bind or an image's symlink it may be the host's). Paths at or under
+        a bind's target are left to the bind. An image without mkdir keeps
+        what it has (the warning at load said a tmpfs is not mounted)."""
         sb = self.sandboxes[service.name]
+        binds = [posixpath.normpath(m.target) for m in service.spec.mounts]
         for path, mode in service.tmpfs:
-            r = await sb.exec(["mkdir", "-p", "--", path], user="root")
-            if r.success:
-                r = await sb.exec(["chmod", f"{mode:o}", "--", path], user="root")
-            if not r.success:
+            path = posixpath.normpath(path)
+            if any(path == b or path.startswith(b + "/") for b in binds):
+                continue
+            r = await sb.exec(["mkdir", "-p", "-m", f"{mode:o}", "--", path], user="root")
+            if not r.success and r.returncode != 127:  # 127: no mkdir in the image
                 raise ServicesError(f"service {service.name}: making its tmpfs directory {path} failed: "
                                     f"{(r.stderr or r.stdout).strip()[-200:]}")
 
