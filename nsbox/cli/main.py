@@ -55,7 +55,9 @@ def sandbox_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                      show_default=True, help="When to pull --image."),
         click.option("--platform", default=None, metavar="OS/ARCH", help="Platform of --image (default: this host's)."),
         click.option("-u", "--user", default=None, help="User to run as (default: root; for `shell ID`: the sandbox's)."),
-        click.option("-w", "--workdir", default=None, help="Working directory (default: the user's home)."),
+        click.option("-w", "--workdir", default=None,
+                     help="Working directory (default: an image's WORKDIR, else /; a root filesystem: "
+                          "the user's home)."),
         click.option("-e", "--env", "env", multiple=True, metavar="KEY=VALUE", help="Set an environment variable."),
         click.option("-v", "--volume", "volumes", multiple=True, metavar="SRC:DST[:ro]",
                      help="Bind a host file or directory into the sandbox."),

@@ -467,7 +467,7 @@ class Services:
             if now >= deadline or (now >= give_up and failures >= check.retries):
                 raise ServicesError(f"service {name} is unhealthy after {now - started:.1f}s: "
                                     f"{shlex.join(check.test)} failed ({last})")
-            await anyio.sleep(min(delay, max(0.0, give_up - now)) if now < give_up else delay)
+            await anyio.sleep(min(delay, (give_up if now < give_up else deadline) - now))
             delay = min(delay * 1.5, max(check.interval, FAST_PROBE))
 
     def _stop_watching(self) -> None:

@@ -123,10 +123,14 @@ class Launched:
                 if not await fdwait.readable(pidfd, wait):
                     signal.pidfd_send_signal(pidfd, signal.SIGKILL)
                     await fdwait.readable(pidfd)
+                try:  # reaped through the pidfd: no pid that another process may have by now
+                    os.waitid(os.P_PIDFD, pidfd, os.WEXITED)
+                except ChildProcessError:
+                    pass  # reaped by someone else
             finally:
                 _waiting -= 1
                 os.close(pidfd)
-        if self.pid:
+        elif self.pid and self._still_ours():  # (else the pid is another process's now)
             try:
                 os.waitpid(self.pid, 0)
             except ChildProcessError:

@@ -181,9 +181,12 @@ class InitClient:
                 self._connect()
             except OSError as e:
                 # Only an init that is not there; a limit of this process's
-                # (EMFILE, a full backlog's timeout) is not the sandbox's end.
+                # (EMFILE) is not the sandbox's end.
                 if e.errno in (errno.ENOENT, errno.ECONNREFUSED, errno.ECONNRESET, errno.ENOTCONN):
                     raise self._gone() from None
+                if e.errno == errno.EAGAIN:  # a Unix socket's full backlog: no wait, as TCP would
+                    raise NsboxError(f"sandbox {self.sandbox_id} does not take more connections now "
+                                     "(its init's backlog is full)") from None
                 raise
         IDLE.used(self)
         return self._ctl  # type: ignore[return-value]
@@ -481,11 +484,27 @@ class IdleConnections:
                     client.disconnect()
 
 
+    def forget_in_child(self) -> None:
+        """A child forked without exec: a fresh lock (another thread may have
+        held this one at the fork), and none of its parent's connections
+        (a request of the child's must not interleave with its parent's on
+        them: the child's next request opens its own)."""
+        self.lock = threading.RLock()
+        for client in list(self._last):
+            if client._ctl is not None:
+                client._ctl.close()
+                client._ctl = None
+            client._busy = 0
+        self._last.clear()
+        self._armed.clear()
+
+
 # Seconds a control connection stays open after its last request: long
 # enough for a burst of execs to share it, short enough that idle sandboxes
 # hold no descriptor.
 IDLE_CLOSE = 2.0
 IDLE = IdleConnections()
+os.register_at_fork(after_in_child=IDLE.forget_in_child)
 
 
 def query_status(path: str, timeout: float = 1.0) -> dict[str, int] | None:

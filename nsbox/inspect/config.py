@@ -61,7 +61,8 @@ class SandboxSettings(BaseModel):
     user: str | None = None
     """The default user of exec, read_file and write_file (default: the image's USER, else root)."""
     workdir: str | None = None
-    """Working directory; relative paths resolve against it (default: the user's home)."""
+    """Working directory; relative paths resolve against it (default: an
+    image's WORKDIR, else /; a root filesystem: the user's home)."""
     env: dict[str, str] = {}
     network: str = "none"
     """'none': a private network with loopback only; 'host': the host's network;

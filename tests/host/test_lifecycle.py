@@ -435,13 +435,15 @@ async def test_reconnecting_out_of_descriptors_is_not_a_dead_sandbox() -> None:
         assert (await sb.exec(["echo", "ok"])).stdout == "ok\n"
 
 
+@pytest.mark.parametrize("other_state", ["running", "exited"])
 @pytest.mark.parametrize("descriptors", ["pidfd", "none to spare"])
-async def test_closing_after_someone_else_reaped_the_init(descriptors: str, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_closing_after_someone_else_reaped_the_init(descriptors: str, other_state: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The init of a running sandbox is watched through no descriptor; if
     something else in the process reaps it (a waitpid(-1) of the user's)
     and its pid goes to another process, closing the sandbox leaves that
-    process alone (here the pid is handed to a child of the test's, as
-    reuse would)."""
+    process alone, running or exited and not yet reaped (here the pid is
+    handed to a child of the test's, as reuse would)."""
     from nsbox.create import launch
 
     if descriptors != "pidfd":
@@ -452,11 +454,16 @@ async def test_closing_after_someone_else_reaped_the_init(descriptors: str, monk
             launched = sb._launched
             assert launched is not None and launched.pidfd < 0  # no descriptor watches it
             await anyio.sleep(0.05)  # start times count in ticks of 10 ms: a later one
-            other = subprocess.Popen(["sleep", "60"])
+            other = subprocess.Popen(["sleep", "60"] if other_state == "running" else ["sh", "-c", "exit 7"])
+            if other_state == "exited":  # a zombie of ours
+                os.waitid(os.P_PID, other.pid, os.WEXITED | os.WNOWAIT)
             os.kill(launched.pid, signal.SIGKILL)
             os.waitpid(launched.pid, 0)  # the user's reaping
             launched.pid = other.pid  # the pid reused
-        assert other.poll() is None  # neither killed nor reaped
+        if other_state == "running":
+            assert other.poll() is None  # neither killed nor reaped
+        else:
+            assert other.wait(5) == 7  # its status is still its owner's to take
     finally:
         if other is not None:
             other.kill()
@@ -521,3 +528,55 @@ def test_a_closed_sandbox_leaves_no_pidfd() -> None:
     assert r.returncode == 0 and lines, r.stderr[-3000:]
     out = json.loads(lines[-1][len("RESULT "):])
     assert out["pidfds"] == [], out
+
+
+FORK_WHILE_HELD = textwrap.dedent("""
+    import anyio, os, threading, time, nsbox
+    from nsbox.init import client as C
+
+    async def make():
+        sb = await nsbox.Sandbox.create()
+        assert (await sb.exec(["true"])).success  # its connection is open
+        return sb
+
+    sb = anyio.run(make)
+    held, release = threading.Event(), threading.Event()
+
+    def holder():
+        with C.IDLE.lock:  # as a thread in the middle of a request
+            held.set()
+            release.wait()
+
+    threading.Thread(target=holder, daemon=True).start()
+    held.wait()
+    pid = os.fork()
+    if pid == 0:
+        async def use():
+            return (await sb.exec(["echo", "child"])).stdout.strip()
+        try:
+            out = anyio.run(use)
+        except BaseException as e:
+            out = repr(e)
+        os.write(1, f"CHILD {out}\\n".encode())
+        os._exit(0)
+    release.set()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and os.waitpid(pid, os.WNOHANG) == (0, 0):
+        time.sleep(0.05)
+    else:
+        if time.monotonic() >= deadline:
+            os.kill(pid, 9)
+            print("CHILD HUNG", flush=True)
+    print("PARENT", anyio.run(lambda: sb.exec(["echo", "parent"])).stdout.strip(), flush=True)
+    anyio.run(sb.close)
+""")
+
+
+@pytest.mark.timeout(60)
+def test_a_child_forked_mid_request_uses_sandboxes_on_its_own_connections() -> None:
+    """Forked while another thread held the registry's lock, a child's
+    request neither hangs (the lock is new in the child) nor shares its
+    parent's connection; the parent's requests go on."""
+    r = subprocess.run([sys.executable, "-c", FORK_WHILE_HELD], capture_output=True, text=True, timeout=50)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "CHILD child" in r.stdout and "PARENT parent" in r.stdout, r.stdout + r.stderr[-2000:]
