@@ -414,6 +414,8 @@ class Services:
         if self._healthcheck(name) is not None:
             await self._wait_healthy(name, self.sandboxes[name], deadline)
             return
+        if any(s.depends_on.get(name) == "service_completed_successfully" for s in self.order):
+            return  # a job: who waits for it says how it ended (_wait_completed)
         process = self._main.get(name)
         if process is not None and process.returncode not in (None, 0):
             raise ServicesError(await self._exited(name, process))
