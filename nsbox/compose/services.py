@@ -142,9 +142,8 @@ class Healthcheck:
         base = cls.from_image(image) if image else None
         given = {k: v for k, v in timing.items() if v is not None}
         if test:
-            inherited = {} if base is None else {"interval": base.interval, "timeout": base.timeout,
-                                                 "retries": base.retries, "start_period": base.start_period}
-            return cls.from_test(test, **{**inherited, **given})  # type: ignore[arg-type]
+            own = cls.from_test(test, **given)  # type: ignore[arg-type]
+            return own if own is None or base is None else dataclasses.replace(base, test=own.test, **given)
         return None if base is None else dataclasses.replace(base, **given)
 
     def schedule(self) -> float:
@@ -338,9 +337,8 @@ class Services:
         command = service.command if service.command is not None else sb.image_command()
         if not command:
             return
-        awaited = any(s.depends_on.get(service.name) == "service_completed_successfully" for s in self.order)
         try:
-            if awaited:  # its exit status and output are wanted
+            if self._is_job(service.name):  # its exit status and output are wanted
                 self._main[service.name] = await sb.start_process(command, output_limit=MAIN_OUTPUT_LIMIT)
             else:  # on its own, but watched until the sample is up
                 chan = await sb.spawn(command, watch=True)
@@ -352,6 +350,10 @@ class Services:
 
     def _service(self, name: str) -> ServiceSpec:
         return next(s for s in self.order if s.name == name)
+
+    def _is_job(self, name: str) -> bool:
+        """Another service waits for it to complete (service_completed_successfully)."""
+        return any(s.depends_on.get(name) == "service_completed_successfully" for s in self.order)
 
     async def _make_tmpfs_dirs(self, service: ServiceSpec) -> None:
         """Its tmpfs paths that do not exist, as directories with their
@@ -414,8 +416,8 @@ class Services:
         if self._healthcheck(name) is not None:
             await self._wait_healthy(name, self.sandboxes[name], deadline)
             return
-        if any(s.depends_on.get(name) == "service_completed_successfully" for s in self.order):
-            return  # a job: who waits for it says how it ended (_wait_completed)
+        if self._is_job(name):
+            return  # who waits for it says how it ended (_wait_completed)
         process = self._main.get(name)
         if process is not None and process.returncode not in (None, 0):
             raise ServicesError(await self._exited(name, process))

@@ -483,7 +483,6 @@ class IdleConnections:
                 else:
                     client.disconnect()
 
-
     def forget_in_child(self) -> None:
         """A child forked without exec: a fresh lock (another thread may have
         held this one at the fork), and none of its parent's connections

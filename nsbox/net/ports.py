@@ -14,8 +14,8 @@ process in the sandbox. A service inside listening on 0.0.0.0 or on
 from __future__ import annotations
 
 import ipaddress
-import re
 import os
+import re
 import socket
 import weakref
 from dataclasses import dataclass
