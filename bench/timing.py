@@ -3,6 +3,8 @@ fixture image, and how variants are timed (interleaved, in one process)."""
 
 from __future__ import annotations
 
+import atexit
+import functools
 import gc
 import os
 import resource
@@ -151,17 +153,26 @@ int main(int argc, char **argv) {
 """
 
 
-def spawn_floor(n: int, cmd: list[str], capture: bool = False) -> float | None:
-    """Median seconds of one posix_spawn + waitpid of `cmd` from C (its
-    stdout read into memory if `capture`); None without a C compiler."""
+@functools.cache
+def _floor_program() -> str | None:
+    """SPAWN_FLOOR_C compiled, once per process (removed at exit); None
+    without a C compiler."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         return None
-    with tempfile.TemporaryDirectory() as d:
-        src, exe = os.path.join(d, "floor.c"), os.path.join(d, "floor")
-        with open(src, "w") as f:
-            f.write(SPAWN_FLOOR_C)
-        if subprocess.run([cc, "-O2", "-o", exe, src], capture_output=True).returncode != 0:
-            return None
-        r = subprocess.run([exe, str(max(n, 1)), str(int(capture)), *cmd], capture_output=True, text=True)
-        return float(r.stdout) if r.returncode == 0 else None
+    d = tempfile.mkdtemp(prefix="nsbox-bench-floor-")
+    atexit.register(shutil.rmtree, d, True)
+    src, exe = os.path.join(d, "floor.c"), os.path.join(d, "floor")
+    with open(src, "w") as f:
+        f.write(SPAWN_FLOOR_C)
+    return exe if subprocess.run([cc, "-O2", "-o", exe, src], capture_output=True).returncode == 0 else None
+
+
+def spawn_floor(n: int, cmd: list[str], capture: bool = False) -> float | None:
+    """Median seconds of one posix_spawn + waitpid of `cmd` from C (its
+    stdout read into memory if `capture`); None without a C compiler."""
+    exe = _floor_program()
+    if exe is None:
+        return None
+    r = subprocess.run([exe, str(max(n, 1)), str(int(capture)), *cmd], capture_output=True, text=True)
+    return float(r.stdout) if r.returncode == 0 else None
