@@ -20,6 +20,8 @@ import functools
 import hashlib
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, AsyncIterator
 
@@ -107,6 +109,17 @@ def process_named(init: int, name: str) -> Any:
             return found[0]
         assert time.monotonic() < deadline, f"no {name} under process {init}"
         time.sleep(0.02)
+
+
+def script_result(code: str, *args: str, timeout: float, env: dict[str, str] | None = None) -> Any:
+    """Runs `code` in a fresh interpreter (a limit, a fork or a thread of
+    its own) and returns the JSON it printed after "RESULT " last; fails
+    the test, with stderr's end, if it exited otherwise or printed none."""
+    r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout,
+                       env=env)
+    lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, r.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
 
 
 def fixture_tar(name: str) -> Path:

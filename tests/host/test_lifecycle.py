@@ -22,6 +22,8 @@ from nsbox.host import dirs, live, removal
 from nsbox.create import zygote
 from nsbox.host import layers as layer_store
 
+from tests.conftest import script_result
+
 
 def pidns(pid: int) -> str:
     return os.readlink(f"/proc/{pid}/ns/pid")
@@ -395,10 +397,7 @@ def test_sandboxes_used_from_several_threads(load: str) -> None:
     of exec, a connection closed under another thread's request). Within
     IDLE_CLOSE, each loop has one idle timer (each request from another
     loop than the last had added one)."""
-    r = subprocess.run([sys.executable, "-c", THREADS, load], capture_output=True, text=True, timeout=100)
-    lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
-    assert r.returncode == 0 and lines, r.stderr[-3000:]
-    out = json.loads(lines[-1][len("RESULT "):])
+    out = script_result(THREADS, load, timeout=100)
     assert out["errors"] == {}
     if load == "timers":
         assert out["timers"] == {"A": 1, "B": 1}
@@ -523,10 +522,7 @@ def test_a_closed_sandbox_leaves_no_pidfd() -> None:
     """Made and closed in a fresh process, a sandbox leaves no pidfd open:
     not its init's, nor the holder's that made its user namespace (where
     the id mapping uses one: it had been kept, unread, for good)."""
-    r = subprocess.run([sys.executable, "-c", PIDFDS], capture_output=True, text=True, timeout=50)
-    lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
-    assert r.returncode == 0 and lines, r.stderr[-3000:]
-    out = json.loads(lines[-1][len("RESULT "):])
+    out = script_result(PIDFDS, timeout=50)
     assert out["pidfds"] == [], out
 
 

@@ -31,6 +31,7 @@ from nsbox.plan import netmodes
 from nsbox.net import usernet
 from nsbox.net.client import NetError
 
+from tests.conftest import script_result
 from tests.net_members import CLIENT, host_server, http_server, tun_usable  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.timeout(90)
@@ -329,10 +330,7 @@ def test_descriptors_nsbox_holds_are_close_on_exec() -> None:
 
         anyio.run(main)
     """)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
-    assert r.returncode == 0 and lines, r.stderr[-3000:]
-    assert json.loads(lines[-1][len("RESULT "):]) == []
+    assert script_result(code, timeout=60) == []
 
 
 async def test_close_stops_what_the_process_serves() -> None:

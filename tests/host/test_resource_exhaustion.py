@@ -33,6 +33,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import script_result
 from tests.imagekit import Registry, busybox_oci, push, registry  # noqa: F401
 
 # Shared by the scenarios: what a failed creation must not leave, and A's health.
@@ -498,11 +499,7 @@ def test_descriptor_limit_during_an_exec_leaks_nothing(tmp_path: Path) -> None:
     (its request's memfd, channel, pipes) fails and leaves no memfd open
     (the pipes and channel it keeps ready for the next exec aside); the
     sandbox serves the next exec."""
-    r = subprocess.run([sys.executable, "-c", EXEC_NOFILE], capture_output=True, text=True, timeout=100,
-                       env={**os.environ, "NSBOX_STATE_DIR": str(tmp_path)})
-    lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
-    assert r.returncode == 0 and lines, r.stderr[-4000:]
-    out = json.loads(lines[-1][len("RESULT "):])
+    out = script_result(EXEC_NOFILE, timeout=100, env={**os.environ, "NSBOX_STATE_DIR": str(tmp_path)})
     assert any(t["error"] for t in out["tries"]), out  # the limit was met
     assert [t["left"] for t in out["tries"]] == [{}] * len(out["tries"]), out["tries"]
     assert out["again"] == "A\n"
