@@ -42,7 +42,7 @@ from .create.launch import Launched
 from .create.netattach import NetAttachment
 from .init.output_limits import exec_output_limit
 from .manage import collect_in_background
-from .spec import FIELDS, NET, Bind, Network, OutputLimitMode, PullPolicy, SandboxSpec
+from .spec import FIELDS, NET, Bind, Network, OutputLimitMode, PullPolicy, SandboxSpec, Tmpfs
 
 if TYPE_CHECKING:
     from .init import streaming
@@ -91,6 +91,7 @@ class Sandbox:
         id_mapping: idmap.Requested = "auto",
         timeout: float | None = None,
         mounts: Sequence[Bind] = (),
+        tmpfs: Sequence[Tmpfs | str] = (),
         label: str = "",
         nested_userns: bool = False,
         privileged: bool = False,
@@ -271,7 +272,7 @@ class Sandbox:
 
     def _fresh_image_key(self) -> tuple[Path, ...] | None:
         """Not for a sandbox this process did not create (rootfs.fresh_image_key)."""
-        return None if self._attached else rootfs_mod.fresh_image_key(self.rootfs, self.mounts)
+        return None if self._attached else rootfs_mod.fresh_image_key(self.rootfs, (*self.mounts, *self.spec.tmpfs))
 
     def _setup_client(self) -> InitClient:
         """The client, while the sandbox is still starting."""

@@ -51,6 +51,13 @@ def parse_size(value: str | int | float, name: str = "size") -> int:
     return size
 
 
+def _check_target(kind: str, target: str) -> None:
+    if not posixpath.isabs(target) or posixpath.normpath(target) in ("/", "//"):
+        raise ValueError(f"{kind} target must be an absolute path below /, not {target!r}")
+    if posixpath.normpath(target) != target.rstrip("/") or "\0" in target:
+        raise ValueError(f"{kind} target must be a normalized path, not {target!r}")
+
+
 @dataclass(frozen=True)
 class Bind:
     """A host file or directory made visible inside the sandbox at `target`."""
@@ -60,10 +67,7 @@ class Bind:
     readonly: bool = False
 
     def __post_init__(self) -> None:
-        if not posixpath.isabs(self.target) or posixpath.normpath(self.target) in ("/", "//"):
-            raise ValueError(f"bind target must be an absolute path below /, not {self.target!r}")
-        if posixpath.normpath(self.target) != self.target.rstrip("/"):
-            raise ValueError(f"bind target must be a normalized path, not {self.target!r}")
+        _check_target("bind", self.target)
         if not os.path.exists(self.source):
             raise SandboxSetupError(f"bind source {self.source} does not exist")
 
@@ -77,6 +81,58 @@ class Bind:
         if len(parts) != 2 or not parts[0] or not parts[1]:
             raise ValueError(f"expected SOURCE:TARGET[:ro], got {spec!r}")
         return cls(os.path.abspath(os.path.expanduser(parts[0])), parts[1], readonly=mode == "ro")
+
+
+@dataclass(frozen=True)
+class Tmpfs:
+    """An empty tmpfs mounted at `target` (Docker's and podman's --tmpfs): its
+    files are memory, gone with the sandbox. As there, it is writable and
+    noexec unless `readonly` or `noexec=False` say otherwise, and always
+    nosuid and nodev. `size` caps it in bytes (default: the kernel's, half
+    the host's memory); `mode` is its root directory's. Under a `memory`
+    or `disk` limit it is a directory of the limit's one tmpfs instead
+    (nsbox/plan/resources.py), so the limit caps it together with /tmp,
+    /dev/shm and /run, and `size` is not applied on its own."""
+
+    target: str
+    size: int | None = None
+    mode: int = 0o1777
+    readonly: bool = False
+    noexec: bool = True
+
+    # The options `parse` takes; nosuid and nodev are always set.
+    OPTIONS = "size=SIZE, mode=OCTAL, ro, rw, exec, noexec, nosuid, nodev"
+
+    def __post_init__(self) -> None:
+        _check_target("tmpfs", self.target)
+        if self.size is not None:
+            object.__setattr__(self, "size", parse_size(self.size, "tmpfs size"))
+        if isinstance(self.mode, bool) or not isinstance(self.mode, int) or not 0 <= self.mode <= 0o7777:
+            raise ValueError(f"tmpfs mode must be octal permissions such as 1777, not {self.mode!r}")
+
+    @classmethod
+    def parse(cls, spec: str) -> "Tmpfs":
+        """TARGET[:OPTIONS], as in `nsbox run --tmpfs` and Docker's: OPTIONS
+        are comma-separated, of Tmpfs.OPTIONS."""
+        target, _, options = spec.partition(":")
+        fields: dict[str, object] = {}
+        for option in filter(None, options.split(",")):
+            name, eq, value = option.partition("=")
+            if name == "size" and eq:
+                fields["size"] = value
+            elif name == "mode" and eq:
+                try:
+                    fields["mode"] = int(value, 8)
+                except ValueError:
+                    raise ValueError(f"tmpfs mode must be octal permissions such as 1777, not {value!r}") from None
+            elif option in ("ro", "rw"):
+                fields["readonly"] = option == "ro"
+            elif option in ("exec", "noexec"):
+                fields["noexec"] = option == "noexec"
+            elif option not in ("nosuid", "nodev"):
+                raise ValueError(f"tmpfs option {option!r} is not supported (nsbox takes {cls.OPTIONS}; "
+                                 "every tmpfs is nosuid and nodev)")
+        return cls(target, **fields)  # type: ignore[arg-type]
 
 
 # GPU requests (nsbox/plan/gpu.py turns them into binds and environment).
@@ -210,6 +266,9 @@ class SandboxSpec:
         eth2... in this order. Networks of this process only, not named
         ones. Outbound traffic goes through `network` alone.
     mounts: host files or directories bound into the sandbox.
+    tmpfs: empty tmpfs mounts (Tmpfs, or "TARGET[:OPTIONS]" as Docker's
+        --tmpfs), noexec unless they say exec; under a memory or disk limit
+        they share the limit's tmpfs.
     id_mapping: "auto", "single" or "host-root" (see nsbox/host/idmap.py).
     nested_userns: let commands create user namespaces and mount (to run
         a sandbox inside); denied by default, as in Docker.
@@ -250,6 +309,7 @@ class SandboxSpec:
     network_aliases: tuple[str, ...] = ()
     more_networks: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     mounts: tuple[Bind, ...] = ()
+    tmpfs: tuple[Tmpfs, ...] = ()
     id_mapping: str = "auto"
     nested_userns: bool = False
     privileged: bool = False
@@ -309,6 +369,11 @@ class SandboxSpec:
         object.__setattr__(self, "rootfs", str(self.rootfs or "host"))
         object.__setattr__(self, "env", dict(self.env))
         object.__setattr__(self, "mounts", tuple(m if isinstance(m, Bind) else Bind.parse(m) for m in self.mounts))
+        object.__setattr__(self, "tmpfs", tuple(t if isinstance(t, Tmpfs) else Tmpfs.parse(t) for t in self.tmpfs))
+        targets = [posixpath.normpath(m.target) for m in (*self.mounts, *self.tmpfs)]
+        twice = sorted({t for t in targets if targets.count(t) > 1})
+        if twice:
+            raise ValueError(f"two mounts at {twice[0]}: each target takes one bind or tmpfs")
 
     def replace(self, **changes: object) -> "SandboxSpec":
         return replace(self, **changes)  # type: ignore[arg-type]

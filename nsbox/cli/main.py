@@ -61,6 +61,9 @@ def sandbox_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("-e", "--env", "env", multiple=True, metavar="KEY=VALUE", help="Set an environment variable."),
         click.option("-v", "--volume", "volumes", multiple=True, metavar="SRC:DST[:ro]",
                      help="Bind a host file or directory into the sandbox."),
+        click.option("--tmpfs", "tmpfs", multiple=True, metavar="DST[:OPTIONS]",
+                     help="Mount an empty tmpfs (noexec unless OPTIONS say exec; OPTIONS: size=SIZE, mode=OCTAL, "
+                          "ro, exec)."),
         click.option("--network", default=SandboxSpec.network, show_default=True,
                      metavar="none|host|nat|proxy|container:ID|net:NAME",
                      help="'none': loopback only; 'host': the host's network; 'nat': outbound access (the host's "

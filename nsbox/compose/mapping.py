@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..spec import Bind, SandboxSpec
+from ..spec import Bind, SandboxSpec, Tmpfs
 from .errors import ComposeError
 from .hostpaths import HostPaths
 from .model import Mount, Project, Service
@@ -55,8 +55,8 @@ def service_spec(service: Service, project: Project, *, image: str, network: str
     under `volume_root` (one per sample, shared by its services), created
     here, as are missing sources of short-syntax binds (Docker does too).
     `extra` sets or overrides any other SandboxSpec field (x-nsbox settings
-    come first, `extra` wins). tmpfs mounts and read_only are not
-    expressible (load_project warns)."""
+    come first, `extra` wins). read_only is not expressible (load_project
+    warns)."""
     fields: dict[str, Any] = {
         "image": image,
         "pull": pull_policy(service),
@@ -69,6 +69,7 @@ def service_spec(service: Service, project: Project, *, image: str, network: str
         "hostname": service.hostname,
         "hosts": dict(service.extra_hosts),
         "mounts": tuple(_bind(service, project, m, volume_root, i) for i, m in enumerate(service.volumes) if m.type != "tmpfs"),
+        "tmpfs": tuple(_tmpfs(m) for m in [*service.tmpfs, *(m for m in service.volumes if m.type == "tmpfs")]),
         "memory": service.memory,
         "cpus": service.cpus,
         "pids_limit": service.pids_limit,
@@ -90,6 +91,11 @@ def volume_dir(service: Service, m: Mount, index: int, volume_root: Path) -> Pat
     """The directory of a named or anonymous volume (the `index`th entry of
     the service's volumes)."""
     return volume_root / (m.source or os.path.join("_anonymous", service.name, str(index)))
+
+
+def _tmpfs(mount: Mount) -> Tmpfs:
+    return Tmpfs(mount.target, size=mount.size, mode=0o1777 if mount.mode is None else mount.mode,
+                 readonly=mount.read_only, noexec=mount.noexec)
 
 
 def _bind(service: Service, project: Project, m: Mount, volume_root: Path | None, index: int) -> Bind:

@@ -260,19 +260,29 @@ class Reader:
         return Mount("volume", target, source, read_only)
 
     def tmpfs(self, value: Any) -> list[Mount]:
+        """TARGET[:OPTIONS], Docker's --tmpfs: mount options, of which nsbox
+        applies those of spec.Tmpfs and drops the others (uid=, nr_inodes=...)."""
         mounts = []
         for item in self.string_list("tmpfs", value):
             target, _, opts = item.partition(":")
             if not target.startswith("/"):
                 raise self.fail("tmpfs", f"target must be an absolute path in the container, not {target!r}")
-            size = mode = None
+            mount = Mount("tmpfs", target)
+            dropped = []
             for opt in filter(None, opts.split(",")):
-                k, _, v = opt.partition("=")
-                if k == "size":
-                    size = self.size("tmpfs size", v)
-                elif k == "mode":
-                    mode = self.octal("tmpfs mode", v)
-            mounts.append(Mount("tmpfs", target, size=size, mode=mode))
+                k, eq, v = opt.partition("=")
+                if k == "size" and eq:
+                    mount.size = self.size("tmpfs size", v)
+                elif k == "mode" and eq:
+                    mount.mode = self.octal("tmpfs mode", v)
+                elif opt in ("ro", "rw"):
+                    mount.read_only = opt == "ro"
+                elif opt in ("exec", "noexec"):
+                    mount.noexec = opt == "noexec"
+                elif opt not in ("nosuid", "nodev"):
+                    dropped.append(opt)
+            mount.dropped = tuple(dropped)
+            mounts.append(mount)
         return mounts
 
     def ports(self, value: Any) -> list[str]:

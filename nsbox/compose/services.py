@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import posixpath
 import secrets
 import shlex
 import signal
@@ -175,9 +174,6 @@ class ServiceSpec:
     # "services" mode: its networks, each with the names it answers to there
     # (the first carries its outbound traffic); none: its spec's network.
     networks: dict[str, list[str]] = field(default_factory=dict)
-    # Its tmpfs paths, each with its mode: empty directories of the writable
-    # layer, made before its command starts (Docker mounts a tmpfs there).
-    tmpfs: list[tuple[str, int]] = field(default_factory=list)
 
 
 def start_order(services: Sequence[ServiceSpec]) -> list[ServiceSpec]:
@@ -252,7 +248,6 @@ class Services:
                     await created[service.name].wait()
                 for dep, condition in service.depends_on.items():
                     await self._wait_for(dep, condition, deadline)
-                await self._make_tmpfs_dirs(service)
                 await self._run_command(service)
                 self._started[service.name].set()
                 await self._wait_ready(service.name, deadline)
@@ -354,23 +349,6 @@ class Services:
     def _is_job(self, name: str) -> bool:
         """Another service waits for it to complete (service_completed_successfully)."""
         return any(s.depends_on.get(name) == "service_completed_successfully" for s in self.order)
-
-    async def _make_tmpfs_dirs(self, service: ServiceSpec) -> None:
-        """Its tmpfs paths that do not exist, as directories with their
-        modes (made by root; one that exists is left as it is: through a
-        bind or an image's symlink it may be the host's). Paths at or under
-        a bind's target are left to the bind. An image without mkdir keeps
-        what it has (the warning at load said a tmpfs is not mounted)."""
-        sb = self.sandboxes[service.name]
-        binds = [posixpath.normpath(m.target) for m in service.spec.mounts]
-        for path, mode in service.tmpfs:
-            path = posixpath.normpath(path)
-            if any(path == b or path.startswith(b + "/") for b in binds):
-                continue
-            r = await sb.exec(["mkdir", "-p", "-m", f"{mode:o}", "--", path], user="root")
-            if not r.success and r.returncode != 127:  # 127: no mkdir in the image
-                raise ServicesError(f"service {service.name}: making its tmpfs directory {path} failed: "
-                                    f"{(r.stderr or r.stdout).strip()[-200:]}")
 
     async def _wait_for(self, name: str, condition: str, deadline: float) -> None:
         await self._started[name].wait()  # its command started (every condition implies it)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-from ..spec import SandboxSpec
+from ..spec import SandboxSpec, Tmpfs
 from .errors import ComposeError
 from .model import Project, Service
 
@@ -356,9 +356,10 @@ def check_references(project: Project) -> None:
 def mount_warnings(project: Project) -> list[str]:
     warnings = []
     for s in project.services.values():
-        for m in s.tmpfs + [m for m in s.volumes if m.type == "tmpfs"]:
-            warnings.append(f"service {s.name}: tmpfs {m.target} is a directory of the writable layer: "
-                            "the image's files there stay visible and no size applies")
+        for m in s.tmpfs:
+            if m.dropped:
+                warnings.append(f"service {s.name}: tmpfs {m.target}: options {','.join(m.dropped)} are not applied "
+                                f"(nsbox applies {Tmpfs.OPTIONS})")
     if any(s.ports for s in project.services.values()):
         warnings.append("ports are published on 127.0.0.1 unless an address is given (Docker: all interfaces)")
     return warnings

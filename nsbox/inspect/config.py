@@ -86,6 +86,8 @@ class SandboxSettings(BaseModel):
     """Published ports, "[IP:]HOSTPORT:PORT", on 127.0.0.1 unless IP is given."""
     mounts: tuple[str, ...] = ()
     """Host paths to bind in, as SOURCE:TARGET[:ro]."""
+    tmpfs: tuple[str, ...] = ()
+    """Empty tmpfs mounts, as TARGET[:OPTIONS] (Docker's --tmpfs; noexec unless OPTIONS say exec)."""
     timeout: int | None = None
     """Default timeout of exec, in seconds."""
     nested_userns: bool = False

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from ..spec import SandboxSpec
 
 # The SandboxSpec fields the contributors read.
-READS = ("mounts", "network", "nested_userns", "privileged", "memory", "pids_limit", "cpus", "disk",
+READS = ("mounts", "tmpfs", "network", "nested_userns", "privileged", "memory", "pids_limit", "cpus", "disk",
          "strict_limits")
 
 # The fields the contributors do not read, and why the plan does not depend on them.
@@ -89,7 +89,7 @@ def build(inputs: Inputs, layer: Path, sandbox_id: str, hostname: str) -> Plan:
     spec = _Reading(inputs.spec)
     plan = Plan(inputs.idmap, root="", sandbox_id=sandbox_id)
     resources.contribute(plan, resources.ResourceLimits.of(spec), sandbox_id, inputs.rundir, inputs.mount_dir)  # before mounts
-    mounts.contribute(plan, inputs.rootfs, layer, inputs.mount_dir, spec.mounts)  # type: ignore[arg-type]
+    mounts.contribute(plan, inputs.rootfs, layer, inputs.mount_dir, spec.mounts, spec.tmpfs)  # type: ignore[arg-type]
     contribute_hostname(plan, hostname)
     contribute_network(plan, spec.network)  # type: ignore[arg-type]
     contribute_seccomp_relaxation(plan, bool(spec.nested_userns or spec.privileged), unfiltered=bool(spec.privileged))

@@ -1,24 +1,27 @@
 """The filesystem contributor of a sandbox's plan (see nsbox/plan/plan.py): the
-root filesystem, binds, a fresh /proc, a minimal /dev and a tmpfs /tmp.
+root filesystem, binds and tmpfs mounts, a fresh /proc, a minimal /dev and a
+tmpfs /tmp.
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from . import procmask, steps as s
 from .plan import Phase, Plan
 
 if TYPE_CHECKING:
-    from ..spec import Bind
+    from ..spec import Bind, Tmpfs
     from .rootfs import Rootfs
 
 # Host device nodes the sandbox gets, bind-mounted into a fresh /dev.
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 
 
-def contribute(plan: Plan, rootfs: Rootfs, layer: Path, mount_dir: Path, binds: Sequence[Bind]) -> None:
+def contribute(plan: Plan, rootfs: Rootfs, layer: Path, mount_dir: Path, binds: Sequence[Bind],
+               tmpfs: Sequence[Tmpfs] = ()) -> None:
     """The root is mounted on mount_dir/root, a directory of sandbox root's
     (see nsbox/host/layers.py mount_point())."""
     # Nothing we mount may propagate back to the host's mount namespace.
@@ -42,8 +45,13 @@ def contribute(plan: Plan, rootfs: Rootfs, layer: Path, mount_dir: Path, binds: 
     # filesystem can only lead somewhere else inside it.
     # An image keeps its own /tmp, as in Docker (ImageRootfs.tmpfs_tmp).
     _dev_tmp(plan, tmpfs_tmp=rootfs.tmpfs_tmp)
-    for i, bind in enumerate(binds):
-        _attach_bind(plan, bind, plan.slot(f"bind{i}"))
+    # The user's mounts, a parent before what is mounted under it (as Docker
+    # orders them): given the other way round, it would hide them.
+    user: list[tuple[str, Callable[[], None]]] = [
+        *((b.target, functools.partial(_attach_bind, plan, b, plan.slot(f"bind{i}"))) for i, b in enumerate(binds)),
+        *((t.target, functools.partial(_mount_tmpfs, plan, t, i)) for i, t in enumerate(tmpfs))]
+    for _, attach in sorted(user, key=lambda m: m[0].strip("/").count("/")):
+        attach()
 
 
 def _dev_tmp(plan: Plan, tmpfs_tmp: bool = True) -> None:
@@ -73,11 +81,23 @@ def _dev_tmp(plan: Plan, tmpfs_tmp: bool = True) -> None:
         plan.tmpfs("/tmp", 0o1777, "mount a tmpfs on /tmp")
 
 
-def _attach_bind(plan: Plan, bind: Bind, slot: int) -> None:
-    """Creates the mount point (and missing parents) and attaches the bind."""
-    parts = bind.target.strip("/").split("/")
+def _mount_point(plan: Plan, target: str, directory: bool) -> str:
+    """Creates the mount point `target` (and missing parents); its normal form."""
+    parts = target.strip("/").split("/")
     for i in range(1, len(parts)):
         plan.add(Phase.INSIDE, s.mkdir("/" + "/".join(parts[:i])))
     target = "/" + "/".join(parts)
-    plan.add(Phase.INSIDE, s.mkdir(target) if Path(bind.source).is_dir() else s.mkfile(target),
-             s.tree_attach(slot, target, f"attach {bind.source} at {target}"))
+    plan.add(Phase.INSIDE, s.mkdir(target) if directory else s.mkfile(target))
+    return target
+
+
+def _mount_tmpfs(plan: Plan, tmpfs: Tmpfs, i: int) -> None:
+    target = _mount_point(plan, tmpfs.target, directory=True)
+    plan.tmpfs(target, tmpfs.mode, f"mount a tmpfs on {target}", size=tmpfs.size, readonly=tmpfs.readonly,
+               noexec=tmpfs.noexec, name=f"-user{i}")
+
+
+def _attach_bind(plan: Plan, bind: Bind, slot: int) -> None:
+    """Creates the mount point and attaches the bind."""
+    target = _mount_point(plan, bind.target, directory=Path(bind.source).is_dir())
+    plan.add(Phase.INSIDE, s.tree_attach(slot, target, f"attach {bind.source} at {target}"))

@@ -116,18 +116,23 @@ class Plan:
         self.add(Phase.HOST, steps.path_fd(os.fspath(path), slot))
         return f"{steps.PROC_FD}/{steps.PATH_FD_BASE + slot}"
 
-    def tmpfs(self, target: str, mode: int, what: str) -> None:
-        """A writable tmpfs on `target` inside the sandbox (/tmp, /dev/shm,
-        /run; an INSIDE step, after `target` is made). Under a limit it is
-        a directory of the capped tmpfs (self.writable), taken in the MOUNT
-        phase; else a tmpfs of its own."""
+    def tmpfs(self, target: str, mode: int, what: str, *, size: int | None = None, readonly: bool = False,
+              noexec: bool = False, name: str | None = None) -> None:
+        """A tmpfs on `target` inside the sandbox (/tmp, /dev/shm, /run, the
+        spec's; an INSIDE step, after `target` is made), nosuid and nodev.
+        Under a limit it is a directory of the capped tmpfs (self.writable),
+        `name`d there (default: after `target`), taken in the MOUNT phase,
+        and `size` is the cap's; else a tmpfs of its own."""
         if self.writable is None:
-            self.add(Phase.INSIDE, steps.mount("tmpfs", target, "tmpfs", ("MS_NOSUID", "MS_NODEV"),
-                                               f"mode={mode:o}", what))
+            flags = ["MS_NOSUID", "MS_NODEV"] + ["MS_RDONLY"] * readonly + ["MS_NOEXEC"] * noexec
+            options = f"mode={mode:o}" + ("" if size is None else f",size={size}")
+            self.add(Phase.INSIDE, steps.mount("tmpfs", target, "tmpfs", flags, options, what))
             return
-        where = f"{self.writable.path}/tmpfs{target.replace('/', '-')}"
-        slot = self.slot(f"tmpfs:{target}")
-        self.add(Phase.MOUNT, steps.mkdir(where, mode), steps.tree_clone(where, slot, what))
+        name = name or target.replace("/", "-")
+        where = f"{self.writable.path}/tmpfs{name}"
+        slot = self.slot(f"tmpfs:{name}")
+        self.add(Phase.MOUNT, steps.mkdir(where, mode),
+                 steps.tree_clone(where, slot, what, readonly=readonly, noexec=noexec))
         self.add(Phase.INSIDE, steps.tree_attach(slot, target, what))
 
     def slot(self, name: str) -> int:

@@ -302,12 +302,12 @@ def resolve(rootfs: str | os.PathLike[str] | None) -> Rootfs:
     return DirectoryRootfs(path.resolve())
 
 
-def fresh_image_key(rootfs: Rootfs, binds: Sequence[object]) -> tuple[Path, ...] | None:
+def fresh_image_key(rootfs: Rootfs, mounts: Sequence[object]) -> tuple[Path, ...] | None:
     """The layers of a sandbox's image if what a just-created sandbox finds
     in it can be remembered for the next ones (nsbox/init/users.py): image
     layers never change, and a new sandbox's writable layer is empty. Not
-    with binds, which may cover what it finds."""
-    if binds or not isinstance(rootfs, ImageRootfs):
+    with binds or tmpfs mounts (`mounts`), which may cover what it finds."""
+    if mounts or not isinstance(rootfs, ImageRootfs):
         return None
     return rootfs.layers
 

@@ -70,11 +70,13 @@ def mount(source: str | None, target: str, fstype: str | None, flags: Iterable[s
 
 
 def tree_clone(source: str, slot: int, what: str, *, recursive: bool = False, readonly: bool = False,
-               nosuid: bool = False) -> Step:
+               nosuid: bool = False, noexec: bool = False) -> Step:
     """slot = a detached copy of the mount tree at `source`."""
     attrs = {"MOUNT_ATTR_RDONLY"} if readonly else set()
     if nosuid:
         attrs.add("MOUNT_ATTR_NOSUID")
+    if noexec:
+        attrs.add("MOUNT_ATTR_NOEXEC")
     return Step(Kind.TREE_CLONE, what, a=source, slot=slot,
                 flags=frozenset({"AT_RECURSIVE"} if recursive else ()), attr_set=frozenset(attrs))
 

@@ -31,8 +31,10 @@ def test_run_options(tmp_path: Path) -> None:
     (tmp_path / "data").write_text("bound\n")
     tmp_path.chmod(0o755)
     r = nsbox("run", "-e", "GREETING=hi there", "-v", f"{tmp_path}:/mnt/host:ro", "-w", "/mnt/host",
-              "--", "sh", "-c", 'echo "$GREETING"; pwd; cat data; touch x 2>/dev/null || echo read-only')
-    assert r.stdout == "hi there\n/mnt/host\nbound\nread-only\n", r.stderr
+              "--tmpfs", "/scratch:size=1m,mode=700",
+              "--", "sh", "-c", 'echo "$GREETING"; pwd; cat data; touch x 2>/dev/null || echo read-only; '
+                                'stat -f -c %T /scratch; stat -c %a /scratch')
+    assert r.stdout == "hi there\n/mnt/host\nbound\nread-only\ntmpfs\n700\n", r.stderr
 
 
 def test_run_failures_have_messages_and_statuses(tmp_path: Path) -> None:
@@ -44,6 +46,7 @@ def test_run_failures_have_messages_and_statuses(tmp_path: Path) -> None:
         (["run", "-e", "NOEQUALS", "--", "true"], 2, "KEY=VALUE"),
         (["run", "-v", "/nonexistent-source:/x", "--", "true"], 125, "does not exist"),
         (["run"], 2, "Missing argument"),
+        (["run", "--tmpfs", "/x:uid=5", "--", "true"], 2, "tmpfs option 'uid=5' is not supported"),
     ]
     for args, code, message in cases:
         r = nsbox(*args)

@@ -5,7 +5,6 @@ completion, and failures that leave nothing behind."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import anyio
 import psutil
@@ -13,7 +12,6 @@ import pytest
 
 import nsbox
 from nsbox.host import live
-from nsbox.spec import Bind
 from nsbox.compose.services import (
     Healthcheck,
     ServiceSpec,
@@ -244,24 +242,6 @@ async def test_a_slow_probe_gets_its_retries() -> None:
         await services.start()
     finally:
         await services.close()
-
-
-async def test_tmpfs_paths_are_made_with_their_modes(tmp_path: Path) -> None:
-    """Missing tmpfs paths are made with their modes; what exists is left
-    as it is, and nothing is made under a bind (the host's directories)."""
-    shared = tmp_path / "shared"
-    shared.mkdir(mode=0o755)
-    spec = _spec(mounts=(Bind(str(shared), "/data"),))
-    tmpfs = [("/scratch", 0o1777), ("/run/own/deep", 0o700), ("/etc", 0o1777), ("/data", 0o1777),
-             ("/data/cache", 0o1777)]
-    services = Services([ServiceSpec("default", spec, command=["sleep", "infinity"], tmpfs=tmpfs)])
-    try:
-        sandboxes = await services.start()
-        r = await sandboxes["default"].exec(["stat", "-c", "%a", "/scratch", "/run/own/deep", "/etc"], user="root")
-        assert r.stdout.split() == ["1777", "700", "755"], r
-    finally:
-        await services.close()
-    assert shared.stat().st_mode & 0o7777 == 0o755 and list(shared.iterdir()) == []
 
 
 def test_a_compose_healthcheck_is_merged_over_the_images() -> None:

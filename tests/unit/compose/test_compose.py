@@ -25,6 +25,7 @@ from nsbox.compose import dotenv
 from nsbox.compose.support import service_networks
 from nsbox.plan import netmodes
 from nsbox.errors import NsboxError
+from nsbox.spec import Tmpfs
 
 FIXTURES = Path(__file__).resolve().parents[2] / "compose_fixtures"
 MiB = 1 << 20
@@ -583,7 +584,6 @@ def test_harmless_keys_are_accepted_and_listed(tmp_path):
     ("restart: on-failure", "restart: a main process that exits is not restarted"),
     ("cap_drop: [ALL]", "cap_drop is not enforced"),
     ("read_only: true", "read_only: the root filesystem stays writable"),
-    ("tmpfs: /run", "tmpfs /run is a directory of the writable layer"),
     ("cap_add: [NET_ADMIN]", "cap_add NET_ADMIN: applies to the service's network namespace (in the pod mode"),
     ("cap_add: [SYS_ADMIN]", "granted as nested_userns"),
     ("security_opt: [no-new-privileges:true]", "no-new-privileges is not set"),
@@ -773,7 +773,7 @@ def test_service_spec(tmp_path):
               - shared:/shared
               - /anon
               - {type: volume, source: shared, target: /part, volume: {subpath: p}}
-            tmpfs: [/scratch]
+            tmpfs: [/scratch, "/run:size=10m,mode=755,exec,uid=999,nr_inodes=5"]
             x-nsbox: {timeout: 30, disk: 1g}
         volumes: {shared: {}}
         """)
@@ -792,6 +792,13 @@ def test_service_spec(tmp_path):
         (str(tmp_path / "vols" / "shared" / "p"), "/part", False),
     ]
     assert (tmp_path / "made-by-docker").is_dir()  # short syntax creates a missing source, as Docker does
+    # tmpfs mounts, noexec unless `exec` (Docker's default); what nsbox does not apply is a warning.
+    assert spec.tmpfs == (Tmpfs("/scratch"), Tmpfs("/run", size=10 * MiB, mode=0o755, noexec=False))
+    assert "service app: tmpfs /run: options uid=999,nr_inodes=5 are not applied" in "\n".join(project.warnings)
+    long = load(tmp_path, "services:\n  s:\n    image: a\n    volumes:\n"
+                          "      - {type: tmpfs, target: /t, read_only: true, tmpfs: {size: 1m, mode: '700'}}\n")
+    assert service_spec(long.services["s"], long, image="a", network="none").tmpfs == (
+        Tmpfs("/t", size=MiB, mode=0o700, readonly=True),)
 
 
 def test_service_spec_pull_and_host_network(tmp_path):

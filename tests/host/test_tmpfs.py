@@ -1,0 +1,107 @@
+"""tmpfs mounts of the spec (`tmpfs`, `nsbox run --tmpfs`, compose `tmpfs:`).
+
+As Docker mounts them: empty, writable, nosuid, nodev and noexec unless
+told `exec`, `size` caps them, `mode` is their root's, a parent mount
+before what is mounted under it. Under a disk or memory limit they are part
+of the limit's one tmpfs, whatever their own size says (docs/security.md).
+A mount point is never followed through a symlink: one leading out of a
+bind to the host's files is refused, and nothing reaches the host.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+import nsbox
+from nsbox.host import live
+
+pytestmark = pytest.mark.timeout(60)
+MiB = 1 << 20
+
+
+def mounted(mountinfo: str, target: str) -> tuple[str, set[str]]:
+    """The root inside its filesystem and the per-mount options of `target`
+    in a /proc/self/mountinfo."""
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if fields[4] == target:
+            return fields[3], set(fields[5].split(","))
+    raise AssertionError(f"{target} is not mounted:\n{mountinfo}")
+
+
+async def sh(box: nsbox.Sandbox, script: str) -> nsbox.ExecResult:
+    return await box.exec(["sh", "-c", script])
+
+
+async def test_a_tmpfs_is_mounted_as_docker_mounts_one() -> None:
+    # The nested one is given first: mounted first, the outer one would hide it.
+    tmpfs = ["/scratch/inner:exec", "/scratch:size=1m,mode=700", "/ro:ro", "/usr/share/doc"]
+    async with nsbox.Sandbox(tmpfs=tmpfs) as box:
+        info = (await box.exec(["cat", "/proc/self/mountinfo"])).stdout
+        for target in ("/scratch", "/scratch/inner", "/ro", "/usr/share/doc"):
+            assert (await box.exec(["stat", "-f", "-c", "%T", target])).stdout == "tmpfs\n", target
+        assert {"nosuid", "nodev", "noexec", "rw"} <= mounted(info, "/scratch")[1]
+        assert "noexec" not in mounted(info, "/scratch/inner")[1]
+        assert "ro" in mounted(info, "/ro")[1]
+        assert (await box.exec(["stat", "-c", "%a", "/scratch", "/usr/share/doc"])).stdout.split() == ["700", "1777"]
+        # Empty: the root filesystem's files there are hidden.
+        assert (await box.exec(["ls", "-A", "/usr/share/doc"])).stdout == ""
+        r = await sh(box, "head -c 2000000 /dev/zero > /scratch/f")
+        assert r.returncode != 0 and "No space left on device" in r.stderr, r
+        r = await sh(box, "rm /scratch/f && cp /bin/true /scratch/t && /scratch/t")
+        assert r.returncode == 126, r  # noexec
+        r = await sh(box, "cp /bin/true /scratch/inner/t && /scratch/inner/t")
+        assert r.success, r
+        r = await sh(box, "touch /ro/f")
+        assert not r.success and "Read-only file system" in r.stderr, r
+
+
+async def test_under_a_limit_a_tmpfs_is_part_of_the_limits() -> None:
+    """Its own size cannot lift the limit: a tmpfs of its own per mount
+    would let a sandbox of 8 MiB pin half the host's memory each."""
+    async with nsbox.Sandbox(tmpfs=["/big:size=1g", "/a-b", "/a/b"], disk="8m") as box:
+        info = (await box.exec(["cat", "/proc/self/mountinfo"])).stdout
+        roots = {mounted(info, t)[0] for t in ("/big", "/a-b", "/a/b")}
+        assert len(roots) == 3, info  # each its own directory of the limit's tmpfs
+        assert "noexec" in mounted(info, "/big")[1]
+        r = await sh(box, "head -c 9000000 /dev/zero > /big/f")
+        assert r.returncode != 0 and "No space left on device" in r.stderr, r
+        r = await sh(box, "rm /big/f && echo x > /a-b/f && ! test -e /a/b/f && df -B1 --output=size /big /tmp | tail -n +2")
+        assert r.success, r
+        sizes = r.stdout.split()
+        assert sizes[0] == sizes[1] and int(sizes[0]) <= 8 * MiB, r
+
+
+async def test_a_mount_point_through_a_symlink_is_refused(tmp_path: Path) -> None:
+    """A bound directory holds `escape`, a symlink to a host directory:
+    a tmpfs at /b/escape/x would have to follow it. Refused; the host's
+    directory gets nothing, and no sandbox is left."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "escape").symlink_to(outside)
+    (shared / "up").symlink_to("../../../../../../.." + str(outside))
+    before = {i.id for i in live.entries() if i.owner_pid == os.getpid()}
+    for target in ("/b/escape/x", "/b/up/x", "/b/escape"):
+        box = nsbox.Sandbox(mounts=[f"{shared}:/b"], tmpfs=[target])
+        with pytest.raises(nsbox.SandboxSetupError, match="symlink"):
+            await box.start()
+    assert list(outside.iterdir()) == []
+    assert sorted(p.name for p in shared.iterdir()) == ["escape", "up"]
+    assert {i.id for i in live.entries() if i.owner_pid == os.getpid()} == before
+    with open("/proc/self/mountinfo") as f:
+        assert str(outside) not in f.read()
+
+
+def test_bad_tmpfs_options_are_clear_errors() -> None:
+    for spec, message in [("scratch", "absolute path"), ("/x:uid=5", "'uid=5' is not supported"),
+                          ("/x:mode=99", "octal"), ("/x:size=lots", "size"), ("/:size=1m", "below /"),
+                          ("/x/../y", "normalized")]:
+        with pytest.raises(ValueError, match=message):
+            nsbox.SandboxSpec(tmpfs=(spec,))
+    with pytest.raises(ValueError, match="two mounts at /x"):
+        nsbox.SandboxSpec(tmpfs=("/x", "/x/"))
