@@ -272,7 +272,7 @@ class Sandbox:
 
     def _fresh_image_key(self) -> tuple[Path, ...] | None:
         """Not for a sandbox this process did not create (rootfs.fresh_image_key)."""
-        return None if self._attached else rootfs_mod.fresh_image_key(self.rootfs, (*self.mounts, *self.spec.tmpfs))
+        return None if self._attached else rootfs_mod.fresh_image_key(self.rootfs, self.spec)
 
     def _setup_client(self) -> InitClient:
         """The client, while the sandbox is still starting."""

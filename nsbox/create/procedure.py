@@ -119,7 +119,7 @@ async def create(sb: Member, service_view: netmodes.ServiceNetwork | None,
         plan = templates.build(inputs, sb._layer, sb.id, sb.hostname)
     # Known now or later: record the sandbox while its setup runs.
     sb.workdir = (sb.spec.workdir or users.known_home(sb.user, sb.rootfs.identity_files(),
-                                                      rootfs_mod.fresh_image_key(sb.rootfs, sb.spec.mounts)) or "")
+                                                      rootfs_mod.fresh_image_key(sb.rootfs, sb.spec)) or "")
     sb._network.contribute(plan, sb.idmap, sb._launched)
     try:
         await launch(plan, sb._launched, sandbox_id=sb.id, socket_path=sb._rundir / live.SOCKET,

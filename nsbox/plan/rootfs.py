@@ -26,7 +26,7 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from . import steps
 from ..errors import SandboxSetupError
@@ -48,6 +48,9 @@ from ..host.layers import (
 )
 from .overlay import memory_overlay, overlay
 from .plan import Phase, Plan
+
+if TYPE_CHECKING:
+    from ..spec import SandboxSpec
 
 # Top-level names that are links into /usr on a merged-usr host.
 USR_LINK_NAMES = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
@@ -302,12 +305,12 @@ def resolve(rootfs: str | os.PathLike[str] | None) -> Rootfs:
     return DirectoryRootfs(path.resolve())
 
 
-def fresh_image_key(rootfs: Rootfs, mounts: Sequence[object]) -> tuple[Path, ...] | None:
+def fresh_image_key(rootfs: Rootfs, spec: SandboxSpec) -> tuple[Path, ...] | None:
     """The layers of a sandbox's image if what a just-created sandbox finds
     in it can be remembered for the next ones (nsbox/init/users.py): image
     layers never change, and a new sandbox's writable layer is empty. Not
-    with binds or tmpfs mounts (`mounts`), which may cover what it finds."""
-    if mounts or not isinstance(rootfs, ImageRootfs):
+    with binds or tmpfs mounts, which may cover what it finds."""
+    if spec.mounts or spec.tmpfs or not isinstance(rootfs, ImageRootfs):
         return None
     return rootfs.layers
 

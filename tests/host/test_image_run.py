@@ -88,7 +88,7 @@ async def test_what_a_new_sandbox_finds_in_an_image_is_read_once(
         app_image: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The image's users and working directory are read inside its first
     sandbox only: layers never change and a new sandbox's writable layer is
-    empty. A sandbox with binds (which may cover them) reads its own, and a
+    empty. A sandbox with binds or tmpfs mounts (which may cover them) reads its own, and a
     user created in one sandbox is not taken for the image's."""
     reads: list[str] = []
     from nsbox.init import users
@@ -116,6 +116,10 @@ async def test_what_a_new_sandbox_finds_in_an_image_is_read_once(
     async with nsbox.Sandbox(image=app_image, mounts=[nsbox.spec.Bind(str(bound), "/mnt/b")]) as c:
         assert len(reads) == before + 1, reads  # c read its own
         assert (await c.exec(["pwd"])).stdout == "/srv\n"
+    # A tmpfs on /srv hides the image's WORKDIR: made again, as Docker does.
+    async with nsbox.Sandbox(image=app_image, tmpfs=["/srv"]) as d:
+        assert len(reads) == before + 2, reads
+        assert (await d.exec(["sh", "-c", "pwd; stat -f -c %T ."])).stdout == "/srv\ntmpfs\n"
 
 
 def test_cli_runs_an_image(app_image: str) -> None:
