@@ -92,6 +92,7 @@ class Sandbox:
         timeout: float | None = None,
         mounts: Sequence[Bind] = (),
         tmpfs: Sequence[Tmpfs | str] = (),
+        read_only: bool = False,
         label: str = "",
         nested_userns: bool = False,
         privileged: bool = False,

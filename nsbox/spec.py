@@ -269,6 +269,10 @@ class SandboxSpec:
     tmpfs: empty tmpfs mounts (Tmpfs, or "TARGET[:OPTIONS]" as Docker's
         --tmpfs), noexec unless they say exec; under a memory or disk limit
         they share the limit's tmpfs.
+    read_only: the root filesystem read-only (Docker's --read-only): binds,
+        tmpfs mounts, /dev, /dev/shm and the host-composed root's /tmp and
+        /run stay writable, and so do the /etc files nsbox keeps (hosts;
+        resolv.conf in nat mode); `workdir` is made before, where missing.
     id_mapping: "auto", "single" or "host-root" (see nsbox/host/idmap.py).
     nested_userns: let commands create user namespaces and mount (to run
         a sandbox inside); denied by default, as in Docker.
@@ -310,6 +314,7 @@ class SandboxSpec:
     more_networks: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     mounts: tuple[Bind, ...] = ()
     tmpfs: tuple[Tmpfs, ...] = ()
+    read_only: bool = False
     id_mapping: str = "auto"
     nested_userns: bool = False
     privileged: bool = False
@@ -359,8 +364,9 @@ class SandboxSpec:
             if isinstance(self.pids_limit, bool) or int(self.pids_limit) != self.pids_limit or self.pids_limit < 1:
                 raise ValueError(f"pids_limit must be a positive whole number, not {self.pids_limit!r}")
             object.__setattr__(self, "pids_limit", int(self.pids_limit))
-        if not isinstance(self.strict_limits, bool):
-            raise ValueError(f"strict_limits must be true or false, not {self.strict_limits!r}")
+        for name in ("strict_limits", "read_only"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, not {getattr(self, name)!r}")
         if self.cpus is not None:
             if isinstance(self.cpus, bool) or not isinstance(self.cpus, (int, float)) or not self.cpus >= 0.01:
                 raise ValueError(f"cpus must be a number of CPUs of at least 0.01, not {self.cpus!r}")

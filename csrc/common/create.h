@@ -15,7 +15,7 @@ enum nsbox_step_kind {
                                    with attr_set / attr_clr applied (read-only etc.) */
     NSBOX_STEP_TREE_ATTACH = 3, /* attach slots[slot] at b */
     NSBOX_STEP_MKDIR = 4,       /* mkdir(b, mode); an existing directory (not a symlink) is fine */
-    NSBOX_STEP_MKFILE = 5,      /* create the empty file b (a mount point for a file) */
+    NSBOX_STEP_MKFILE = 5,      /* create the empty file b where missing (a mount point for a file) */
     NSBOX_STEP_SYMLINK = 6,     /* symlink a at b; an existing link is replaced */
     NSBOX_STEP_PIVOT = 7,       /* make b the root; the old root is detached */
     NSBOX_STEP_HOSTNAME = 8,    /* sethostname(a) */

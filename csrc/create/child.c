@@ -108,7 +108,10 @@ static int run_step(const struct nsbox_step *s, int *slots)
     }
 
     case NSBOX_STEP_MKFILE: {
-        int fd = open(s->b, O_WRONLY | O_CREAT | O_CLOEXEC | O_NOFOLLOW, s->mode);
+        /* Read-only: a file that exists is only a mount point, so neither
+         * copied up from an overlay's lower layer nor needs to be ours to
+         * write (the host's /etc/resolv.conf, under a read-only root). */
+        int fd = open(s->b, O_RDONLY | O_CREAT | O_CLOEXEC | O_NOFOLLOW, s->mode);
         if (fd < 0)
             return -1;
         close(fd);

@@ -64,6 +64,8 @@ def sandbox_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--tmpfs", "tmpfs", multiple=True, metavar="DST[:OPTIONS]",
                      help="Mount an empty tmpfs (noexec unless OPTIONS say exec; OPTIONS: size=SIZE, mode=OCTAL, "
                           "ro, exec)."),
+        click.option("--read-only", is_flag=True,
+                     help="Make the root filesystem read-only (binds, tmpfs mounts, /tmp and /run stay writable)."),
         click.option("--network", default=SandboxSpec.network, show_default=True,
                      metavar="none|host|nat|proxy|container:ID|net:NAME",
                      help="'none': loopback only; 'host': the host's network; 'nat': outbound access (the host's "

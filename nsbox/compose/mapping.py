@@ -55,8 +55,7 @@ def service_spec(service: Service, project: Project, *, image: str, network: str
     under `volume_root` (one per sample, shared by its services), created
     here, as are missing sources of short-syntax binds (Docker does too).
     `extra` sets or overrides any other SandboxSpec field (x-nsbox settings
-    come first, `extra` wins). read_only is not expressible (load_project
-    warns)."""
+    come first, `extra` wins)."""
     fields: dict[str, Any] = {
         "image": image,
         "pull": pull_policy(service),
@@ -69,6 +68,7 @@ def service_spec(service: Service, project: Project, *, image: str, network: str
         "hostname": service.hostname,
         "hosts": dict(service.extra_hosts),
         "mounts": tuple(_bind(service, project, m, volume_root, i) for i, m in enumerate(service.volumes) if m.type != "tmpfs"),
+        "read_only": service.read_only,
         "tmpfs": tuple(_tmpfs(m) for m in [*service.tmpfs, *(m for m in service.volumes if m.type == "tmpfs")]),
         "memory": service.memory,
         "cpus": service.cpus,

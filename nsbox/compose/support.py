@@ -204,8 +204,6 @@ def review_service(name: str, raw: dict[str, Any]) -> Review:
     _review_deploy(raw.get("deploy") or {}, raw.get("scale"), r)
     for key in set(raw.get("storage_opt") or {}) - {"size"}:
         r.issues.append(f"storage_opt.{key}")
-    if _true(raw.get("read_only")):
-        r.warnings.append(f"service {name}: read_only: the root filesystem stays writable")
     for key in set(raw.get("x-nsbox") or {}) - X_NSBOX:
         r.issues.append(f"x-nsbox: unknown setting {key} (known: {', '.join(sorted(X_NSBOX))})")
     return r

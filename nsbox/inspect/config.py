@@ -88,6 +88,8 @@ class SandboxSettings(BaseModel):
     """Host paths to bind in, as SOURCE:TARGET[:ro]."""
     tmpfs: tuple[str, ...] = ()
     """Empty tmpfs mounts, as TARGET[:OPTIONS] (Docker's --tmpfs; noexec unless OPTIONS say exec)."""
+    read_only: bool = False
+    """The root filesystem read-only (Docker's --read-only); mounts, /tmp and /run stay writable."""
     timeout: int | None = None
     """Default timeout of exec, in seconds."""
     nested_userns: bool = False

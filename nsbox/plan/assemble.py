@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from ..spec import SandboxSpec
 
 # The SandboxSpec fields the contributors read.
-READS = ("mounts", "tmpfs", "network", "nested_userns", "privileged", "memory", "pids_limit", "cpus", "disk",
+READS = ("mounts", "tmpfs", "read_only", "workdir", "network", "nested_userns", "privileged", "memory", "pids_limit", "cpus", "disk",
          "strict_limits")
 
 # The fields the contributors do not read, and why the plan does not depend on them.
@@ -39,7 +39,6 @@ NOT_PLANNED = {
     "id_mapping": "resolved to Inputs.idmap, which the key holds",
     "hostname": "in the plan as the sandbox's own value (build's `hostname`; a template's mark)",
     "user": "looked up once the sandbox runs (nsbox/init/users.py)",
-    "workdir": "made once the sandbox runs (nsbox/init/users.py)",
     "env": "given to each command, not to the sandbox's setup",
     "allow": "served by the host's proxy once the sandbox runs",
     "ports": "published by the host once the sandbox runs",
@@ -96,6 +95,8 @@ def build(inputs: Inputs, layer: Path, sandbox_id: str, hostname: str) -> Plan:
     if spec.privileged:
         contribute_sysfs(plan, spec.network)  # type: ignore[arg-type]
     procmask.contribute(plan)
+    if spec.read_only:  # last: every mount point inside is made by now
+        mounts.read_only(plan, inputs.rootfs, spec.workdir, spec.network)  # type: ignore[arg-type]
     return plan
 
 

@@ -101,3 +101,23 @@ def _attach_bind(plan: Plan, bind: Bind, slot: int) -> None:
     """Creates the mount point and attaches the bind."""
     target = _mount_point(plan, bind.target, directory=Path(bind.source).is_dir())
     plan.add(Phase.INSIDE, s.tree_attach(slot, target, f"attach {bind.source} at {target}"))
+
+
+def read_only(plan: Plan, rootfs: Rootfs, workdir: str | None, network: str) -> None:
+    """The root's own mounts made read-only, as Docker's --read-only: the
+    mounts on it (binds, tmpfs, /dev, /proc, the host-composed root's /tmp
+    and /run) stay as they are. The /etc files nsbox writes once the
+    sandbox runs (/etc/hosts; resolv.conf where the network may be nat's:
+    nat, a service network, another's) stay writable as
+    binds of themselves, and the working directory is made first (Docker's
+    runtime makes it too; read-only, nsbox could not later)."""
+    if workdir is not None:
+        _mount_point(plan, workdir, directory=True)
+    kept = ["/etc/hosts", *(["/etc/resolv.conf"] if network not in ("none", "host", "proxy") else [])]
+    plan.add(Phase.INSIDE, s.mkdir("/etc"))
+    for path in kept:
+        slot = plan.slot(f"read-only:{path}")
+        plan.add(Phase.INSIDE, s.mkfile(path), s.tree_clone(path, slot, f"keep {path} writable"),
+                 s.tree_attach(slot, path, f"keep {path} writable"))
+    for target in rootfs.own_mounts:
+        plan.add(Phase.INSIDE, s.remount(target, ("MS_BIND", "MS_RDONLY"), f"make {target} read-only"))

@@ -61,6 +61,9 @@ class Rootfs:
 
     # Whether the sandbox gets a fresh tmpfs on /tmp (nsbox/plan/mounts.py).
     tmpfs_tmp: ClassVar[bool] = True
+    # The writable mounts the root is made of, inside the sandbox (what
+    # read_only makes read-only: nsbox/plan/mounts.py).
+    own_mounts: ClassVar[tuple[str, ...]] = ("/",)
 
     def describe(self) -> str:
         """The root in words, for messages."""
@@ -102,6 +105,7 @@ class HostRootfs(Rootfs):
     overlay mount a work dir to make and delete.
     """
 
+    own_mounts: ClassVar[tuple[str, ...]] = ("/", "/etc")
     SKELETON = {
         "etc": 0o755, "usr": 0o755, "root": 0o700, "home": 0o755, "tmp": 0o1777, "var": 0o755,
         "var/tmp": 0o1777, "run": 0o755, "proc": 0o555, "dev": 0o755, "mnt": 0o755,

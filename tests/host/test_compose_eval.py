@@ -202,8 +202,10 @@ def test_image_service_with_platform_limits_and_list_command(images: dict[str, s
             pids_limit: 200
             network_mode: none
             tmpfs: ["/run/app:mode=700"]
-        """, "nsbox_compose_single", output_has("strict /opt/work 700 tmpfs"))
-    steps = [("bash", {"command": "echo $MODE $(pwd) $(stat -c %a /run/app) $(stat -f -c %T /run/app); ps -e -o comm= 2>/dev/null | grep -c tail || "
+            read_only: true
+        """, "nsbox_compose_single", output_has("strict /opt/work 700 tmpfs read-only"))
+    steps = [("bash", {"command": "echo $MODE $(pwd) $(stat -c %a /run/app) $(stat -f -c %T /run/app) "
+                                  "$(touch /x 2>&1 | grep -o Read-only | tr R r); ps -e -o comm= 2>/dev/null | grep -c tail || "
                                   "grep -l tail /proc/[0-9]*/comm | wc -l"})]
     [sample] = _check(_run(task, steps, tmp_path), 1)
     out = json.loads(sample.scores["output_has"].explanation)[-1]

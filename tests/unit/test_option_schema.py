@@ -35,7 +35,7 @@ ROOTFS = "/"  # a directory the samples name as a root filesystem (never mounted
 SAMPLES: list[dict[str, Any]] = [
     dict(image="registry.test/app:1", pull="always", platform="linux/arm64", user="app", workdir="/w",
          env={"A": "1"}, network="proxy", allow=("example.com",), ports=("8080:80",), hosts={"db": "10.0.0.2"},
-         hostname="box", mounts=("/tmp:/mnt/t:ro",), tmpfs=("/scratch:size=1m,exec",), id_mapping="single", nested_userns=True, privileged=True,
+         hostname="box", mounts=("/tmp:/mnt/t:ro",), tmpfs=("/scratch:size=1m,exec",), read_only=True, id_mapping="single", nested_userns=True, privileged=True,
          output_limit_mode="raise", timeout=30, memory="256m", pids_limit=64, cpus=1.5, disk="1g",
          strict_limits=True, gpus="all", label="a label", origin="inspect"),
     dict(rootfs=ROOTFS, network="net:web", network_aliases=("db",), more_networks={"net:back": ("db2",)}),
@@ -79,6 +79,7 @@ COMPOSE_KEYS = {
     "hosts": "extra_hosts: ['db:10.0.0.2']",
     "mounts": "volumes: ['./src:/src:ro']",
     "tmpfs": "tmpfs: ['/scratch:size=1m,exec']",
+    "read_only": "read_only: true",
     "memory": "mem_limit: 256m",
     "cpus": "cpus: 1.5",
     "pids_limit": "pids_limit: 64",

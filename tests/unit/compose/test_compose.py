@@ -583,7 +583,6 @@ def test_harmless_keys_are_accepted_and_listed(tmp_path):
 @pytest.mark.parametrize("service_yaml, warning", [
     ("restart: on-failure", "restart: a main process that exits is not restarted"),
     ("cap_drop: [ALL]", "cap_drop is not enforced"),
-    ("read_only: true", "read_only: the root filesystem stays writable"),
     ("cap_add: [NET_ADMIN]", "cap_add NET_ADMIN: applies to the service's network namespace (in the pod mode"),
     ("cap_add: [SYS_ADMIN]", "granted as nested_userns"),
     ("security_opt: [no-new-privileges:true]", "no-new-privileges is not set"),
@@ -794,6 +793,8 @@ def test_service_spec(tmp_path):
     assert (tmp_path / "made-by-docker").is_dir()  # short syntax creates a missing source, as Docker does
     # tmpfs mounts, noexec unless `exec` (Docker's default); what nsbox does not apply is a warning.
     assert spec.tmpfs == (Tmpfs("/scratch"), Tmpfs("/run", size=10 * MiB, mode=0o755, noexec=False))
+    assert not spec.read_only and service_spec(load(tmp_path, "services:\n  s: {image: a, read_only: true}\n")
+                                               .services["s"], project, image="a", network="none").read_only
     assert "service app: tmpfs /run: options uid=999,nr_inodes=5 are not applied" in "\n".join(project.warnings)
     long = load(tmp_path, "services:\n  s:\n    image: a\n    volumes:\n"
                           "      - {type: tmpfs, target: /t, read_only: true, tmpfs: {size: 1m, mode: '700'}}\n")

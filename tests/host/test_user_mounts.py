@@ -1,4 +1,5 @@
-"""tmpfs mounts of the spec (`tmpfs`, `nsbox run --tmpfs`, compose `tmpfs:`).
+"""tmpfs mounts and a read-only root (`tmpfs`, `read_only`; `nsbox run
+--tmpfs`, `--read-only`; compose `tmpfs:`, `read_only:`).
 
 As Docker mounts them: empty, writable, nosuid, nodev and noexec unless
 told `exec`, `size` caps them, `mode` is their root's, a parent mount
@@ -6,6 +7,10 @@ before what is mounted under it. Under a disk or memory limit they are part
 of the limit's one tmpfs, whatever their own size says (docs/security.md).
 A mount point is never followed through a symlink: one leading out of a
 bind to the host's files is refused, and nothing reaches the host.
+
+A read-only root is Docker's --read-only: what is mounted on it stays
+writable, and so do the /etc files nsbox keeps up to date; no process of
+the sandbox can make it writable again, whatever it was granted.
 """
 
 from __future__ import annotations
@@ -105,3 +110,46 @@ def test_bad_tmpfs_options_are_clear_errors() -> None:
             nsbox.SandboxSpec(tmpfs=(spec,))
     with pytest.raises(ValueError, match="two mounts at /x"):
         nsbox.SandboxSpec(tmpfs=("/x", "/x/"))
+
+
+async def test_a_read_only_root(tmp_path: Path) -> None:
+    (tmp_path / "bound").mkdir()
+    (tmp_path / "bound").chmod(0o777)  # sandbox root is a subordinate id but in single mode
+    tmp_path.chmod(0o755)
+    async with nsbox.Network("ro", internal=True) as net, \
+            nsbox.Sandbox(read_only=True, workdir="/srv/app", network=net, hostname="box", tmpfs=["/scratch"],
+                          mounts=[f"{tmp_path / 'bound'}:/bound"]) as box:
+        r = await sh(box, "pwd; for p in /x /etc/passwd /var/tmp/x /usr/x; do touch $p 2>&1; done")
+        lines = r.stdout.splitlines()
+        assert lines[0] == "/srv/app" and len(lines) == 5, r  # the working directory was made first
+        assert all("Read-only file system" in line for line in lines[1:]), r
+        r = await sh(box, "for p in /tmp /run /dev/shm /scratch /bound; do touch $p/x || exit 1; done")
+        assert r.success, r
+        # /etc/hosts follows the network: a member joining is written in.
+        async with nsbox.Sandbox(network=net, hostname="peer"):
+            r = await box.exec(["cat", "/etc/hosts"])
+            assert "peer" in r.stdout, r
+    assert (tmp_path / "bound" / "x").exists()
+
+
+@pytest.mark.parametrize("grant", ["none", "nested_userns", "privileged"])
+async def test_a_read_only_root_stays_read_only(grant: str) -> None:
+    """Not even with mounts allowed (nested user namespaces, or privileged):
+    the root's flags are locked before any process of the sandbox runs."""
+    kw = {} if grant == "none" else {grant: True}
+    async with nsbox.Sandbox(read_only=True, **kw) as box:  # type: ignore[arg-type]
+        r = await sh(box, "mount -o remount,rw / 2>/dev/null; mount -o remount,bind,rw / 2>/dev/null; touch /a;"
+                          "unshare -Urm sh -c 'mount -o remount,rw / || mount -o remount,bind,rw /; touch /b' ;"
+                          "ls /a /b 2>&1 | grep -c 'No such file'")
+        assert r.stdout.strip() == "2", r
+
+
+async def test_a_file_bound_over_a_read_only_file(tmp_path: Path) -> None:
+    """The mount point exists and cannot be written (the host's /usr, read
+    only in the sandbox): binding over it needs no write (it had failed
+    with EROFS, as did a read-only root's /etc files that are the host's)."""
+    tmp_path.chmod(0o755)
+    (tmp_path / "env").write_text("mine\n")
+    (tmp_path / "env").chmod(0o644)
+    async with nsbox.Sandbox(mounts=[f"{tmp_path / 'env'}:/usr/bin/env:ro"]) as box:
+        assert (await box.exec(["cat", "/usr/bin/env"])).stdout == "mine\n"
