@@ -290,10 +290,12 @@ class Builder:
             # host's network is the host's loopback services.
             raise ins.error("RUN --network=host gives the step the host's network (its loopback services too): "
                             "allowed only with `nsbox build --network host`")
-        key = chain(state.key, "RUN", argv, script, env, user, workdir)
+        # The network is part of what a step is (as in BuildKit's key): what
+        # a step without one made is not what it makes with one.
+        net = network if network in ("none", "host") else self._default_network()
+        key = chain(state.key, "RUN", argv, script, env, user, workdir, net)
 
         async def make() -> tuple[str | None, int]:
-            net = network if network in ("none", "host") else self._default_network()
             layers = await self._unpacked(state)
             captured = await run_step(ins, self.session, layers, ImageConfig.parse(state.doc), argv=argv,
                                       script=script, user=user, workdir=workdir, env=env, network=net,

@@ -280,6 +280,23 @@ RUN cat /data.txt >> /log
     assert await sh(name, "cat /log") == f"run 1\ntwo {unique}\n"
 
 
+async def test_the_network_is_part_of_a_steps_cache_key(tmp_path: Path, name: str, busybox: str) -> None:
+    """A step run without a network made something else than it makes with
+    one (a download that failed): never reused for a build that has one."""
+    unique = time.time_ns()
+    ctx = context(tmp_path, f"FROM {busybox}\nRUN echo {unique} > /n; ls /sys/class/net > /ifaces 2>&1 || true\n")
+    first = await build_image(ctx, tag=name, network="none", progress=lambda _: None)
+    assert (first.ran, first.cached) == (1, 0)
+    host = await build_image(ctx, tag=name, network="host", progress=lambda _: None)
+    assert (host.ran, host.cached) == (1, 0)
+    again = await build_image(ctx, tag=name, network="none", progress=lambda _: None)
+    assert (again.ran, again.cached) == (0, 1)
+    flagged = context(tmp_path / "flag", f"FROM {busybox}\nRUN --network=none echo {unique} > /n; "
+                                         "ls /sys/class/net > /ifaces 2>&1 || true\n")
+    as_flag = await build_image(flagged, tag=name, network="host", progress=lambda _: None)
+    assert (as_flag.ran, as_flag.cached) == (0, 1)  # the same step as the first: no network
+
+
 async def test_failed_run_leaves_no_image(tmp_path: Path, name: str, busybox: str) -> None:
     ctx = context(tmp_path, f"FROM {busybox}\nRUN echo partial > /p\nRUN echo oops >&2; exit 3\n")
     mine = lambda: {i.id for i in live.entries() if i.owner_pid == os.getpid()}  # noqa: E731
