@@ -19,7 +19,7 @@ from pathlib import Path
 from ..storage.reference import ReferenceError, parse as parse_reference
 from ..storage.store import Store
 from .builder import BuildResult, Builder, Output, Sink
-from .context import Context
+from .context import Context, read_text
 from .errors import BuildError
 from .parse import parse
 
@@ -52,11 +52,7 @@ async def build_image(context: str | Path, *, dockerfile: str | Path | None = No
         # the context's own Dockerfile: an error quoting a line must not quote a host file
         raise BuildError("the Dockerfile is a symlink leading outside the build context",
                          hint="name the file you mean with -f")
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise BuildError(f"cannot read the Dockerfile {path}: {e.strerror}") from None
-    df = parse(text, str(path))
+    df = parse(read_text(path, "Dockerfile"), str(path))
     stage = df.stages[-1] if target is None else df.stage(target)
     if stage is None:
         raise BuildError(f"no stage named {target!r} in {path.name}",

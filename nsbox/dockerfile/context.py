@@ -34,6 +34,31 @@ from .errors import BuildError
 GLOB = re.compile(r"[*?\[]")
 OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 OPEN_FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+TEXT_LIMIT = 4 << 20  # a Dockerfile or an ignore file larger than this is not one
+
+
+def read_text(path: Path, what: str) -> str:
+    """The text file `path` (a Dockerfile, an ignore file), read without
+    waiting on it (a FIFO would block) and at most TEXT_LIMIT bytes, as a
+    BuildError if it is anything else, or not UTF-8 text: a NUL would end
+    the text for the parser, silently dropping what follows."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise BuildError(f"cannot read the {what} {path}: {e.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise BuildError(f"the {what} {path} is not a regular file")
+        data = f.read(TEXT_LIMIT + 1)
+    if len(data) > TEXT_LIMIT:
+        raise BuildError(f"the {what} {path} is larger than {TEXT_LIMIT >> 20} MiB")
+    try:
+        text = data.decode()
+    except UnicodeDecodeError as e:
+        raise BuildError(f"the {what} {path} is not UTF-8 text (byte {e.start})") from None
+    if "\0" in text:
+        raise BuildError(f"the {what} {path} holds a NUL byte (line {text[:text.index(chr(0))].count(chr(10)) + 1})")
+    return text
 
 
 def _regex(pattern: str) -> re.Pattern[str]:
@@ -78,7 +103,7 @@ class _Rule:
 class Ignore:
     def __init__(self, text: str = "") -> None:
         self.rules: list[_Rule] = []
-        for line in text.splitlines():
+        for number, line in enumerate(text.splitlines(), 1):
             line = line.strip()
             if not line or line.startswith("#"):
                 continue
@@ -86,7 +111,10 @@ class Ignore:
             pat = line.lstrip("!").strip()
             pat = posixpath.normpath(pat).lstrip("/") if pat not in ("", ".") else "."
             if pat and pat != ".":
-                self.rules.append(_Rule(_regex(pat), exclude))
+                try:
+                    self.rules.append(_Rule(_regex(pat), exclude))
+                except re.error as e:
+                    raise BuildError(f".dockerignore line {number}: invalid pattern {line!r} ({e})") from None
         self.has_exceptions = any(not r.exclude for r in self.rules)
 
     def excluded(self, rel: str) -> bool:
@@ -118,16 +146,21 @@ class Context:
         if not self.root.is_dir():
             raise BuildError(f"the build context {root} is not a directory")
         ignore = self.root / ".dockerignore"
-        if dockerfile is not None and (special := Path(f"{dockerfile}.dockerignore")).is_file():
-            ignore = special  # Dockerfile-specific ignore file, as BuildKit reads it
+        if dockerfile is not None and os.path.lexists(special := Path(f"{dockerfile}.dockerignore")):
+            # Dockerfile-specific ignore file, as BuildKit reads it: beside
+            # the Dockerfile, which -f may name outside the context.
+            ignore = special
+            if ignore.is_symlink() and not (self.inside(ignore) or _within(ignore, dockerfile.parent)):
+                raise BuildError(f"{ignore.name} is a symlink leading outside the build context")
         elif ignore.is_symlink() and not self.inside(ignore):
             raise BuildError(".dockerignore is a symlink leading outside the build context")
-        self.ignore = Ignore(ignore.read_text() if ignore.is_file() else "")
+        self.ignore = Ignore(read_text(ignore, "ignore file") if os.path.lexists(ignore) else "")
         self._listing: list[str] | None = None
 
     def inside(self, path: Path) -> bool:
-        """Whether `path`, symlinks resolved, is in the context."""
-        return path.resolve().is_relative_to(self.root)
+        """Whether `path`, symlinks resolved, is in the context (a symlink
+        loop leads nowhere: reading it says so)."""
+        return _within(path, self.root)
 
     def listing(self) -> list[str]:
         """Every path of the context that .dockerignore keeps, sorted."""
@@ -146,7 +179,10 @@ class Context:
                         keep_dirs.append(d)  # an exception may re-include something below
                 dirnames[:] = keep_dirs
                 found += [rel for f in filenames if not self.ignore.excluded(rel := posixpath.join(rel_dir, f))]
-            self._listing = sorted(found)
+            # An excluded directory with something re-included below it is
+            # there (Docker sends the parents of what it sends): COPY can name it.
+            parents = {p.rsplit("/", i)[0] for p in found for i in range(1, p.count("/") + 1)}
+            self._listing = sorted(set(found) | parents)
         return self._listing
 
     def sources(self, patterns: list[str]) -> list[Source]:
@@ -164,16 +200,28 @@ class Context:
                 if not hits:
                     raise BuildError(f"no file in the build context matches {pattern}")
             else:
-                if clean and clean not in listing:
-                    why = " (excluded by .dockerignore)" if (self.root / clean).exists() else ""
+                # Not listed but there: below a symlinked directory (the walk
+                # does not follow them), which resolving checks below.
+                if clean and clean not in listing and (self.ignore.excluded(clean) or
+                                                       not os.path.lexists(self.root / clean)):
+                    why = " (excluded by .dockerignore)" if os.path.lexists(self.root / clean) else ""
                     raise BuildError(f"{pattern} is not in the build context{why}")
                 hits = [clean]
             for rel in hits:
-                real = (self.root / rel).resolve()
+                try:
+                    real = (self.root / rel).resolve()
+                except RuntimeError:
+                    raise BuildError(f"{pattern}: a symlink loop") from None
                 if not real.is_relative_to(self.root):
                     raise BuildError(f"{pattern}: a symlink leading outside the build context")
                 real_rel = real.relative_to(self.root).as_posix()
-                out.append(Source(rel, "" if real_rel == "." else real_rel, real.is_dir()))
+                real_rel = "" if real_rel == "." else real_rel
+                if real_rel and real_rel not in listing:
+                    # What a symlink leads to must be sent too: .dockerignore
+                    # keeps out what it excludes, whatever names it.
+                    why = "excluded by .dockerignore" if real.exists() else "missing"
+                    raise BuildError(f"{pattern}: a symlink to {real_rel}, which is not in the build context ({why})")
+                out.append(Source(rel, real_rel, real.is_dir()))
         return out
 
     def files_below(self, source: Source) -> list[str]:
@@ -253,6 +301,13 @@ class Context:
             f.close()
             raise BuildError(f"{rel} in the build context changed while it was read (another file now)")
         return f
+
+
+def _within(path: Path, directory: Path) -> bool:
+    try:
+        return path.resolve().is_relative_to(directory.resolve())
+    except RuntimeError:  # a symlink loop
+        return True
 
 
 def file_digest(f: BinaryIO | Path) -> str:

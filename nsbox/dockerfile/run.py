@@ -40,7 +40,12 @@ def argv_of(ins: Instruction, shell: list[str]) -> tuple[list[str], str | None]:
         if line.strip().lstrip("<-").strip("'\"") == first.name and len(ins.heredocs) == 1:
             # `RUN <<EOF`: the heredoc is the script
             if first.content.startswith("#!"):
-                interp = shlex.split(first.content.splitlines()[0][2:])
+                try:
+                    interp = shlex.split(first.content.splitlines()[0][2:])
+                except ValueError as e:
+                    raise ins.error(f"the heredoc's #! line cannot be read: {e}") from None
+                if not interp:
+                    raise ins.error("the heredoc's #! line names no interpreter")
                 return [*interp, HEREDOC_SCRIPT], first.content
             return [*shell, first.content], None
         # `RUN cmd <<EOF`: the shell reads the heredocs itself
@@ -70,7 +75,10 @@ async def run_step(ins: Instruction, session: Session, layers: tuple[Path, ...],
         async with box:
             if script is not None:
                 await box.write_file(HEREDOC_SCRIPT, script)
-            proc = await box.start_process(argv)
+            try:
+                proc = await box.start_process(argv)
+            except (FileNotFoundError, PermissionError) as e:  # not there, not executable
+                raise ins.error(f"cannot run {argv[0]}: {e.strerror or e}") from None
             code = None
             async for event in proc:
                 if isinstance(event, streaming.Output):
@@ -94,3 +102,4 @@ async def run_step(ins: Instruction, session: Session, layers: tuple[Path, ...],
         raise
     except NsboxError as e:
         raise ins.error(str(e)) from None
+

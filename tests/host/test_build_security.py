@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 import secrets
 import socket
 import subprocess
@@ -254,6 +255,75 @@ async def test_context_symlinks_do_not_lead_out(tmp_path: Path, name: str, busyb
     with pytest.raises(BuildError) as e:
         await build_image(ctx, tag=name, network="none", progress=lambda _: None)
     assert "SECRET" not in str(e.value) and "symlink leading outside the build context" in str(e.value)
+
+
+async def test_dockerignore_keeps_out_what_it_excludes_whatever_names_it(tmp_path: Path, name: str,
+                                                                          busybox: str) -> None:
+    """A symlink in the context to an excluded file does not carry it in
+    (Docker never sends the file); nor may the Dockerfile's own ignore file
+    be a symlink to a host file that would decide what is sent."""
+    ctx = context(tmp_path, f"FROM {busybox}\nCOPY alias /f\n", {".dockerignore": ".env\n", ".env": "TOKEN=1\n"})
+    os.symlink(".env", ctx / "alias")
+    with pytest.raises(BuildError, match=r"alias: a symlink to \.env, which is not in the build context "
+                                         r"\(excluded by \.dockerignore\)"):
+        await build_image(ctx, tag=name, network="none", progress=lambda _: None)
+    # Through a symlinked directory to what is sent: followed, as BuildKit does.
+    (ctx / "real").mkdir()
+    (ctx / "real" / "f").write_text("sent\n")
+    os.symlink("real", ctx / "linkdir")
+    (ctx / "Dockerfile").write_text(f"FROM {busybox}\nCOPY linkdir/f /f\n")
+    result = await build_image(ctx, tag=name, network="none", progress=lambda _: None)
+    assert ("f", b"sent\n") in [(m.name, d) for m, d in last_layer(result.digest)]
+
+    secret = tmp_path / "host-file"
+    secret.write_text("real\n")
+    os.symlink(secret, ctx / "Dockerfile.dockerignore")
+    with pytest.raises(BuildError, match="Dockerfile.dockerignore is a symlink leading outside the build context"):
+        await build_image(ctx, dockerfile=ctx / "Dockerfile", tag=name, network="none", progress=lambda _: None)
+
+
+async def test_an_excluded_directory_with_an_exception_can_be_copied(tmp_path: Path, name: str,
+                                                                     busybox: str) -> None:
+    ctx = context(tmp_path, f"FROM {busybox}\nCOPY docs /docs\n",
+                  {".dockerignore": "docs\n!docs/keep.md\n", "docs/keep.md": "k\n", "docs/drop.md": "d\n"})
+    result = await build_image(ctx, tag=name, network="none", progress=lambda _: None)
+    assert sorted(m.name for m, _ in last_layer(result.digest) if m.isfile()) == ["docs/keep.md"]
+
+
+@pytest.mark.parametrize("case", ["not utf-8", "ignore not utf-8", "loop", "ignore loop", "bad pattern", "nul",
+                                  "fifo", "shebang", "not executable"])
+async def test_bad_input_is_a_build_error(tmp_path: Path, name: str, busybox: str, case: str) -> None:
+    """Each one had been a raw traceback, a silently shortened Dockerfile
+    (a NUL: the parser reads up to it) or a build waiting forever (a FIFO)."""
+    ctx = context(tmp_path, f"FROM {busybox}\nRUN true\n")
+    df, ignore = ctx / "Dockerfile", ctx / ".dockerignore"
+    message = {"not utf-8": "is not UTF-8 text", "ignore not utf-8": "is not UTF-8 text",
+               "loop": "Too many levels of symbolic links", "ignore loop": "Too many levels of symbolic links",
+               "bad pattern": "line 2: invalid pattern '[z-a]'", "nul": "holds a NUL byte (line 2)",
+               "fifo": "is not a regular file", "shebang": "the heredoc's #! line cannot be read",
+               "not executable": "cannot run /etc/passwd"}[case]
+    if case == "not utf-8":
+        df.write_bytes(f"FROM {busybox}\n".encode() + b"\xff\xfe\n")
+    elif case == "ignore not utf-8":
+        ignore.write_bytes(b"\xff\n")
+    elif case == "loop":
+        df.unlink()
+        os.symlink("Dockerfile", df)
+    elif case == "ignore loop":
+        os.symlink(".dockerignore", ignore)
+    elif case == "bad pattern":
+        ignore.write_text("ok\n[z-a]\n")
+    elif case == "nul":
+        df.write_text(f"FROM {busybox}\nENV A=x\0y\nRUN echo $A\n")
+    elif case == "fifo":
+        df.unlink()
+        os.mkfifo(df)
+    elif case == "shebang":
+        df.write_text(f"FROM {busybox}\nRUN <<EOF\n#!/bin/sh \"\necho hi\nEOF\n")
+    else:
+        df.write_text(f'FROM {busybox}\nRUN ["/etc/passwd"]\n')
+    with anyio.fail_after(60), pytest.raises(BuildError, match=re.escape(message)):
+        await build_image(ctx, tag=name, network="none", no_cache=True, progress=lambda _: None)
 
 
 async def test_context_names_need_not_be_utf8(tmp_path: Path, name: str, busybox: str) -> None:
