@@ -10,8 +10,9 @@ read-only at ARGS["upper"] and writes the tar to ARGS["out"].
 Overlay's own markers become OCI's: a whiteout (a 0/0 character device, or
 an empty file with the `user.overlay.whiteout` xattr) becomes `.wh.NAME`,
 an opaque directory (`user.overlay.opaque=y`; overlay runs with userxattr)
-gets a `.wh..wh..opq` member. Other xattrs, sockets and devices are left
-out. Prints one JSON line: the tar's digest (its diff_id), size and count.
+gets a `.wh..wh..opq` member. A file's capabilities (`security.capability`,
+what `setcap` sets) are kept as a PAX record, as Docker keeps them; other
+xattrs, sockets and devices are left out. Prints one JSON line: the tar's digest (its diff_id), size and count.
 """
 
 from __future__ import annotations
@@ -119,7 +120,11 @@ def archive(tar: tarfile.TarFile, root: int, exclude: set[str]) -> int:
                 else:
                     if st.st_nlink > 1:
                         links[st.st_dev, st.st_ino] = rel
-                    tar.addfile(header(rel, st, tarfile.REGTYPE, st.st_size), f)
+                    info = header(rel, st, tarfile.REGTYPE, st.st_size)
+                    caps = xattr(f.fileno(), "security.capability")
+                    if caps is not None:  # binary: tarfile writes it back byte for byte
+                        info.pax_headers["SCHILY.xattr.security.capability"] = caps.decode("utf-8", "surrogateescape")
+                    tar.addfile(info, f)
         elif stat.S_ISCHR(mode) and st.st_rdev == 0:  # overlay's whiteout
             tar.addfile(marker(f"{rel_dir}/.wh.{name}".lstrip("/"), header(rel, st, tarfile.CHRTYPE)))
         elif stat.S_ISLNK(mode):

@@ -14,6 +14,7 @@ import hashlib
 import io
 import json
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -278,6 +279,26 @@ RUN cat /data.txt >> /log
     fresh = await build_image(ctx, tag=name, no_cache=True, progress=lambda _: None)
     assert (fresh.ran, fresh.cached) == (2, 0)
     assert await sh(name, "cat /log") == f"run 1\ntwo {unique}\n"
+
+
+# perl's syscall() passes strings by address: they must be variables.
+CAPD = '$p = \"/usr/local/bin/capd\"; $k = \"security.capability\"; '
+SETCAP = ("perl -e '" + CAPD + "$v = pack(\"V5\", 0x02000001, 1 << 10, 0, 0, 0); "  # cap_net_bind_service+ep, v2
+          "exit(syscall(188, $p, $k, $v, length($v), 0) != 0)'")
+GETCAP = ("perl -e '" + CAPD + "$b = \"\\0\" x 64; $n = syscall(191, $p, $k, $b, 64); "
+          "print \"caps $n \", unpack(\"V\", substr($b, 4, 4)), \"\\n\"'")
+
+
+async def test_file_capabilities_set_by_a_step_are_kept(tmp_path: Path, name: str, debian: str) -> None:
+    """`setcap` in a RUN: the layer keeps security.capability (as Docker's
+    layers do), so the next step and the image's sandboxes see it."""
+    if platform.machine() != "x86_64":
+        pytest.skip("the test sets the xattr by its x86-64 syscall number (no setcap in the fixture)")
+    ctx = context(tmp_path, f"FROM {debian}\nRUN cp /bin/true /usr/local/bin/capd && {SETCAP}\n"
+                            f"RUN {GETCAP} > /caps-seen\n")
+    await build(ctx, tag=name, network="none", no_cache=True, progress=lambda _: None)
+    assert await sh(name, "cat /caps-seen") == "caps 20 1024\n"  # 20 bytes, CAP_NET_BIND_SERVICE
+    assert await sh(name, GETCAP) == "caps 20 1024\n"
 
 
 async def test_the_network_is_part_of_a_steps_cache_key(tmp_path: Path, name: str, busybox: str) -> None:
