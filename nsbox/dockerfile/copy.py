@@ -3,32 +3,36 @@ one layer tar (layer.py).
 
 - Sources: build-context paths and globs (.dockerignore applied; context.py),
   another stage's or image's files (`--from`, read from its layer blobs;
-  fsview.py), heredocs (`COPY <<EOF /path`), and for ADD a URL (downloaded)
-  or a local tar archive (extracted, whatever its compression).
+  fsview.py), heredocs (`COPY <<EOF /path`, variables expanded unless the
+  delimiter is quoted), and for ADD a URL (downloaded) or a local tar
+  archive (extracted, whatever its compression).
 - Destination: relative to WORKDIR; a directory if it ends in `/`, if
   there are several sources, or if the image already has a directory
-  there; symlinks in it resolve inside the image.
+  there; symlinks in it, and below it, resolve inside the image (layer.py).
 - Owners: root unless `--chown` (names from the image's /etc/passwd and
-  /etc/group); context files keep their mode and mtime unless `--chmod`;
-  `--from` files keep their owners too.
+  /etc/group), also of the directories COPY creates; context files keep
+  their mode and mtime unless `--chmod`, and a directory copied to a new
+  destination gives it its mode; `--from` files keep their owners too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import posixpath
+import re
 import stat
 import tarfile
 import urllib.parse
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..init import users
 from .context import GLOB, Context, Source
 from .fsview import View, copy_data, norm
-from .layer import LayerWriter
-from .parse import Instruction
+from .layer import LayerWriter, NotADirectory
+from .parse import Heredoc, Instruction
 
 
 @dataclass
@@ -42,6 +46,7 @@ class Plan:
     mode: int | None
     context: list[Source] = field(default_factory=list)
     urls: list[str] = field(default_factory=list)
+    heredocs: list[Heredoc] = field(default_factory=list)  # variables expanded
 
 
 def plan(ins: Instruction, expand: Callable[[str], str], workdir: str, ctx: Context | None) -> Plan:
@@ -52,11 +57,11 @@ def plan(ins: Instruction, expand: Callable[[str], str], workdir: str, ctx: Cont
     dest_abs = posixpath.join(workdir or "/", dest) + ("/" if dest.endswith("/") or dest in (".", "..") else "")
     mode = None
     if chmod := ins.flags.get("chmod"):
-        try:
-            mode = int(chmod, 8)
-        except ValueError:
-            raise ins.error(f"--chmod takes an octal mode, not {chmod!r}") from None
-    p = Plan(ins, sources, dest_abs, None, mode)
+        # int() alone takes a sign, "0o" or more digits, whose extra bits would become setuid and the like
+        if not re.fullmatch(r"0*[0-7]{1,4}", chmod):
+            raise ins.error(f"--chmod takes an octal mode from 0 to 7777, not {chmod!r}")
+        mode = int(chmod, 8)
+    p = Plan(ins, sources, dest_abs, None, mode, heredocs=_heredocs(ins, expand))
     if len(sources) > 1 and not dest_abs.endswith("/"):
         raise ins.error(f"with more than one source, the destination must be a directory ending in /: {dest}")
     if ins.cmd == "ADD":
@@ -68,6 +73,24 @@ def plan(ins: Instruction, expand: Callable[[str], str], workdir: str, ctx: Cont
         except Exception as e:
             raise ins.error(str(getattr(e, "message", e))) from None
     return p
+
+
+def _heredocs(ins: Instruction, expand: Callable[[str], str]) -> list[Heredoc]:
+    """As BuildKit reads them: variables expanded unless the delimiter is
+    quoted (<<"EOF", <<'EOF')."""
+    marks = [w for w in ins.args if w.startswith("<<")]
+    return [h if re.search(r"[\"'\\]", mark) else replace(h, content=_expand_text(h.content, expand))
+            for h, mark in zip(ins.heredocs, marks)]
+
+
+def _expand_text(text: str, expand: Callable[[str], str]) -> str:
+    """Variables expanded, quotes kept as written (BuildKit's heredoc
+    expansion): they go through `expand` as characters the text does not
+    hold, so that they neither quote nor are removed."""
+    free = (c for c in map(chr, range(0xE000, 0xF900)) if c not in text)
+    double, single = next(free), next(free)
+    text = expand(text.translate({ord('"'): double, ord("'"): single}))
+    return text.translate({ord(double): '"', ord(single): "'"})
 
 
 def owner_of(ins: Instruction, chown: str, view: View) -> tuple[int, int]:
@@ -89,54 +112,69 @@ def _target(view: View, dest: str, name: str, into_dir: bool) -> str:
     return posixpath.join(view.resolve(parent), base)
 
 
+@contextlib.contextmanager
+def _located(ins: Instruction) -> Iterator[None]:
+    """The layer's errors, naming the instruction."""
+    try:
+        yield
+    except NotADirectory as e:
+        raise ins.error(e.message) from None
+
+
 def write_context(p: Plan, ctx: Context, view: View, out: LayerWriter) -> None:
-    globbed = any(GLOB.search(s) for s in p.sources)
-    into_dir = p.dest.endswith("/") or globbed or view.is_dir(view.resolve(p.dest))
-    for src in p.context:
-        if src.is_dir:
-            base = view.resolve(p.dest)
-            for rel in ctx.files_below(src):
-                out.add_context_file(posixpath.join(base, rel), ctx, posixpath.join(src.real, rel), owner=p.owner,
-                                     mode=p.mode)
-        else:
-            out.add_context_file(_target(view, p.dest, posixpath.basename(src.rel), into_dir), ctx, src.real,
-                                 owner=p.owner, mode=p.mode)
-    for h in p.ins.heredocs:
-        out.add_bytes(_target(view, p.dest, h.name, into_dir or len(p.ins.heredocs) > 1), h.content.encode(),
-                      owner=p.owner, mode=p.mode or 0o644)
+    with _located(p.ins):
+        globbed = any(GLOB.search(s) for s in p.sources)
+        into_dir = p.dest.endswith("/") or globbed or view.is_dir(view.resolve(p.dest))
+        for src in p.context:
+            if src.is_dir:
+                base = view.resolve(p.dest)
+                if not view.is_dir(base):  # made here: the source's mode and the COPY's owner, as BuildKit does
+                    out.add_context_file(base, ctx, src.real, owner=p.owner, mode=p.mode)
+                for rel in ctx.files_below(src):
+                    out.add_context_file(posixpath.join(base, rel), ctx, posixpath.join(src.real, rel), owner=p.owner,
+                                         mode=p.mode)
+            else:
+                out.add_context_file(_target(view, p.dest, posixpath.basename(src.rel), into_dir), ctx, src.real,
+                                     owner=p.owner, mode=p.mode)
+        for h in p.heredocs:
+            out.add_bytes(_target(view, p.dest, h.name, into_dir or len(p.heredocs) > 1), h.content.encode(),
+                          owner=p.owner, mode=p.mode or 0o644)
 
 
 def write_from(p: Plan, src_view: View, view: View, out: LayerWriter) -> None:
     """COPY --from: members of another image's layers."""
-    into_dir = p.dest.endswith("/") or view.is_dir(view.resolve(p.dest))
-    wanted: dict[Path, dict[str, list[str]]] = {}
-    targets: dict[Path, set[str]] = {}
-    for pattern in p.sources:
-        clean = norm(pattern)
-        if GLOB.search(clean):
-            depth = clean.count("/")
-            hits = [k for k in sorted(src_view.entries) if k.count("/") == depth and fnmatch.fnmatchcase(k, clean)]
-            into_dir = True
-        else:
-            hits = [src_view.resolve(clean)]
-        for path in hits:
-            entry = src_view.get(path)
-            if entry is None and path:
-                raise p.ins.error(f"{pattern} does not exist in the --from={p.ins.flags['from']} image")
-            if path == "" or entry.info.isdir():  # type: ignore[union-attr]
-                base = view.resolve(p.dest)
-                members = [(k, posixpath.join(base, k[len(path):].lstrip("/"))) for k in src_view.below(path)]
+    with _located(p.ins):
+        into_dir = p.dest.endswith("/") or view.is_dir(view.resolve(p.dest))
+        wanted: dict[Path, dict[str, list[str]]] = {}
+        targets: dict[Path, set[str]] = {}
+        for pattern in p.sources:
+            clean = norm(pattern)
+            if GLOB.search(clean):
+                depth = clean.count("/")
+                hits = [k for k in sorted(src_view.entries) if k.count("/") == depth and fnmatch.fnmatchcase(k, clean)]
+                into_dir = True
             else:
-                members = [(path, _target(view, p.dest, posixpath.basename(path), into_dir))]
-            for name, dest in members:
-                e = src_view.entries[name]
-                if e.info.isreg() or e.info.islnk():
-                    wanted.setdefault(e.blob, {}).setdefault(name, []).append(dest)
-                    if e.info.islnk():
-                        targets.setdefault(e.blob, set()).add(norm(e.info.linkname))
-                else:  # directories, symlinks: no data; written first, parents before children
-                    out.add(dest, e.info, owner=p.owner, mode=p.mode)
-    copy_data(wanted, targets, lambda dest, info, data: out.add(dest, info, data, owner=p.owner, mode=p.mode))
+                hits = [src_view.resolve(clean)]
+            for path in hits:
+                entry = src_view.get(path)
+                if entry is None and path:
+                    raise p.ins.error(f"{pattern} does not exist in the --from={p.ins.flags['from']} image")
+                if path == "" or entry.info.isdir():  # type: ignore[union-attr]
+                    base = view.resolve(p.dest)
+                    if entry is not None and not view.is_dir(base):  # made here: as the source directory
+                        out.add(base, entry.info, owner=p.owner, mode=p.mode)
+                    members = [(k, posixpath.join(base, k[len(path):].lstrip("/"))) for k in src_view.below(path)]
+                else:
+                    members = [(path, _target(view, p.dest, posixpath.basename(path), into_dir))]
+                for name, dest in members:
+                    e = src_view.entries[name]
+                    if e.info.isreg() or e.info.islnk():
+                        wanted.setdefault(e.blob, {}).setdefault(name, []).append(dest)
+                        if e.info.islnk():
+                            targets.setdefault(e.blob, set()).add(norm(e.info.linkname))
+                    else:  # directories, symlinks: no data; written first, parents before children
+                        out.add(dest, e.info, owner=p.owner, mode=p.mode)
+        copy_data(wanted, targets, lambda dest, info, data: out.add(dest, info, data, owner=p.owner, mode=p.mode))
 
 
 def is_archive(ctx: Context, src: Source) -> bool:
@@ -152,12 +190,13 @@ def is_archive(ctx: Context, src: Source) -> bool:
 
 def write_archive(p: Plan, ctx: Context, src: Source, view: View, out: LayerWriter) -> None:
     """ADD of a local tar: its members under the destination directory."""
-    base = view.resolve(p.dest)
-    with ctx.open(src.real) as f, tarfile.open(fileobj=f, mode="r:*") as tf:
-        for m in tf:
-            name = norm(m.name)
-            if not name or posixpath.basename(name).startswith(".wh.") or m.ischr() or m.isblk():
-                continue
-            if m.islnk():
-                m.linkname = posixpath.join(base, norm(m.linkname))
-            out.add(posixpath.join(base, name), m, tf.extractfile(m) if m.isreg() else None, owner=p.owner)
+    with _located(p.ins):
+        base = view.resolve(p.dest)
+        with ctx.open(src.real) as f, tarfile.open(fileobj=f, mode="r:*") as tf:
+            for m in tf:
+                name = norm(m.name)
+                if not name or posixpath.basename(name).startswith(".wh.") or m.ischr() or m.isblk():
+                    continue
+                if m.islnk():
+                    m.linkname = posixpath.join(base, norm(m.linkname))
+                out.add(posixpath.join(base, name), m, tf.extractfile(m) if m.isreg() else None, owner=p.owner)

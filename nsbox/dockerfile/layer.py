@@ -2,9 +2,13 @@
 directory, hashed as it is written: an uncompressed layer's blob digest
 is its diff_id.
 
-Parent directories of what a layer adds go in it too, as Docker's layers
-have them: with the metadata the image already gives them (from the
-view), or root-owned 0755 when the layer creates them.
+Names are placed as the image's own processes would see them: their
+parent directories through the image's symlinks (resolved inside its
+root), so that a COPY into /lib of a usrmerge image writes below /usr/lib
+and /lib stays a symlink. Parent directories of what a layer adds go in
+it too, as Docker's layers have them: with the metadata the image already
+gives them (from the view), or 0755 and the COPY's owner (root unless
+--chown) when the layer creates them.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import time
 from pathlib import Path
 from typing import IO
 
+from ..errors import NsboxError
 from .context import Context
 from .fsview import View, norm
 
@@ -30,6 +35,10 @@ def clone(info: tarfile.TarInfo, **changes: object) -> tarfile.TarInfo:
     for k, v in changes.items():
         setattr(new, k, v)
     return new
+
+
+class NotADirectory(NsboxError):
+    """A name below a file of the image (Docker fails there too)."""
 
 
 class _Hashing:
@@ -56,28 +65,46 @@ class LayerWriter:
         self.digest = ""
         self.count = 0
 
-    def _parents(self, name: str) -> None:
+    def _parents(self, name: str, owner: tuple[int, int] | None) -> None:
         parent = posixpath.dirname(name)
         if not parent or parent in self._written:
             return
-        self._parents(parent)
+        self._parents(parent, owner)
         existing = self.view.get(parent)
         if existing is not None and existing.info.isdir():
             info = clone(existing.info, name=parent)
+        elif existing is not None:  # symlinks are resolved (_place): a file, say
+            raise NotADirectory(f"cannot write /{name}: /{parent} is not a directory in the image")
         else:
             info = tarfile.TarInfo(parent)
             info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o755, self.now
+            info.uid, info.gid = owner or (0, 0)
         self._tar.addfile(info)
         self._written.add(parent)
 
+    def _place(self, name: str, is_dir: bool = False) -> str:
+        """Where `name` goes in the image: its parent directories resolved
+        through the image's symlinks, and a directory's own name too where
+        it leads to a directory or to nothing yet (as its contents do)."""
+        parent, base = posixpath.split(name)
+        placed = norm(posixpath.join(self.view.resolve(parent), base))
+        if is_dir:
+            target = self.view.resolve(placed)
+            if self.view.get(target) is None or self.view.is_dir(target):
+                return target
+        return placed
+
     def add(self, name: str, info: tarfile.TarInfo, data: IO[bytes] | None = None, *,
             owner: tuple[int, int] | None = None, mode: int | None = None) -> None:
-        """Adds a member as `name`, with `owner` and `mode` if given."""
-        name = norm(name)
+        """Adds a member as `name`, with `owner` and `mode` if given (the
+        owner also of the parent directories it creates)."""
+        name = self._place(norm(name), info.isdir())
         if not name:
             return
-        self._parents(name)
+        self._parents(name, owner)
         info = clone(info, name=name, uname="", gname="")
+        if info.islnk():  # its target was placed the same way
+            info.linkname = self._place(norm(info.linkname))
         if owner is not None:
             info.uid, info.gid = owner
         if mode is not None and not info.issym():
