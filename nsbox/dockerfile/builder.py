@@ -34,7 +34,7 @@ from .cache import Cache, chain
 from .context import Context, file_digest
 from .errors import BuildError
 from .fsview import View
-from .layer import LayerWriter
+from .layer import LayerWriter, NotADirectory
 from .parse import Dockerfile, Instruction, Stage
 from .run import argv_of, run_step
 from .words import WordError, expand
@@ -246,7 +246,7 @@ class Builder:
             state.args.update(values)
             state.key = chain(state.key, "ARG", values)
             return state
-        if ins.cmd in ("RUN", "COPY", "ADD"):
+        if ins.cmd in ("RUN", "COPY", "ADD", "WORKDIR"):
             return await self._layer_step(ins, state, label)
         self.out.line(label)
         metadata.apply(ins, state.cfg, lambda w: self._expand(ins, w, state.env()), state.cmd_set)
@@ -258,6 +258,8 @@ class Builder:
     async def _layer_step(self, ins: Instruction, state: State, label: str) -> State:
         if ins.cmd == "RUN":
             key, make = self._run(ins, state)
+        elif ins.cmd == "WORKDIR":
+            key, make = self._workdir(ins, state)
         else:
             key, make = await self._copy(ins, state)
         hit = self.cache.get(key)
@@ -324,6 +326,35 @@ class Builder:
             self.out.line(f"RUN steps use network {self.result.network} ({why})")
         return self.result.network
 
+    # ---- WORKDIR ---------------------------------------------------------
+
+    def _workdir(self, ins: Instruction, state: State) -> tuple[str, Callable[[], Any]]:
+        """Sets the working directory and, as Docker, makes it where the image
+        lacks it (a layer of its own), owned by the stage's USER as BuildKit
+        makes it: a later stage may COPY --from it even if nothing used it."""
+        metadata.apply(ins, state.cfg, lambda w: self._expand(ins, w, state.env()), state.cmd_set)
+        workdir, user = state.cfg["WorkingDir"], state.cfg.get("User") or ""
+        key = chain(state.key, "WORKDIR", state.cfg, user)
+
+        async def make() -> tuple[str | None, int]:
+            view = await self._view(state.layers)
+            if view.is_dir(view.resolve(workdir)):
+                return None, 0
+            owner = (0, 0)
+            if user:
+                try:
+                    owner = _numeric(user) or copy.owner_of(ins, user, view)
+                except BuildError:
+                    pass  # a USER the image does not name yet: Docker runs it by number later too
+            return await anyio.to_thread.run_sync(self._write_dir, ins, workdir, view, owner)
+        return key, make
+
+    def _write_dir(self, ins: Instruction, path: str, view: View, owner: tuple[int, int]) -> tuple[str, int]:
+        try:
+            return self._write_layer(view, lambda out: out.add_dir(path, owner=owner))
+        except NotADirectory as e:
+            raise ins.error(e.message) from None
+
     # ---- COPY, ADD -----------------------------------------------------
 
     async def _copy(self, ins: Instruction, state: State) -> tuple[str, Callable[[], Any]]:
@@ -356,19 +387,25 @@ class Builder:
 
     def _write_copy(self, p: copy.Plan, view: View, src_view: View | None,
                     downloads: list[tuple[Path, str, str, int | None]]) -> tuple[str, int]:
-        out = LayerWriter(self.store.temp_path(), view)
-        try:
+        def write(out: LayerWriter) -> None:
             if src_view is not None:
                 copy.write_from(p, src_view, view, out)
-            else:
-                archives = [s for s in p.context if p.ins.cmd == "ADD" and not s.is_dir and copy.is_archive(self.ctx, s)]
-                copy.write_context(replace(p, context=[s for s in p.context if s not in archives]), self.ctx, view, out)
-                for src in archives:
-                    copy.write_archive(p, self.ctx, src, view, out)
-                for path, _digest, name, mtime in downloads:
-                    into = p.dest.endswith("/") or view.is_dir(view.resolve(p.dest))
-                    target = copy._target(view, p.dest, name, into)
-                    out.add_download(target, path, owner=p.owner, mode=p.mode or 0o600)
+                return
+            archives = [s for s in p.context if p.ins.cmd == "ADD" and not s.is_dir and copy.is_archive(self.ctx, s)]
+            copy.write_context(replace(p, context=[s for s in p.context if s not in archives]), self.ctx, view, out)
+            for src in archives:
+                copy.write_archive(p, self.ctx, src, view, out)
+            for path, _digest, name, mtime in downloads:
+                into = p.dest.endswith("/") or view.is_dir(view.resolve(p.dest))
+                target = copy._target(view, p.dest, name, into)
+                out.add_download(target, path, owner=p.owner, mode=p.mode or 0o600)
+        return self._write_layer(view, write)
+
+    def _write_layer(self, view: View, write: Callable[[LayerWriter], None]) -> tuple[str, int]:
+        """A layer `write` fills, stored as a blob: (digest, size)."""
+        out = LayerWriter(self.store.temp_path(), view)
+        try:
+            write(out)
             digest = out.close()
         except BaseException:
             out.abort()

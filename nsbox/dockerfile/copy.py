@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import lzma
 import posixpath
 import re
 import stat
 import tarfile
 import urllib.parse
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -192,11 +194,18 @@ def write_archive(p: Plan, ctx: Context, src: Source, view: View, out: LayerWrit
     """ADD of a local tar: its members under the destination directory."""
     with _located(p.ins):
         base = view.resolve(p.dest)
-        with ctx.open(src.real) as f, tarfile.open(fileobj=f, mode="r:*") as tf:
-            for m in tf:
-                name = norm(m.name)
-                if not name or posixpath.basename(name).startswith(".wh.") or m.ischr() or m.isblk():
-                    continue
-                if m.islnk():
-                    m.linkname = posixpath.join(base, norm(m.linkname))
-                out.add(posixpath.join(base, name), m, tf.extractfile(m) if m.isreg() else None, owner=p.owner)
+        try:
+            with ctx.open(src.real) as f, tarfile.open(fileobj=f, mode="r:*") as tf:
+                for m in tf:
+                    name = norm(m.name)
+                    if not name or posixpath.basename(name).startswith(".wh.") or m.ischr() or m.isblk():
+                        continue
+                    if m.islnk():
+                        m.linkname = posixpath.join(base, norm(m.linkname))
+                    out.add(posixpath.join(base, name), m, tf.extractfile(m) if m.isreg() else None, owner=p.owner)
+        # A truncated or corrupt archive: what its decompressor or tarfile
+        # says (an OSError with an errno is the disk's, not the archive's).
+        except (tarfile.TarError, EOFError, OSError, zlib.error, lzma.LZMAError) as e:
+            if isinstance(e, OSError) and e.errno is not None:
+                raise
+            raise p.ins.error(f"{src.rel}: the archive cannot be read ({e or type(e).__name__})") from None

@@ -141,6 +141,12 @@ class LayerWriter:
             info.size, info.mtime = st.st_size, int(st.st_mtime)
             self.add(name, info, f, owner=owner or (0, 0), mode=mode)
 
+    def add_dir(self, name: str, *, owner: tuple[int, int]) -> None:
+        """A directory of mode 0755 (WORKDIR's), with its missing parents."""
+        info = tarfile.TarInfo(name)
+        info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o755, self.now
+        self.add(name, info, owner=owner)
+
     def add_bytes(self, name: str, data: bytes, *, owner: tuple[int, int] | None = None, mode: int = 0o644,
                   mtime: int | None = None) -> None:
         import io

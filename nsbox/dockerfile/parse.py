@@ -144,4 +144,7 @@ def key_values(ins: Instruction, expand: Callable[[str], str]) -> list[tuple[str
     args = list(ins.args)
     if len(args) % 2:
         raise ins.error("expected KEY=VALUE pairs")
-    return [(expand(args[i]), expand(args[i + 1])) for i in range(0, len(args), 2)]
+    pairs = [(expand(args[i]), expand(args[i + 1])) for i in range(0, len(args), 2)]
+    if any(not key for key, _ in pairs):
+        raise ins.error(f"{ins.cmd} names can not be blank")  # Docker's words
+    return pairs

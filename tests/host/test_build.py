@@ -184,8 +184,8 @@ async def test_config_reaches_the_sandbox(tmp_path: Path, name: str, debian: str
 FROM {debian}
 RUN useradd -m -u 1000 app
 ENV APP_HOME=/srv/app MODE="two words"
-WORKDIR $APP_HOME
 USER {user}
+WORKDIR $APP_HOME
 RUN touch made-by-run
 LABEL org.example.name="demo" other=1
 EXPOSE 8080 53/udp

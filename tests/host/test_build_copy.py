@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from nsbox.dockerfile import BuildError, build
+from nsbox.dockerfile import BuildError, build, build_image
+from nsbox.storage import Store
 
 from tests.conftest import MODE
 from .test_build import busybox, context, debian, name, sh  # noqa: F401 (fixtures)
@@ -127,3 +128,26 @@ EOF2
                                      "echo \"hello ${FOO}\"\nsingle $FOO\ntwo world\n")
     name = await build(ctx, tag=name, build_args={"FOO": "baz"}, **QUIET)  # type: ignore[arg-type]
     assert (await sh(name, files)).startswith('echo "hello baz"')
+
+
+async def test_workdir_makes_its_directory(tmp_path: Path, name: str, busybox: str) -> None:
+    """As Docker: made even when nothing uses it (a later stage copies it),
+    owned by the stage's USER as BuildKit makes it; an existing one gets no
+    layer."""
+    single = MODE.mode == "single"
+    ctx = context(tmp_path, f"""\
+FROM {busybox} AS made
+WORKDIR /x/y
+USER 1000
+WORKDIR /home/u
+WORKDIR /etc
+FROM {busybox}
+COPY --from=made /x /copied
+COPY --from=made /home/u /u
+""")
+    result = await build_image(ctx, tag=name, **QUIET)  # type: ignore[arg-type]
+    assert await sh(name, "test -d /copied/y && stat -c %u /u") == ("0\n" if single else "1000\n")
+    made = await build_image(ctx, tag=name, target="made", **QUIET)  # type: ignore[arg-type]
+    history = Store().read_json(made.id)["history"]
+    assert [h.get("empty_layer", False) for h in history[-4:]] == [False, True, False, True], history
+    assert result.id != made.id

@@ -291,7 +291,8 @@ async def test_an_excluded_directory_with_an_exception_can_be_copied(tmp_path: P
 
 
 @pytest.mark.parametrize("case", ["not utf-8", "ignore not utf-8", "loop", "ignore loop", "bad pattern", "nul",
-                                  "fifo", "shebang", "not executable"])
+                                  "fifo", "shebang", "not executable", "blank env", "truncated tar",
+                                  "truncated tgz"])
 async def test_bad_input_is_a_build_error(tmp_path: Path, name: str, busybox: str, case: str) -> None:
     """Each one had been a raw traceback, a silently shortened Dockerfile
     (a NUL: the parser reads up to it) or a build waiting forever (a FIFO)."""
@@ -301,7 +302,9 @@ async def test_bad_input_is_a_build_error(tmp_path: Path, name: str, busybox: st
                "loop": "Too many levels of symbolic links", "ignore loop": "Too many levels of symbolic links",
                "bad pattern": "line 2: invalid pattern '[z-a]'", "nul": "holds a NUL byte (line 2)",
                "fifo": "is not a regular file", "shebang": "the heredoc's #! line cannot be read",
-               "not executable": "cannot run /etc/passwd"}[case]
+               "not executable": "cannot run /etc/passwd", "blank env": "Dockerfile:2 (ENV): ENV names can not be blank",
+               "truncated tar": "Dockerfile:2 (ADD): a.tar: the archive cannot be read",
+               "truncated tgz": "Dockerfile:2 (ADD): a.tgz: the archive cannot be read"}[case]
     if case == "not utf-8":
         df.write_bytes(f"FROM {busybox}\n".encode() + b"\xff\xfe\n")
     elif case == "ignore not utf-8":
@@ -320,8 +323,19 @@ async def test_bad_input_is_a_build_error(tmp_path: Path, name: str, busybox: st
         os.mkfifo(df)
     elif case == "shebang":
         df.write_text(f"FROM {busybox}\nRUN <<EOF\n#!/bin/sh \"\necho hi\nEOF\n")
-    else:
+    elif case == "not executable":
         df.write_text(f'FROM {busybox}\nRUN ["/etc/passwd"]\n')
+    elif case == "blank env":
+        df.write_text(f"FROM {busybox}\nENV =x\n")
+    else:
+        suffix = case.split()[1]
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w:gz" if suffix == "tgz" else "w") as tf:
+            info = tarfile.TarInfo("big")
+            info.size = 100_000
+            tf.addfile(info, io.BytesIO(os.urandom(100_000)))
+        (ctx / f"a.{suffix}").write_bytes(buf.getvalue()[:len(buf.getvalue()) // 2])
+        df.write_text(f"FROM {busybox}\nADD a.{suffix} /x/\n")
     with anyio.fail_after(60), pytest.raises(BuildError, match=re.escape(message)):
         await build_image(ctx, tag=name, network="none", no_cache=True, progress=lambda _: None)
 
