@@ -6,6 +6,7 @@ imports every command module to register it).
 
 from __future__ import annotations
 
+import signal
 import sys
 from typing import Any, Awaitable, Callable, NoReturn, TypeVar
 
@@ -32,8 +33,23 @@ def fail(message: str, code: int = 1) -> NoReturn:
 
 
 def run_async(fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-    """anyio.run(fn, *args); Ctrl-C: one line, not a traceback."""
+    """anyio.run(fn, *args); Ctrl-C: one line, not a traceback. SIGTERM
+    (a job scheduler's, `timeout`'s, `kill`'s) ends it the same way, so
+    that what it made is closed and removed (its default would leave
+    sandboxes' layers for `nsbox gc`); exit status 143, as a shell's."""
+    terminated = False
+
+    def on_term(signum: int, frame: Any) -> None:
+        nonlocal terminated
+        terminated = True
+        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+            raise KeyboardInterrupt
+        signal.raise_signal(signal.SIGINT)  # as Ctrl-C: the event loop cancels its task
+
+    previous = signal.signal(signal.SIGTERM, on_term)
     try:
         return anyio.run(fn, *args)
     except KeyboardInterrupt:
-        fail("interrupted", 130)
+        fail("terminated" if terminated else "interrupted", 143 if terminated else 130)
+    finally:
+        signal.signal(signal.SIGTERM, previous)

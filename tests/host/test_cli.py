@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 NSBOX = [sys.executable, "-m", "nsbox"]
@@ -58,3 +61,25 @@ def test_help_and_version() -> None:
     r = nsbox("--help")
     assert r.returncode == 0 and "run" in r.stdout and "import" in r.stdout
     assert nsbox("--version").stdout.startswith("nsbox, version")
+
+
+def test_sigterm_closes_the_sandbox_as_ctrl_c_does() -> None:
+    """A job scheduler's or `timeout`'s SIGTERM: the sandbox is closed and
+    its layer removed, status 143 (the default action had left both for
+    `nsbox gc`)."""
+    from nsbox.host import live
+
+    proc = subprocess.Popen([*NSBOX, "run", "--", "sleep", "60"], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        mine: list[live.SandboxInfo] = []
+        while not mine and time.monotonic() < deadline:
+            mine = [i for i in live.entries() if i.owner_pid == proc.pid]
+            time.sleep(0.05)
+        assert mine, "the sandbox never appeared"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert (proc.returncode, err) == (143, "nsbox: terminated\n")
+    assert live.read(mine[0].id) is None and not os.path.exists(mine[0].layer)
