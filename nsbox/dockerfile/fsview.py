@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import IO
 
 from ..errors import NsboxError
+from ..storage.applytar import BoundedHeaders
 
 OPAQUE = ".wh..wh..opq"
 WHITEOUT = ".wh."
@@ -49,13 +50,13 @@ def open_layer(path: Path) -> Iterator[tarfile.TarFile]:
             proc = subprocess.Popen(["zstd", "-dcq"], stdin=f, stdout=subprocess.PIPE)
             assert proc.stdout is not None
             try:
-                with tarfile.open(fileobj=proc.stdout, mode="r|") as tf:
+                with tarfile.open(fileobj=proc.stdout, mode="r|", tarinfo=BoundedHeaders) as tf:
                     yield tf
             finally:
                 proc.kill()
                 proc.wait()
             return
-        with tarfile.open(fileobj=f, mode="r|*") as tf:
+        with tarfile.open(fileobj=f, mode="r|*", tarinfo=BoundedHeaders) as tf:
             yield tf
 
 

@@ -74,6 +74,27 @@ class TooBig(Exception):
     """Over a bound: args[0] is "size" or "files"."""
 
 
+HEADER_LIMIT = 1 << 20  # PAX or GNU long-name header: long names, xattrs (64 KiB each at most)
+
+
+class BoundedHeaders(tarfile.TarInfo):
+    """Members whose extended headers are at most HEADER_LIMIT bytes:
+    tarfile reads such a header whole into memory, so a layer of a few
+    MiB (gzip expands zeros 1000:1) could otherwise ask for gigabytes."""
+
+    def _proc_pax(self, tarfile_: tarfile.TarFile) -> tarfile.TarInfo:
+        self._bounded()
+        return super()._proc_pax(tarfile_)  # type: ignore[misc]
+
+    def _proc_gnulong(self, tarfile_: tarfile.TarFile) -> tarfile.TarInfo:
+        self._bounded()
+        return super()._proc_gnulong(tarfile_)  # type: ignore[misc]
+
+    def _bounded(self) -> None:
+        if self.size > HEADER_LIMIT:
+            raise tarfile.HeaderError(f"an extended header of {self.size} bytes (at most {HEADER_LIMIT})")
+
+
 def _mtime(m: tarfile.TarInfo) -> tuple[int, int]:
     """A member's mtime for utime, clamped: a PAX header may say anything."""
     try:
@@ -608,7 +629,7 @@ def main(argv: list[str]) -> int:
     reader = Reader(args["blob"], _bound(args, "max_bytes"))
     applier = Applier(args["dest"], bool(args.get("single")), _bound(args, "max_files"))
     try:
-        with tarfile.open(fileobj=reader, mode="r|") as tf:  # type: ignore[call-overload]
+        with tarfile.open(fileobj=reader, mode="r|", tarinfo=BoundedHeaders) as tf:  # type: ignore[call-overload]
             applier.apply(tf)
         reader.drain()
     except TooBig as e:

@@ -341,6 +341,35 @@ def test_member_names_cannot_fake_the_error_line(tmp_path: Path) -> None:
     assert r.stderr.startswith("x" * 300 + "\\n28 fake\\x1b[31m: "), r.stderr
 
 
+def _huge_pax_header(size: int) -> bytes:
+    """A layer whose one member has a PAX header of `size` bytes (one
+    comment record), which gzip shrinks to a few KiB."""
+    record = b" comment=" + b"z" * size + b"\n"
+    length = len(record) + len(str(len(record) + 7))
+    record = str(length).encode() + record
+    assert len(record) == length
+    header = tarfile.TarInfo("././@PaxHeader")
+    header.type, header.size = tarfile.XHDTYPE, len(record)
+    body = header.tobuf(tarfile.USTAR_FORMAT) + record + bytes(-len(record) % 512)
+    return body + tar_bytes(lambda t: add(t, "f", b"data"))
+
+
+def test_an_oversized_extended_header_is_refused_not_read(tmp_path: Path) -> None:
+    """tarfile reads a PAX header whole: 64 MiB of it (64 KiB gzipped) is
+    refused by the applier and by the builder's view of a layer, before
+    being read; one of 64 KiB (an xattr's most) is read."""
+    from nsbox.dockerfile.fsview import View
+
+    r = _applier(tmp_path, _huge_pax_header(64 << 20))
+    assert r.returncode == 3 and "an extended header of" in r.stderr, r.stderr
+    blob = tmp_path / "layer.tar.gz"
+    blob.write_bytes(gzip.compress(_huge_pax_header(64 << 20), mtime=0))
+    with pytest.raises(NsboxError, match="an extended header of"):
+        View().with_layer(blob)
+    blob.write_bytes(gzip.compress(_huge_pax_header(64 << 10), mtime=0))
+    assert View().with_layer(blob).get("f") is not None
+
+
 def test_limits_setting_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     from nsbox.storage.bounds import ImageBounds
 
