@@ -293,9 +293,10 @@ class Builder:
             raise ins.error("RUN --network=host gives the step the host's network (its loopback services too): "
                             "allowed only with `nsbox build --network host`")
         # The network is part of what a step is (as in BuildKit's key): what
-        # a step without one made is not what it makes with one.
+        # a step without one made is not what it makes with one. So is the
+        # id mapping: with a single uid every file a step makes is root's.
         net = network if network in ("none", "host") else self._default_network()
-        key = chain(state.key, "RUN", argv, script, env, user, workdir, net)
+        key = chain(state.key, "RUN", argv, script, env, user, workdir, net, self._id_mapping)
 
         async def make() -> tuple[str | None, int]:
             layers = await self._unpacked(state)
