@@ -286,7 +286,7 @@ def _project(raw: Any, directory: Path, environ: Mapping[str, str], source: str,
         warnings=part.warnings,
         host_paths=paths,
     )
-    support.check_references(project)
+    project.warnings += support.check_references(project)
     project.networks.setdefault("default", NetworkDef("default"))
     default = project.default_service.name
     services = part.services

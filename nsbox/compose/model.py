@@ -81,6 +81,7 @@ class Service:
     init: bool | None = None
     healthcheck: Healthcheck | None = None
     depends_on: dict[str, Condition] = field(default_factory=dict)
+    optional_deps: set[str] = field(default_factory=set)  # depends_on entries with `required: false`
     volumes: list[Mount] = field(default_factory=list)  # binds, volumes, tmpfs, secrets and configs
     tmpfs: list[Mount] = field(default_factory=list)  # the `tmpfs:` key
     read_only: bool = False

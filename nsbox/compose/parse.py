@@ -193,19 +193,23 @@ class Reader:
             hc.retries = int(retries) or None
         return hc
 
-    def depends_on(self, value: Any) -> dict[str, Any]:
+    def depends_on(self, value: Any) -> tuple[dict[str, Any], set[str]]:
+        """The dependencies with their conditions, and those not required."""
         if isinstance(value, list):
-            return {self.string("depends_on", v): "service_started" for v in value}
+            return {self.string("depends_on", v): "service_started" for v in value}, set()
         if not isinstance(value, dict):
             raise self.fail("depends_on", f"expected a list or a mapping, not {value!r}")
         out: dict[str, Any] = {}
+        optional = set()
         for name, opts in value.items():
-            # `required` and `restart` do not matter here: every service starts, once.
+            # `restart` does not matter here: every service starts, once.
             condition = (opts or {}).get("condition", "service_started") if isinstance(opts, dict) else opts
             if condition not in CONDITIONS:
                 raise self.fail(f"depends_on.{name}.condition", f"expected one of {', '.join(CONDITIONS)}, not {condition!r}")
             out[str(name)] = condition
-        return out
+            if isinstance(opts, dict) and not self.boolean(f"depends_on.{name}.required", opts.get("required", True)):
+                optional.add(str(name))
+        return out, optional
 
     def volume(self, value: Any) -> Mount:
         if isinstance(value, str):
@@ -406,7 +410,7 @@ def read_service(name: str, raw: dict[str, Any], directory: Path, environ: Mappi
     if get("healthcheck") is not None:
         s.healthcheck = r.healthcheck(get("healthcheck"))
     if get("depends_on") is not None:
-        s.depends_on = r.depends_on(get("depends_on"))
+        s.depends_on, s.optional_deps = r.depends_on(get("depends_on"))
     s.volumes = [r.volume(v) for v in get("volumes") or []]
     s.tmpfs = r.tmpfs(get("tmpfs"))
     s.ports = r.ports(get("ports"))

@@ -328,16 +328,23 @@ def review_project(project: Project) -> list[str]:
     return issues
 
 
-def check_references(project: Project) -> None:
-    """Names a service refers to must exist, as compose requires."""
+def check_references(project: Project) -> list[str]:
+    """Names a service refers to must exist, as compose requires; a
+    dependency marked `required: false` that is not defined is dropped with
+    a warning, as Compose warns. The warnings."""
+    warnings = []
     names = set(project.services)
     defaults = [s.name for s in project.services.values() if s.x_default]
     if len(defaults) > 1:
         raise ComposeError(f"x-default: true is on more than one service ({', '.join(defaults)})")
     for s in project.services.values():
-        for dep in s.depends_on:
-            if dep not in names:
+        for dep in list(s.depends_on):
+            if dep in names:
+                continue
+            if dep not in s.optional_deps:
                 raise ComposeError(f"service {s.name} depends on undefined service {dep}")
+            del s.depends_on[dep]
+            warnings.append(f"service {s.name}: depends_on {dep} (required: false) names no service: left out")
         for target in s.links.values():
             if target not in names:
                 raise ComposeError(f"service {s.name} links to undefined service {target}")
@@ -349,6 +356,7 @@ def check_references(project: Project) -> None:
         for m in s.volumes:
             if m.type == "volume" and m.source is not None and m.source not in project.volumes:
                 raise ComposeError(f"service {s.name} refers to undefined volume {m.source}")
+    return warnings
 
 
 def mount_warnings(project: Project) -> list[str]:

@@ -456,6 +456,13 @@ def test_depends_on_errors(tmp_path):
         load(tmp_path, "services:\n  a:\n    image: x\n    depends_on: [nope]\n")
     with pytest.raises(ComposeError, match="expected one of service_started"):
         load(tmp_path, "services:\n  a:\n    image: x\n    depends_on: {a: {condition: up}}\n")
+    # Not required: Compose warns and goes on without it (nsbox had refused the file).
+    project = load(tmp_path, "services:\n  a:\n    image: x\n    depends_on: {b: {}, nope: {required: false}}\n"
+                             "  b: {image: x}\n")
+    assert project.services["a"].depends_on == {"b": "service_started"}
+    assert "service a: depends_on nope (required: false) names no service: left out" in project.warnings
+    with pytest.raises(ComposeError, match="service a depends on undefined service nope"):
+        load(tmp_path, "services:\n  a:\n    image: x\n    depends_on: {nope: {required: true}}\n")
 
 
 # -- default service and ordering ----------------------------------------------
