@@ -227,6 +227,10 @@ class Builder:
             raise ins.error(f"cannot use the base image {ref}: {getattr(e, 'message', e)}",
                             getattr(e, "hint", None)) from None
         doc = self.store.read_json(image.id)
+        if triggers := (doc.get("config") or {}).get("OnBuild"):
+            # Docker runs them at this FROM; building without would make another image.
+            raise ins.error(f"the base image {ref} has ONBUILD triggers ({'; '.join(map(str, triggers))[:200]}), "
+                            "which nsbox build does not run", "write them into this Dockerfile after its FROM")
         manifest = self.store.read_json(image.digest)
         layers = [LayerRef(d["digest"], diff, int(d.get("size", 0)), d.get("mediaType") or oci.OCI_LAYER)
                   for d, diff in zip(oci.layer_descriptors(manifest), image.config.diff_ids)]

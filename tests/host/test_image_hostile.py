@@ -474,6 +474,22 @@ async def test_hostile_config_values(tmp_path: Path, store: Store, config: dict[
     _nothing_published(store)
 
 
+async def test_a_base_image_with_onbuild_triggers_is_refused_by_a_build(tmp_path: Path, store: Store) -> None:
+    """Docker runs them at the FROM; a build that skipped them would make
+    another image than Docker's (they had been ignored)."""
+    from nsbox.dockerfile import BuildError, build_image
+
+    layout = Layout(tmp_path / "layout")
+    _image(layout, [busybox_layer()], config={"OnBuild": ["RUN echo triggered > /t"]})
+    await import_image(store, layout.path, name="localhost/onbuild:1")
+    ctx = tmp_path / "ctx"
+    ctx.mkdir()
+    (ctx / "Dockerfile").write_text("FROM localhost/onbuild:1\nRUN true\n")
+    with pytest.raises(BuildError, match=r"Dockerfile:1 \(FROM\): the base image localhost/onbuild:1 has ONBUILD "
+                                         r"triggers \(RUN echo triggered > /t\), which nsbox build does not run"):
+        await build_image(ctx, tag="localhost/child:1", store=store, network="none", progress=lambda _: None)
+
+
 async def test_one_string_entrypoint_is_one_argument(tmp_path: Path, store: Store) -> None:
     layout = Layout(tmp_path / "layout")
     _image(layout, [busybox_layer()], config={"Entrypoint": "/bin/echo", "Cmd": "hi there"})
