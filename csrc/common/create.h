@@ -27,8 +27,9 @@ enum nsbox_step_kind {
 
 /* Host directories looked up before NSBOX_STEP_BECOME_ROOT are held open at
  * NSBOX_PATH_FD_BASE + slot, so later steps name them /proc/self/fd/N (see
- * Plan.host_dir in nsbox/plan/plan.py). They are close-on-exec and closed
- * after the steps; nothing else the child opens reaches this range. */
+ * Plan.host_dir in nsbox/plan/plan.py). They are close-on-exec, closed
+ * once NSBOX_STEP_PIVOT succeeds (steps after it name sandbox paths only)
+ * and after the steps; nothing else the child opens reaches this range. */
 #define NSBOX_PATH_FD_BASE 200
 #define NSBOX_PATH_FDS 512
 

@@ -132,6 +132,13 @@ static int run_step(const struct nsbox_step *s, int *slots)
             return -1;
         if (umount2(".", MNT_DETACH) < 0)
             return -1;
+        /* The host directories of PATH_FD steps are named by host-side
+         * steps only (the new root among them, above): from here on a path
+         * is the sandbox's, and /proc/self/fd/N through a symlink swapped
+         * into a bound host directory would reach a host directory (a
+         * shared image layer) from an INSIDE step. None stays open. */
+        if (syscall(SYS_close_range, NSBOX_PATH_FD_BASE, NSBOX_PATH_FD_BASE + NSBOX_PATH_FDS - 1, 0) < 0)
+            return -1;
         return chdir("/");
 
     case NSBOX_STEP_HOSTNAME:

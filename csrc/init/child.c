@@ -13,6 +13,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -149,4 +150,28 @@ void reset_signals(void)
     sigemptyset(&all);
     sigprocmask(SIG_SETMASK, &all, NULL);
     signal(SIGPIPE, SIG_DFL);
+}
+
+/* The init's resource limits as it started (after the host's, from the
+ * sandbox's settings, and its own lifted descriptor limit): what every
+ * command gets, whatever was set on the init since. */
+static struct rlimit startup_limits[RLIM_NLIMITS];
+static bool startup_known[RLIM_NLIMITS];
+
+void record_limits(void)
+{
+    for (int r = 0; r < RLIM_NLIMITS; r++)
+        startup_known[r] = getrlimit(r, &startup_limits[r]) == 0;
+}
+
+/* Best effort, and allocation-free (the child may share the init's
+ * memory): a hard limit lowered since cannot be raised back without
+ * CAP_SYS_RESOURCE over the host, and the command then inherits the lower
+ * one, as it would have anyway. */
+void restore_limits(void)
+{
+    for (int r = 0; r < RLIM_NLIMITS; r++) {
+        if (startup_known[r])
+            setrlimit(r, &startup_limits[r]);
+    }
 }

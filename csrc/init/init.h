@@ -55,6 +55,8 @@ char *read_payload_fd(int fd, size_t len);
 int apply_creds(const struct request *rq);
 bool arrange_fds(const int *map, int nmap, int *keep);
 void reset_signals(void);
+void record_limits(void);
+void restore_limits(void);
 
 /* spawn.c */
 void __attribute__((noreturn)) child_exec(struct request *rq, int fds[4]);

@@ -67,6 +67,15 @@ static size_t njobs, jobs_cap;
 static int *conns; /* accepted client connections */
 static size_t nconns, conns_cap;
 static int sig_fd = -1, listen_fd = -1;
+/* Out of descriptors (our RLIMIT_NOFILE, or the system's), accept4 fails
+ * and leaves the client in the backlog, where poll keeps reporting it: we
+ * would spin. spare_fd, a copy of sig_fd, is closed then to make room to
+ * accept that client and close it, so the host hears an error at once
+ * (see turn_away). Where even that fails, the listener leaves the poll set
+ * (listen_paused) for LISTEN_RETRY_MS, or until something else wakes us. */
+static int spare_fd = -1;
+static bool listen_paused;
+#define LISTEN_RETRY_MS 100
 static int userns_fd = -1, mntns_fd = -1; /* where sandbox processes run */
 static bool detached;
 static uint64_t exec_count;
@@ -406,7 +415,17 @@ static bool serve_conn(int fd)
     if (n == 0)
         return false;
     struct request rq = {0};
-    if ((size_t)n < sizeof rq.h || truncated) {
+    if (truncated) {
+        /* Longer than any request (it fills buf), or with more descriptors
+         * than any request has, or with its descriptors cut off: the kernel
+         * installs none past our RLIMIT_NOFILE (MSG_CTRUNC), and drops the
+         * rest. The host hears why on the channel, fds[0], if that came;
+         * else it sees the channel closed. Either way it does not wait, and
+         * the connection stays usable. */
+        refuse(fds, nfds, (size_t)n < sizeof buf && nfds < NSBOX_MAX_FDS ? EMFILE : EINVAL, NSBOX_STAGE_REQUEST);
+        return true;
+    }
+    if ((size_t)n < sizeof rq.h) {
         close_fds(fds, nfds);
         return true;
     }
@@ -530,12 +549,40 @@ static void serve_channel(size_t i)
     jobs[i].chan = -1; /* still reaped, silently */
 }
 
+/* accept4 failed for want of descriptors: accepts the waiting client in
+ * the room spare_fd leaves and closes it (its request unread, so the host
+ * sees its connection and channel closed). Returns true if it did; else
+ * there is no client, or no room even so, and the listener is paused. */
+static bool turn_away(void)
+{
+    int fd = -1, err = EMFILE;
+    if (spare_fd >= 0) {
+        close(spare_fd);
+        fd = accept4(listen_fd, NULL, NULL, SOCK_CLOEXEC);
+        err = errno;
+        if (fd >= 0)
+            close(fd);
+        /* Back into the number just freed, below the limit as before. */
+        spare_fd = fcntl(sig_fd, F_DUPFD_CLOEXEC, 0);
+    }
+    if (fd >= 0)
+        return true;
+    if (err == EMFILE || err == ENFILE)
+        listen_paused = true;
+    return false;
+}
+
 /* A client usually sends its request right after connecting: serve it
  * now rather than after another poll. */
 static void accept_clients(void)
 {
-    int fd;
-    while ((fd = accept4(listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK)) >= 0) {
+    for (;;) {
+        int fd = accept4(listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        if (fd < 0) {
+            if ((errno == EMFILE || errno == ENFILE) && turn_away())
+                continue;
+            return;
+        }
         if (!serve_conn(fd)) {
             close(fd);
             continue;
@@ -558,6 +605,7 @@ int main(int argc, char **argv)
         rl.rlim_cur = rl.rlim_max;
         setrlimit(RLIMIT_NOFILE, &rl);
     }
+    record_limits(); /* restored for each command (see child_exec) */
 
     /* SIGCHLD arrives through a signalfd; the signals that would kill an
      * ordinary process do not reach PID 1 from inside its namespace anyway,
@@ -570,11 +618,15 @@ int main(int argc, char **argv)
     sig_fd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
     if (sig_fd < 0)
         return 70;
+    spare_fd = fcntl(sig_fd, F_DUPFD_CLOEXEC, 0); /* best effort: see turn_away */
 
     /* Nothing in the sandbox may ptrace us or take our descriptors (the
      * lifeline among them); the sandbox's processes hold no capabilities in
-     * our user namespace, so this suffices. Our exec'd children are
-     * dumpable again. */
+     * our user namespace, so this suffices for ptrace. It does not for what
+     * the kernel allows a process's owner, which sandbox root is to the
+     * kernel (same ids): setting our resource limits and scheduling. The
+     * seccomp filter refuses those on process 1 (see seccomp.c). Our
+     * exec'd children are dumpable again. */
     if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0)
         return 70;
     check_shared_spawn();
@@ -614,7 +666,7 @@ int main(int argc, char **argv)
         size_t n = 0, need = 3 + nconns + 2 * njobs;
         pfds = grow(pfds, &pcap, need, sizeof *pfds);
         pfds[n++] = (struct pollfd){.fd = sig_fd, .events = POLLIN};
-        pfds[n++] = (struct pollfd){.fd = listen_fd, .events = POLLIN};
+        pfds[n++] = (struct pollfd){.fd = listen_paused ? -1 : listen_fd, .events = POLLIN};
         /* POLLHUP needs no events; a detached sandbox has no lifeline. */
         pfds[n++] = (struct pollfd){.fd = detached ? -1 : NSBOX_FD_LIFELINE};
         size_t conn_base = n;
@@ -628,7 +680,9 @@ int main(int argc, char **argv)
         for (size_t i = 0; i < njobs; i++)
             pfds[n++] = (struct pollfd){.fd = jobs[i].start, .events = POLLIN};
 
-        if (poll(pfds, n, -1) < 0) {
+        int r = poll(pfds, n, listen_paused ? LISTEN_RETRY_MS : -1);
+        listen_paused = false; /* try again: a descriptor may be free now */
+        if (r < 0) {
             if (errno == EINTR)
                 continue;
             return 70;

@@ -14,6 +14,21 @@
  * read from a terminal (TIOCSTI, TIOCLINUX). Everything else is allowed:
  * it is a deny-list, so a program that works in Docker works here.
  *
+ * One more group protects the init itself. Sandbox root's nested user
+ * namespace maps the same ids as the init's, so to the kernel it is the
+ * init's owner: the init's non-dumpable flag keeps ptrace away, but
+ * setting its resource limits (prlimit: same ids) or its scheduling
+ * (sched_setaffinity, sched_setscheduler, sched_setparam, sched_setattr,
+ * setpriority, ioprio_set: same owner) needs no capability. A limit set on
+ * the init would be inherited by every later command (fsize 0), or end it
+ * (cpu). So these calls are refused when they name process 1, and
+ * setpriority and ioprio_set also when they name process group 1 (the
+ * session the init leads) or a user (every process of that uid in the
+ * namespace, the init included). On the caller itself (pid 0, its own
+ * pid) and other sandbox processes they keep working. A sandbox nested
+ * inside this one (nested_userns) has a PID namespace whose process 1 is
+ * its own init: the calls are refused on it too.
+ *
  * Denied calls fail with EPERM, except clone3, which fails with ENOSYS: its
  * flags live in memory that seccomp cannot read, so it is refused whatever
  * it asks, and ENOSYS makes the C library fall back to clone, whose flags
@@ -46,7 +61,7 @@
  * __X32_SYSCALL_BIT, which the kernel reports as AUDIT_ARCH_X86_64), and
  * 32-bit ARM on aarch64.
  *
- * Why not libseccomp: the program is small and fixed (a table, three
+ * Why not libseccomp: the program is small and fixed (a table, a few
  * argument checks, a binary search), so generating it here costs ~200
  * lines and keeps nsbox's build needing nothing but a C compiler and a
  * static libc, where libseccomp would add a build dependency to every
@@ -66,6 +81,7 @@
 #include <linux/filter.h>
 #include <linux/seccomp.h>
 #include <sys/ioctl.h>
+#include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -123,6 +139,14 @@
 #define CLONE_NEWTIME 0x00000080
 #endif
 
+/* ioprio_set's `which` (<linux/ioprio.h>, not in older headers): process,
+ * process group, user, in this order as setpriority's PRIO_PROCESS,
+ * PRIO_PGRP, PRIO_USER. */
+#define IOPRIO_WHO_PROCESS 1
+
+/* Process 1 of the caller's PID namespace: the init (see the top). */
+#define INIT_PID 1
+
 /* Every namespace clone(2) can create. (CLONE_NEWTIME shares its bit with
  * clone's exit signal, so only unshare and clone3 can ask for it.) */
 #define CLONE_NAMESPACES                                                      \
@@ -157,6 +181,11 @@ static const int denied[] = {
 #endif
 };
 
+/* Denied when their first argument, a pid, is the init's (RULE_PID1). */
+static const int init_sched_calls[] = {
+    __NR_sched_setaffinity, __NR_sched_setscheduler, __NR_sched_setparam, __NR_sched_setattr,
+};
+
 /* Denied unless nested sandboxes are allowed: joining namespaces and
  * changing mounts. (Creating namespaces is checked on the flags of clone
  * and unshare below.) Sandbox root holds CAP_SYS_ADMIN over its own mount
@@ -177,6 +206,7 @@ static const int namespace_calls[] = {
 #define OFF_NR offsetof(struct seccomp_data, nr)
 #define OFF_ARCH offsetof(struct seccomp_data, arch)
 #define OFF_ARG_LO(i) (offsetof(struct seccomp_data, args) + (i) * sizeof(uint64_t))
+#define OFF_ARG_HI(i) (OFF_ARG_LO(i) + sizeof(uint32_t))
 
 /* What the program does with one system call number. */
 enum rule_kind {
@@ -184,6 +214,9 @@ enum rule_kind {
     RULE_FLAGS, /* EPERM if the low 32 bits of argument 0 have any of `value` */
     RULE_IOCTL, /* EPERM for the terminal ioctls TIOCSTI and TIOCLINUX */
     RULE_SETNS, /* EPERM unless it is one of the init's two setns calls */
+    RULE_PID1,  /* EPERM if argument 0, a pid, is INIT_PID */
+    RULE_PRLIMIT, /* EPERM if prlimit64 sets (argument 2 not NULL) a limit of INIT_PID */
+    RULE_PRIO,  /* EPERM if (which, who) reaches INIT_PID; `value` is which's "process" */
 };
 
 struct rule {
@@ -220,6 +253,17 @@ static void load(struct prog *p, uint32_t offset)
 /* With the system call number in A: "if nr is the rule's, decide". Every
  * block that loads an argument ends in a return on both paths, since A no
  * longer holds the number after the load. */
+/* For system call `nr`: EPERM if the low 32 bits of argument 0 match `k`
+ * by `op` (BPF_JSET: have any of its bits; BPF_JEQ: are it), else allow. */
+static void deny_if_arg0(struct prog *p, uint32_t nr, uint16_t op, uint32_t k)
+{
+    emit(p, BPF_JMP | BPF_JEQ | BPF_K, nr, 0, 4);
+    load(p, OFF_ARG_LO(0));
+    emit(p, BPF_JMP | op | BPF_K, k, 0, 1);
+    ret(p, RET_ERRNO(EPERM));
+    ret(p, SECCOMP_RET_ALLOW);
+}
+
 static void emit_rule(struct prog *p, const struct rule *r)
 {
     switch (r->kind) {
@@ -230,11 +274,7 @@ static void emit_rule(struct prog *p, const struct rule *r)
     case RULE_FLAGS:
         /* clone keeps only the low 32 bits of its flags, and unshare's
          * namespace flags all lie there. */
-        emit(p, BPF_JMP | BPF_JEQ | BPF_K, r->nr, 0, 4);
-        load(p, OFF_ARG_LO(0));
-        emit(p, BPF_JMP | BPF_JSET | BPF_K, r->value, 0, 1);
-        ret(p, RET_ERRNO(EPERM));
-        ret(p, SECCOMP_RET_ALLOW);
+        deny_if_arg0(p, r->nr, BPF_JSET, r->value);
         break;
     case RULE_IOCTL:
         /* ioctl(fd, cmd, ...): the kernel reads cmd as an unsigned int, so
@@ -262,6 +302,39 @@ static void emit_rule(struct prog *p, const struct rule *r)
         emit(p, BPF_JMP | BPF_JEQ | BPF_K, NSBOX_FD_MNTNS, 0, 1);
         ret(p, SECCOMP_RET_ALLOW);
         ret(p, RET_ERRNO(EPERM));
+        break;
+    case RULE_PID1:
+        /* pid_t is an int: the kernel acts on the low half. */
+        deny_if_arg0(p, r->nr, BPF_JEQ, INIT_PID);
+        break;
+    case RULE_PRLIMIT:
+        /* prlimit64(pid, resource, new_limit, old_limit): reading the
+         * init's limits (new_limit NULL, both halves of the pointer zero)
+         * is harmless; setting them is not. */
+        emit(p, BPF_JMP | BPF_JEQ | BPF_K, r->nr, 0, 8);
+        load(p, OFF_ARG_LO(0));
+        emit(p, BPF_JMP | BPF_JEQ | BPF_K, INIT_PID, 0, 5);
+        load(p, OFF_ARG_LO(2));
+        emit(p, BPF_JMP | BPF_JEQ | BPF_K, 0, 0, 2);
+        load(p, OFF_ARG_HI(2));
+        emit(p, BPF_JMP | BPF_JEQ | BPF_K, 0, 1, 0);
+        ret(p, RET_ERRNO(EPERM));
+        ret(p, SECCOMP_RET_ALLOW);
+        break;
+    case RULE_PRIO:
+        /* setpriority / ioprio_set(int which, int who, ...): `value` is
+         * which's "process", +1 its "process group", +2 its "user". A user
+         * is refused whoever it is (the init shares sandbox root's ids); a
+         * process or group only if it is 1 (who 0 means the caller's). */
+        emit(p, BPF_JMP | BPF_JEQ | BPF_K, r->nr, 0, 8);
+        load(p, OFF_ARG_LO(0));
+        emit(p, BPF_JMP | BPF_JEQ | BPF_K, r->value + 2, 4, 0);
+        emit(p, BPF_JMP | BPF_JEQ | BPF_K, r->value, 1, 0);
+        emit(p, BPF_JMP | BPF_JEQ | BPF_K, r->value + 1, 0, 3);
+        load(p, OFF_ARG_LO(1));
+        emit(p, BPF_JMP | BPF_JEQ | BPF_K, INIT_PID, 0, 1);
+        ret(p, RET_ERRNO(EPERM));
+        ret(p, SECCOMP_RET_ALLOW);
         break;
     }
 }
@@ -308,6 +381,11 @@ int nsbox_seccomp_build(int allow_nested_userns, int init_entry, struct sock_fil
     for (size_t i = 0; i < N_ELEMS(denied); i++)
         ok &= add_rule(rules, &n, denied[i], RULE_ERRNO, EPERM);
     ok &= add_rule(rules, &n, __NR_ioctl, RULE_IOCTL, 0);
+    for (size_t i = 0; i < N_ELEMS(init_sched_calls); i++)
+        ok &= add_rule(rules, &n, init_sched_calls[i], RULE_PID1, 0);
+    ok &= add_rule(rules, &n, __NR_prlimit64, RULE_PRLIMIT, 0);
+    ok &= add_rule(rules, &n, __NR_setpriority, RULE_PRIO, PRIO_PROCESS);
+    ok &= add_rule(rules, &n, __NR_ioprio_set, RULE_PRIO, IOPRIO_WHO_PROCESS);
     if (!allow_nested_userns) {
         for (size_t i = 0; i < N_ELEMS(namespace_calls); i++) {
             bool entry = init_entry && namespace_calls[i] == __NR_setns;

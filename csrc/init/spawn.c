@@ -115,6 +115,8 @@ static int exec_command(struct request *rq)
 void __attribute__((noreturn)) child_exec(struct request *rq, int fds[4])
 {
     int stdio[3] = {fds[1], fds[2], fds[3]};
+    /* First: a descriptor limit lowered since would fail arrange_fds. */
+    restore_limits();
     /* The channel stays with the init; we report on the start pipe (or,
      * sharing the init's memory, in it). */
     if (!arrange_fds(stdio, 3, &child_report_fd))
