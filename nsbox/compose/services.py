@@ -101,22 +101,24 @@ class Healthcheck:
     start_period: float = 0.0
 
     @classmethod
-    def from_test(cls, test: Sequence[str] | str, **timing: float) -> "Healthcheck | None":
+    def from_test(cls, test: Sequence[str] | str, shell: Sequence[str] = (), **timing: float) -> "Healthcheck | None":
         """From Docker's forms: ["CMD", arg...], ["CMD-SHELL", "cmd"], a bare
-        string (shell), or ["NONE"] (None: no healthcheck)."""
+        string (shell), or ["NONE"] (None: no healthcheck). A shell command
+        runs in the image's SHELL, as Docker runs it, else /bin/sh -c."""
+        shell = list(shell) or ["/bin/sh", "-c"]
         if isinstance(test, str):
-            return cls(["/bin/sh", "-c", test], **timing)  # type: ignore[arg-type]
+            return cls([*shell, test], **timing)  # type: ignore[arg-type]
         test = list(test)
         if not test or test[0] == "NONE":
             return None
         if test[0] == "CMD":
             return cls(test[1:], **timing)  # type: ignore[arg-type]
         if test[0] == "CMD-SHELL":
-            return cls(["/bin/sh", "-c", " ".join(test[1:])], **timing)  # type: ignore[arg-type]
+            return cls([*shell, " ".join(test[1:])], **timing)  # type: ignore[arg-type]
         raise ServicesError(f"healthcheck test must start with CMD, CMD-SHELL or NONE, not {test[0]!r}")
 
     @classmethod
-    def from_image(cls, doc: Mapping[str, object] | None) -> "Healthcheck | None":
+    def from_image(cls, doc: Mapping[str, object] | None, shell: Sequence[str] = ()) -> "Healthcheck | None":
         """From an image config's Healthcheck (durations in nanoseconds)."""
         if not doc or not doc.get("Test"):
             return None
@@ -127,21 +129,22 @@ class Healthcheck:
             return float(value) * ns if isinstance(value, (int, float)) and value > 0 else default
 
         retries = doc.get("Retries")
-        return cls.from_test(doc["Test"], interval=seconds("Interval", INTERVAL),  # type: ignore[arg-type]
+        return cls.from_test(doc["Test"], shell, interval=seconds("Interval", INTERVAL),  # type: ignore[arg-type]
                              timeout=seconds("Timeout", TIMEOUT),
                              retries=int(retries) if isinstance(retries, int) and retries > 0 else RETRIES,
                              start_period=seconds("StartPeriod", 0.0))
 
     @classmethod
-    def merged(cls, test: Sequence[str] | None, image: Mapping[str, object] | None,
+    def merged(cls, test: Sequence[str] | None, image: Mapping[str, object] | None, shell: Sequence[str] = (),
                **timing: float | int | None) -> "Healthcheck | None":
         """A compose healthcheck over its image's, field by field, as Docker
         merges them: the test and each timing the file leaves unset (None)
-        come from the image's HEALTHCHECK, else Docker's defaults."""
-        base = cls.from_image(image) if image else None
+        come from the image's HEALTHCHECK, else Docker's defaults. `shell`:
+        the image's SHELL."""
+        base = cls.from_image(image, shell) if image else None
         given = {k: v for k, v in timing.items() if v is not None}
         if test:
-            own = cls.from_test(test, **given)  # type: ignore[arg-type]
+            own = cls.from_test(test, shell, **given)  # type: ignore[arg-type]
             return own if own is None or base is None else dataclasses.replace(base, test=own.test, **given)
         return None if base is None else dataclasses.replace(base, **given)
 
@@ -385,7 +388,7 @@ class Services:
         check = service.healthcheck
         image = self.sandboxes[name].image
         if check is None and image is not None and not service.no_healthcheck:
-            check = Healthcheck.from_image(image.config.healthcheck)
+            check = Healthcheck.from_image(image.config.healthcheck, image.config.shell)
         return check
 
     async def _wait_ready(self, name: str, deadline: float) -> None:

@@ -233,7 +233,8 @@ async def start_sample(task: ComposeTask, label: str, *, output_limit_mode: str 
             check = None
             if service.healthcheck is not None and not service.healthcheck.disable:
                 h = service.healthcheck
-                check = Healthcheck.merged(h.test, image.config.healthcheck, interval=h.interval, timeout=h.timeout,
+                check = Healthcheck.merged(h.test, image.config.healthcheck, image.config.shell,
+                                           interval=h.interval, timeout=h.timeout,
                                            retries=h.retries, start_period=h.start_period)
                 if check is not None:
                     declared.append(check)

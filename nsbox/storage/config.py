@@ -28,6 +28,7 @@ class ImageConfig:
     labels: dict[str, str] = field(default_factory=dict)
     stop_signal: str | None = None
     healthcheck: dict[str, Any] | None = None  # Docker's Healthcheck: Test, Interval (ns), Timeout, Retries, ...
+    shell: list[str] = field(default_factory=list)  # SHELL: what runs a CMD-SHELL healthcheck (default /bin/sh -c)
     os: str = "linux"
     architecture: str = ""
     variant: str | None = None
@@ -65,6 +66,7 @@ class ImageConfig:
             labels={str(k): str(v) for k, v in _mapping(c.get("Labels"), "Labels").items()},
             stop_signal=_string(c.get("StopSignal"), "StopSignal"),
             healthcheck=dict(health) if isinstance(health, dict) else None,
+            shell=_strings(c.get("Shell"), "Shell"),
             os=_string(doc.get("os"), "os") or "linux",
             architecture=_string(doc.get("architecture"), "architecture") or "",
             variant=_string(doc.get("variant"), "variant"),

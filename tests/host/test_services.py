@@ -11,6 +11,7 @@ import psutil
 import pytest
 
 import nsbox
+from nsbox.storage.config import ImageConfig
 from nsbox.host import live
 from nsbox.compose.services import (
     Healthcheck,
@@ -256,3 +257,11 @@ def test_a_compose_healthcheck_is_merged_over_the_images() -> None:
     check = Healthcheck.merged(["CMD", "true"], None, interval=None, timeout=None, retries=None, start_period=None)
     assert check is not None and (check.interval, check.timeout, check.retries, check.start_period) == (30.0, 30.0, 3, 0.0)
     assert Healthcheck.merged(None, None, interval=5.0, timeout=None, retries=None, start_period=None) is None
+    # A shell command runs in the image's SHELL, as Docker runs it.
+    bash = ["/bin/bash", "-o", "pipefail", "-c"]
+    check = Healthcheck.merged(["CMD-SHELL", "curl -f localhost | grep ok"], None, bash, interval=None, timeout=None,
+                               retries=None, start_period=None)
+    assert check is not None and check.test == [*bash, "curl -f localhost | grep ok"]
+    check = Healthcheck.from_image({"Test": ["CMD-SHELL", "true"]}, bash)
+    assert check is not None and check.test == [*bash, "true"]
+    assert ImageConfig.parse({"config": {"Shell": bash}, "rootfs": {"diff_ids": []}}).shell == bash
