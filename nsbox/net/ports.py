@@ -13,6 +13,7 @@ process in the sandbox. A service inside listening on 0.0.0.0 or on
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import os
 import re
@@ -23,8 +24,8 @@ from dataclasses import dataclass
 import anyio
 from anyio.abc import SocketListener, SocketStream
 
-from .client import NetHelper, Namespaces, connect_in
-from .proxy import relay
+from .client import NetError, NetHelper, Namespaces, connect_in
+from .proxy import MAX_CONNECTIONS, relay, serve_bounded
 
 _SPEC = re.compile(r"^(?:(?P<addr>\[[0-9a-fA-F:.]+\]|[0-9.]+):)?(?P<host>\d+):(?P<port>\d+)(?:/(?P<proto>tcp))?$")
 
@@ -80,7 +81,8 @@ class PublishedPort:
         self.host_port = spec.host_port
 
     async def open(self) -> "PublishedPort":
-        """Binds the host's side (raises OSError, e.g. EADDRINUSE, at once)."""
+        """Binds the host's side (a NetError naming the port at once, e.g.
+        when another process has it)."""
         family = socket.AF_INET6 if ":" in self.spec.address else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -88,6 +90,13 @@ class PublishedPort:
             sock.bind((self.spec.address, self.spec.host_port))
             sock.listen(128)
             sock.setblocking(False)
+        except OSError as e:
+            sock.close()
+            hint = {errno.EADDRINUSE: "another process uses it: publish another host port, or 0 for any free one",
+                    errno.EADDRNOTAVAIL: f"{self.spec.address} is not an address of this host",
+                    errno.EACCES: "ports below 1024 of the host need privileges: publish one above 1023"}.get(
+                        e.errno or 0)
+            raise NetError(f"cannot publish port {self.spec}: {e.strerror}", hint=hint) from None
         except BaseException:
             sock.close()
             raise
@@ -97,11 +106,13 @@ class PublishedPort:
         return self
 
     async def serve(self) -> None:
+        """Forwards connections until cancelled, as many at once as a
+        sandbox's proxy serves, within the same budget of this process's
+        descriptors (each connection holds two)."""
         if self._listener is None:
             await self.open()
         assert self._listener is not None
-        async with self._listener:
-            await self._listener.serve(self._forward)
+        await serve_bounded(self._listener, self._forward, MAX_CONNECTIONS)
 
     async def aclose(self) -> None:
         if self._listener is not None:
@@ -111,8 +122,8 @@ class PublishedPort:
         async with client:
             try:
                 inside = await connect_in(self.ns, "127.0.0.1", self.spec.port, via=self.via)
-            except (OSError, TimeoutError):
-                return  # nothing listens inside: the client sees the connection close
+            except (OSError, TimeoutError, NetError):
+                return  # nothing listens inside (or no helper): the client sees the connection close
             async with await SocketStream.from_socket(inside) as upstream:
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(relay, client, upstream)

@@ -53,6 +53,7 @@ not finished its request within `handshake_timeout` seconds
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import os
 import resource
@@ -71,6 +72,7 @@ DEFAULT_PORT = 3128
 MAX_HEAD = 65536
 CONNECT_TIMEOUT = 10.0
 MAX_CONNECTIONS = 256       # per sandbox (per ProxyServer.serve)
+LOOKUPS = 8                 # names a sandbox's proxy resolves at once (see system_resolver)
 HANDSHAKE_TIMEOUT = 30.0    # from accept to a connected (or refused) request
 # Cloud metadata services outside link-local (169.254/16, fe80::/10, refused
 # as such): AWS's IPv6 one, Alibaba's, Oracle's legacy one.
@@ -171,7 +173,15 @@ class Allowlist:
 
 
 def _label_ok(label: str) -> bool:
-    return 0 < len(label) <= 63 and all(c.isalnum() or c in "-_" for c in label)
+    return 0 < len(label) <= 63 and all(c.isascii() and (c.isalnum() or c in "-_") for c in label)
+
+
+def is_host(host: str) -> bool:
+    """Whether `host` (normalised) is an IP address or an ASCII host name.
+    Anything else is refused before the allow-list is read: the resolver
+    stops at a NUL, so "evil.test\\0.example.org" would pass a rule for
+    *.example.org and reach evil.test."""
+    return _is_ip(host) or (0 < len(host) <= 253 and all(_label_ok(x) for x in host.split(".")))
 
 
 def _is_ip(host: str) -> bool:
@@ -198,15 +208,23 @@ Resolver = Callable[[str, int], Awaitable[Sequence[tuple[str, bool]]]]
 
 def system_resolver(hosts: Mapping[str, str] | None = None) -> Resolver:
     """Resolves through `hosts` (name -> address, trusted) first, then the
-    host's resolver."""
+    host's resolver, at most LOOKUPS names at a time, in threads of this
+    resolver's own: a sandbox asking for names that never resolve holds
+    its own threads, not those every other sandbox's proxy looks up with
+    (anyio's shared 40)."""
     table = {_normalize(k): v for k, v in (hosts or {}).items()}
+    lookups: list[anyio.CapacityLimiter] = []  # made on first use, in the event loop
 
     async def resolve(host: str, port: int) -> Sequence[tuple[str, bool]]:
         if host in table:
             return [(table[host], True)]
         if _is_ip(host):
             return [(host, False)]  # checked as any resolved address is
-        infos = await anyio.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        if not lookups:
+            lookups.append(anyio.CapacityLimiter(LOOKUPS))
+        infos = await anyio.to_thread.run_sync(
+            functools.partial(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM),
+            limiter=lookups[0], abandon_on_cancel=True)
         return [(str(info[4][0]), False) for info in infos]
 
     return resolve
@@ -230,32 +248,42 @@ _own_lock = threading.Lock()
 
 
 def host_addresses() -> frozenset[object]:
-    """The addresses of this host's interfaces (this process's network
-    namespace), read from /proc at most once a second."""
+    """The addresses this host answers on (this process's network
+    namespace), as networks, read from /proc at most once a second: its
+    interfaces', and whole local routes (`ip route add local 10.77.0.0/24`
+    makes the host answer on every address of it)."""
     global _own
     with _own_lock:
         if time.monotonic() - _own[0] < 1.0:
             return _own[1]
         found: set[object] = set()
         try:
-            with open("/proc/net/fib_trie") as f:  # IPv4: "|-- ADDR" then "/32 host LOCAL"
-                last = ""
-                for line in f:
-                    text = line.strip()
-                    if text.startswith("|--"):
-                        last = text[3:].strip()
-                    elif text.endswith("host LOCAL") and last:
-                        found.add(ipaddress.ip_address(last))
+            with open("/proc/net/fib_trie") as f:
+                found |= local_routes(f)
         except (OSError, ValueError):
             pass
         try:
             with open("/proc/net/if_inet6") as f:  # IPv6: 32 hex digits first
                 for line in f:
-                    found.add(ipaddress.IPv6Address(int(line.split()[0], 16)))
+                    found.add(ipaddress.ip_network(ipaddress.IPv6Address(int(line.split()[0], 16))))
         except (OSError, ValueError, IndexError):
             pass
         _own = (time.monotonic(), frozenset(found))
         return _own[1]
+
+
+def local_routes(fib_trie: Iterable[str]) -> set[object]:
+    """The local routes of a /proc/net/fib_trie ("|-- ADDR", then "/LEN host
+    LOCAL"), as networks."""
+    found: set[object] = set()
+    last = ""
+    for line in fib_trie:
+        text = line.strip()
+        if text.startswith("|--"):
+            last = text[3:].strip()
+        elif text.endswith("host LOCAL") and last:
+            found.add(ipaddress.ip_network(f"{last}{text.split()[0]}", strict=False))
+    return found
 
 
 def internal_reason(address: str) -> str | None:
@@ -269,7 +297,9 @@ def internal_reason(address: str) -> str | None:
         return "a cloud metadata service"
     if ip.is_link_local:
         return "a link-local address (cloud metadata services among them)"
-    if ip in host_addresses() or ipaddress.ip_address(address.split("%")[0]) in host_addresses():
+    written = ipaddress.ip_address(address.split("%")[0])
+    if any(a in net for net in host_addresses() for a in (ip, written)  # type: ignore[operator]
+           if a.version == net.version):  # type: ignore[attr-defined]
         return "an address of this host (its services on 0.0.0.0 answer there)"
     return None
 
@@ -304,6 +334,38 @@ class _Budget:
 
 
 BUDGET = _Budget()
+
+
+async def serve_bounded(listener: SocketListener, handle: Callable[[SocketStream], Awaitable[None]],
+                        max_connections: int) -> None:
+    """Serves `listener` with `handle` per connection, at most
+    `max_connections` at once and within the process's BUDGET: a client
+    beyond that waits in the backlog. An accept that fails (EMFILE) is
+    tried again later, not the end of the listener. Takes ownership of it."""
+    room = anyio.Semaphore(max_connections)
+
+    async def one(client: SocketStream) -> None:
+        try:
+            await handle(client)
+        finally:
+            room.release()
+            BUDGET.give()
+
+    async with listener, anyio.create_task_group() as tg:
+        while True:
+            await room.acquire()
+            while not BUDGET.take():
+                await anyio.sleep(0.05)
+            try:
+                client = await listener.accept()
+            except BaseException as e:
+                room.release()
+                BUDGET.give()
+                if not isinstance(e, OSError):
+                    raise
+                await anyio.sleep(0.1)  # e.g. EMFILE: try again later
+                continue
+            tg.start_soon(one, client)
 
 
 def _setting(name: str, default: float) -> float:
@@ -349,29 +411,7 @@ class ProxyServer:
     async def serve(self, listener: SocketListener) -> None:
         """Accepts only while this proxy and the process have room (see the
         module's doc): a client beyond that waits in the backlog."""
-        room = anyio.Semaphore(self.max_connections)
-        async with listener, anyio.create_task_group() as tg:
-            while True:
-                await room.acquire()
-                while not BUDGET.take():
-                    await anyio.sleep(0.05)
-                try:
-                    client = await listener.accept()
-                except BaseException as e:
-                    room.release()
-                    BUDGET.give()
-                    if not isinstance(e, OSError):
-                        raise
-                    await anyio.sleep(0.1)  # e.g. EMFILE: try again later
-                    continue
-                tg.start_soon(self._serve_one, client, room)
-
-    async def _serve_one(self, client: ByteStream, room: anyio.Semaphore) -> None:
-        try:
-            await self.handle(client)
-        finally:
-            room.release()
-            BUDGET.give()
+        await serve_bounded(listener, self.handle, self.max_connections)
 
     async def handle(self, client: ByteStream) -> None:
         """Serves one client connection: its request (within the handshake
@@ -405,6 +445,9 @@ class ProxyServer:
     async def check(self, host: str, port: int) -> list[str]:
         """The decision, before any connection: the addresses the proxy may
         connect to for host:port; raises Refused."""
+        if not is_host(_normalize(host)):
+            self._say(f"denied {host!r}: not a host name")
+            raise Refused(400, "Bad Request", f"nsbox proxy: {host!r} is not a host name or an IP address.\n", 4)
         where = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
         if not self.allow.allows(host, port):
             self._say(f"denied {where}")
@@ -490,9 +533,12 @@ class ProxyServer:
         except Refused as r:
             await _respond(client, r.status, r.reason, r.text)
             return None
-        headers = [line for line in lines[1:] if line and line.split(b":", 1)[0].strip().lower() not in HOP_HEADERS]
-        request = b"\r\n".join([f"{method} /{path if slash else ''} {version}".encode("latin-1"), *headers,
-                                b"Connection: close", b"", b""])
+        # Host is the URI's authority (RFC 9112 3.2.2), not the client's
+        # header: a server of several sites must not be asked for another.
+        headers = [line for line in lines[1:] if line and line.split(b":", 1)[0].strip().lower()
+                   not in (*HOP_HEADERS, b"host")]
+        request = b"\r\n".join([f"{method} /{path if slash else ''} {version}".encode("latin-1"),
+                                b"Host: " + authority.encode("latin-1"), *headers, b"Connection: close", b"", b""])
         return await _started(upstream, upstream.send(request))
 
     # -- SOCKS5 (RFC 1928) --

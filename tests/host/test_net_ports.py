@@ -79,3 +79,30 @@ async def test_published_port_of_a_real_sandbox() -> None:
                 tg.cancel_scope.cancel()
         finally:
             ns.close()
+
+
+def test_a_port_that_cannot_be_published_is_named() -> None:
+    """Another process has it: one line naming the port and what to do, no
+    traceback, nothing left (it had been a raw OSError traceback)."""
+    import subprocess
+    import sys
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    port = held.getsockname()[1]
+    try:
+        async def start() -> None:
+            with pytest.raises(nsbox.NsboxError, match=f"cannot publish port 127.0.0.1:{port}:80: Address already in use"
+                               ) as e:
+                async with nsbox.Sandbox(ports=[f"{port}:80"]):
+                    pass
+            assert e.value.hint is not None and "0 for any free one" in e.value.hint
+
+        anyio.run(start)
+        r = subprocess.run([sys.executable, "-m", "nsbox", "run", "-p", f"{port}:80", "--", "true"],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 125 and f"cannot publish port 127.0.0.1:{port}:80" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+    finally:
+        held.close()

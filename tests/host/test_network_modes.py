@@ -247,7 +247,7 @@ async def test_a_published_port_is_reachable_from_the_host(network: str) -> None
 async def test_a_taken_host_port_fails_creation() -> None:
     taken = socket.create_server(("127.0.0.1", 0))
     try:
-        with pytest.raises(OSError):
+        with pytest.raises(nsbox.NsboxError, match="cannot publish port"):
             await nsbox.Sandbox(ports=[f"{taken.getsockname()[1]}:80"]).start()
     finally:
         taken.close()
