@@ -351,14 +351,9 @@ class Builder:
                     owner = _numeric(user) or copy.owner_of(ins, user, view)
                 except BuildError:
                     pass  # a USER the image does not name yet: Docker runs it by number later too
-            return await anyio.to_thread.run_sync(self._write_dir, ins, workdir, view, owner)
+            return await anyio.to_thread.run_sync(self._write_layer, ins, view,
+                                                  lambda out: out.add_dir(workdir, owner=owner))
         return key, make
-
-    def _write_dir(self, ins: Instruction, path: str, view: View, owner: tuple[int, int]) -> tuple[str, int]:
-        try:
-            return self._write_layer(view, lambda out: out.add_dir(path, owner=owner))
-        except NotADirectory as e:
-            raise ins.error(e.message) from None
 
     # ---- COPY, ADD -----------------------------------------------------
 
@@ -404,16 +399,18 @@ class Builder:
                 into = p.dest.endswith("/") or view.is_dir(view.resolve(p.dest))
                 target = copy._target(view, p.dest, name, into)
                 out.add_download(target, path, owner=p.owner, mode=p.mode or 0o600)
-        return self._write_layer(view, write)
+        return self._write_layer(p.ins, view, write)
 
-    def _write_layer(self, view: View, write: Callable[[LayerWriter], None]) -> tuple[str, int]:
-        """A layer `write` fills, stored as a blob: (digest, size)."""
+    def _write_layer(self, ins: Instruction, view: View, write: Callable[[LayerWriter], None]) -> tuple[str, int]:
+        """A layer `write` fills for `ins`, stored as a blob: (digest, size)."""
         out = LayerWriter(self.store.temp_path(), view)
         try:
             write(out)
             digest = out.close()
-        except BaseException:
+        except BaseException as e:
             out.abort()
+            if isinstance(e, NotADirectory):  # a name below a file of the image, wherever it came from
+                raise ins.error(e.message) from None
             raise
         size = out.path.stat().st_size
         if self.store.has_blob(digest):

@@ -12,7 +12,8 @@ an empty file with the `user.overlay.whiteout` xattr) becomes `.wh.NAME`,
 an opaque directory (`user.overlay.opaque=y`; overlay runs with userxattr)
 gets a `.wh..wh..opq` member. A file's capabilities (`security.capability`,
 what `setcap` sets) are kept as a PAX record, as Docker keeps them; other
-xattrs, sockets and devices are left out. Prints one JSON line: the tar's digest (its diff_id), size and count.
+xattrs, sockets and devices are left out. Prints one JSON line: the tar's
+digest (its diff_id), size and count.
 """
 
 from __future__ import annotations

@@ -17,7 +17,6 @@ one layer tar (layer.py).
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import lzma
 import posixpath
@@ -26,14 +25,14 @@ import stat
 import tarfile
 import urllib.parse
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..init import users
 from .context import GLOB, Context, Source
 from .fsview import View, copy_data, norm
-from .layer import LayerWriter, NotADirectory
+from .layer import LayerWriter
 from .parse import Heredoc, Instruction
 
 
@@ -114,69 +113,58 @@ def _target(view: View, dest: str, name: str, into_dir: bool) -> str:
     return posixpath.join(view.resolve(parent), base)
 
 
-@contextlib.contextmanager
-def _located(ins: Instruction) -> Iterator[None]:
-    """The layer's errors, naming the instruction."""
-    try:
-        yield
-    except NotADirectory as e:
-        raise ins.error(e.message) from None
-
-
 def write_context(p: Plan, ctx: Context, view: View, out: LayerWriter) -> None:
-    with _located(p.ins):
-        globbed = any(GLOB.search(s) for s in p.sources)
-        into_dir = p.dest.endswith("/") or globbed or view.is_dir(view.resolve(p.dest))
-        for src in p.context:
-            if src.is_dir:
-                base = view.resolve(p.dest)
-                if not view.is_dir(base):  # made here: the source's mode and the COPY's owner, as BuildKit does
-                    out.add_context_file(base, ctx, src.real, owner=p.owner, mode=p.mode)
-                for rel in ctx.files_below(src):
-                    out.add_context_file(posixpath.join(base, rel), ctx, posixpath.join(src.real, rel), owner=p.owner,
-                                         mode=p.mode)
-            else:
-                out.add_context_file(_target(view, p.dest, posixpath.basename(src.rel), into_dir), ctx, src.real,
-                                     owner=p.owner, mode=p.mode)
-        for h in p.heredocs:
-            out.add_bytes(_target(view, p.dest, h.name, into_dir or len(p.heredocs) > 1), h.content.encode(),
-                          owner=p.owner, mode=p.mode or 0o644)
+    globbed = any(GLOB.search(s) for s in p.sources)
+    into_dir = p.dest.endswith("/") or globbed or view.is_dir(view.resolve(p.dest))
+    for src in p.context:
+        if src.is_dir:
+            base = view.resolve(p.dest)
+            if not view.is_dir(base):  # made here: the source's mode and the COPY's owner, as BuildKit does
+                out.add_context_file(base, ctx, src.real, owner=p.owner, mode=p.mode)
+            for rel in ctx.files_below(src):
+                out.add_context_file(posixpath.join(base, rel), ctx, posixpath.join(src.real, rel), owner=p.owner,
+                                     mode=p.mode)
+        else:
+            out.add_context_file(_target(view, p.dest, posixpath.basename(src.rel), into_dir), ctx, src.real,
+                                 owner=p.owner, mode=p.mode)
+    for h in p.heredocs:
+        out.add_bytes(_target(view, p.dest, h.name, into_dir or len(p.heredocs) > 1), h.content.encode(),
+                      owner=p.owner, mode=p.mode or 0o644)
 
 
 def write_from(p: Plan, src_view: View, view: View, out: LayerWriter) -> None:
     """COPY --from: members of another image's layers."""
-    with _located(p.ins):
-        into_dir = p.dest.endswith("/") or view.is_dir(view.resolve(p.dest))
-        wanted: dict[Path, dict[str, list[str]]] = {}
-        targets: dict[Path, set[str]] = {}
-        for pattern in p.sources:
-            clean = norm(pattern)
-            if GLOB.search(clean):
-                depth = clean.count("/")
-                hits = [k for k in sorted(src_view.entries) if k.count("/") == depth and fnmatch.fnmatchcase(k, clean)]
-                into_dir = True
+    into_dir = p.dest.endswith("/") or view.is_dir(view.resolve(p.dest))
+    wanted: dict[Path, dict[str, list[str]]] = {}
+    targets: dict[Path, set[str]] = {}
+    for pattern in p.sources:
+        clean = norm(pattern)
+        if GLOB.search(clean):
+            depth = clean.count("/")
+            hits = [k for k in sorted(src_view.entries) if k.count("/") == depth and fnmatch.fnmatchcase(k, clean)]
+            into_dir = True
+        else:
+            hits = [src_view.resolve(clean)]
+        for path in hits:
+            entry = src_view.get(path)
+            if entry is None and path:
+                raise p.ins.error(f"{pattern} does not exist in the --from={p.ins.flags['from']} image")
+            if path == "" or entry.info.isdir():  # type: ignore[union-attr]
+                base = view.resolve(p.dest)
+                if entry is not None and not view.is_dir(base):  # made here: as the source directory
+                    out.add(base, entry.info, owner=p.owner, mode=p.mode)
+                members = [(k, posixpath.join(base, k[len(path):].lstrip("/"))) for k in src_view.below(path)]
             else:
-                hits = [src_view.resolve(clean)]
-            for path in hits:
-                entry = src_view.get(path)
-                if entry is None and path:
-                    raise p.ins.error(f"{pattern} does not exist in the --from={p.ins.flags['from']} image")
-                if path == "" or entry.info.isdir():  # type: ignore[union-attr]
-                    base = view.resolve(p.dest)
-                    if entry is not None and not view.is_dir(base):  # made here: as the source directory
-                        out.add(base, entry.info, owner=p.owner, mode=p.mode)
-                    members = [(k, posixpath.join(base, k[len(path):].lstrip("/"))) for k in src_view.below(path)]
-                else:
-                    members = [(path, _target(view, p.dest, posixpath.basename(path), into_dir))]
-                for name, dest in members:
-                    e = src_view.entries[name]
-                    if e.info.isreg() or e.info.islnk():
-                        wanted.setdefault(e.blob, {}).setdefault(name, []).append(dest)
-                        if e.info.islnk():
-                            targets.setdefault(e.blob, set()).add(norm(e.info.linkname))
-                    else:  # directories, symlinks: no data; written first, parents before children
-                        out.add(dest, e.info, owner=p.owner, mode=p.mode)
-        copy_data(wanted, targets, lambda dest, info, data: out.add(dest, info, data, owner=p.owner, mode=p.mode))
+                members = [(path, _target(view, p.dest, posixpath.basename(path), into_dir))]
+            for name, dest in members:
+                e = src_view.entries[name]
+                if e.info.isreg() or e.info.islnk():
+                    wanted.setdefault(e.blob, {}).setdefault(name, []).append(dest)
+                    if e.info.islnk():
+                        targets.setdefault(e.blob, set()).add(norm(e.info.linkname))
+                else:  # directories, symlinks: no data; written first, parents before children
+                    out.add(dest, e.info, owner=p.owner, mode=p.mode)
+    copy_data(wanted, targets, lambda dest, info, data: out.add(dest, info, data, owner=p.owner, mode=p.mode))
 
 
 def is_archive(ctx: Context, src: Source) -> bool:
@@ -192,20 +180,19 @@ def is_archive(ctx: Context, src: Source) -> bool:
 
 def write_archive(p: Plan, ctx: Context, src: Source, view: View, out: LayerWriter) -> None:
     """ADD of a local tar: its members under the destination directory."""
-    with _located(p.ins):
-        base = view.resolve(p.dest)
-        try:
-            with ctx.open(src.real) as f, tarfile.open(fileobj=f, mode="r:*") as tf:
-                for m in tf:
-                    name = norm(m.name)
-                    if not name or posixpath.basename(name).startswith(".wh.") or m.ischr() or m.isblk():
-                        continue
-                    if m.islnk():
-                        m.linkname = posixpath.join(base, norm(m.linkname))
-                    out.add(posixpath.join(base, name), m, tf.extractfile(m) if m.isreg() else None, owner=p.owner)
-        # A truncated or corrupt archive: what its decompressor or tarfile
-        # says (an OSError with an errno is the disk's, not the archive's).
-        except (tarfile.TarError, EOFError, OSError, zlib.error, lzma.LZMAError) as e:
-            if isinstance(e, OSError) and e.errno is not None:
-                raise
-            raise p.ins.error(f"{src.rel}: the archive cannot be read ({e or type(e).__name__})") from None
+    base = view.resolve(p.dest)
+    try:
+        with ctx.open(src.real) as f, tarfile.open(fileobj=f, mode="r:*") as tf:
+            for m in tf:
+                name = norm(m.name)
+                if not name or posixpath.basename(name).startswith(".wh.") or m.ischr() or m.isblk():
+                    continue
+                if m.islnk():
+                    m.linkname = posixpath.join(base, norm(m.linkname))
+                out.add(posixpath.join(base, name), m, tf.extractfile(m) if m.isreg() else None, owner=p.owner)
+    # A truncated or corrupt archive: what its decompressor or tarfile
+    # says (an OSError with an errno is the disk's, not the archive's).
+    except (tarfile.TarError, EOFError, OSError, zlib.error, lzma.LZMAError) as e:
+        if isinstance(e, OSError) and e.errno is not None:
+            raise
+        raise p.ins.error(f"{src.rel}: the archive cannot be read ({e or type(e).__name__})") from None

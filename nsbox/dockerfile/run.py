@@ -102,4 +102,3 @@ async def run_step(ins: Instruction, session: Session, layers: tuple[Path, ...],
         raise
     except NsboxError as e:
         raise ins.error(str(e)) from None
-

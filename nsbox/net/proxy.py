@@ -146,7 +146,7 @@ class Allowlist:
             host, port = _split_host_port(entry)
             host = _normalize(host)
             name = host[2:] if host.startswith("*.") else host
-            if host != "*" and not _is_ip(host) and not all(_label_ok(x) for x in name.split(".")):
+            if host != "*" and not is_host(name):
                 raise ValueError(f"allow entry {entry!r} is not a host name, '*.domain', an IP address or '*'")
             rules.append(_Rule(host, port))
         self._rules = tuple(rules)
