@@ -42,7 +42,7 @@ from .create.launch import Launched
 from .create.netattach import NetAttachment
 from .init.output_limits import exec_output_limit
 from .manage import collect_in_background
-from .spec import FIELDS, NET, Bind, Network, OutputLimitMode, PullPolicy, SandboxSpec, Tmpfs
+from .spec import FIELDS, NET, Bind, Network, OutputLimitMode, PullPolicy, Restart, SandboxSpec, Tmpfs
 
 if TYPE_CHECKING:
     from .init import streaming
@@ -394,14 +394,19 @@ class Sandbox:
         return found
 
     def command(self, argv: Sequence[str], identity: users.Identity, cwd: str | None = None,
-                env: Mapping[str, str] | None = None) -> Command:
-        """`argv` as the init runs it: working directory, environment and
-        credentials resolved."""
+                env: Mapping[str, str] | None = None, restart: Restart | str | None = None) -> Command:
+        """`argv` as the init runs it: working directory, environment,
+        credentials and restart policy resolved."""
         if isinstance(argv, (str, bytes)) or not argv:
             raise ValueError("cmd must be a non-empty list of strings")
         workdir = posixpath.join(self.workdir, cwd) if cwd else self.workdir
         full_env = {"PATH": DEFAULT_PATH, "HOME": identity.home, **self.env, **(env or {})}
-        return Command(list(argv), full_env, workdir, _creds(identity))
+        if isinstance(restart, str):
+            restart = Restart.parse(restart)
+        if restart is None:
+            return Command(list(argv), full_env, workdir, _creds(identity))
+        flags = protocol.F_RESTART | (protocol.F_RESTART_ON_FAILURE if restart.on_failure else 0)
+        return Command(list(argv), full_env, workdir, _creds(identity), flags, restart.limit or 0)
 
     # ---- commands ----------------------------------------------------
 
@@ -492,20 +497,24 @@ class Sandbox:
         return result.returncode
 
     async def spawn(self, cmd: Sequence[str], *, cwd: str | None = None, env: Mapping[str, str] | None = None,
-                    user: str | None = None, watch: bool = False) -> "Channel | None":
+                    user: str | None = None, watch: bool = False,
+                    restart: Restart | str | None = None) -> "Channel | None":
         """Starts `cmd` in the background, its stdio on /dev/null; it runs on
         its own, like a command started with `&`. Returns once it runs; a
         command that cannot be started raises as exec would; a later exit
         is not reported, unless `watch`: then the init reports it on the
         returned channel while that is open (closing it leaves the command
-        running)."""
+        running). `restart` (a Restart, or Docker's policy name such as
+        "always" or "on-failure:3"): the sandbox starts it again when it
+        exits; a watcher hears only the exit after which it is not."""
         client = self.client
-        return await client.spawn(self.command(cmd, await self.identity(user), cwd, env), process.devnull(),
-                                  watch=watch)
+        return await client.spawn(self.command(cmd, await self.identity(user), cwd, env, restart),
+                                  process.devnull(), watch=watch)
 
     async def start_process(self, cmd: Sequence[str], *, input: str | bytes | None = None, stdin_open: bool = False,
                             cwd: str | None = None, env: Mapping[str, str] | None = None,
-                            user: str | None = None, output_limit: int | None = None) -> "streaming.Process":
+                            user: str | None = None, output_limit: int | None = None,
+                            restart: Restart | str | None = None) -> "streaming.Process":
         """Starts `cmd` and returns a Process whose output streams to the
         host as the command writes it (see nsbox/init/streaming.py): iterate it
         for Output and Exit events, write_stdin/close_stdin (stdin_open=True),
@@ -516,7 +525,9 @@ class Sandbox:
         per stream (N from nsbox.init.output_limits; the sandbox's timeout and "raise"
         mode do not apply: the process runs until it exits or is killed;
         `output_limit` sets another N). Start failures are reported as exec
-        reports them."""
+        reports them. `restart` as for spawn(): the process's output and
+        Exit are those of all its runs; kill(), or signal() with SIGTERM,
+        ends the policy (as `docker kill` does)."""
         from .init import streaming
 
         client = self.client
@@ -524,7 +535,8 @@ class Sandbox:
         if isinstance(identity, ExecResult):
             return streaming.finished(identity, self.command(cmd, self._identity, cwd, env), self.id)
         data = input.encode("utf-8") if isinstance(input, str) else input
-        return await streaming.start(client, self.command(cmd, identity, cwd, env), input=data, stdin_open=stdin_open,
+        return await streaming.start(client, self.command(cmd, identity, cwd, env, restart), input=data,
+                                     stdin_open=stdin_open,
                                      limit=exec_output_limit() if output_limit is None else output_limit,
                                      devnull=process.devnull(), sandbox_id=self.id)
 

@@ -59,6 +59,43 @@ def _check_target(kind: str, target: str) -> None:
 
 
 @dataclass(frozen=True)
+class Restart:
+    """A restart policy for a command: Docker's `--restart` and compose's
+    `restart`. The sandbox's init starts the command again when it exits
+    (with `on_failure`, only after a non-zero status), at most `limit`
+    times (None: no limit), after Docker's waits: 100 ms, doubled at each
+    restart up to one minute, back to 100 ms after a run of 10 s."""
+
+    on_failure: bool = False
+    limit: int | None = None
+
+    # The most restarts the init counts (a uint32 on the wire).
+    MAX_LIMIT = 2**32 - 1
+
+    def __post_init__(self) -> None:
+        if self.limit is not None and (isinstance(self.limit, bool) or not isinstance(self.limit, int)
+                                       or not 1 <= self.limit <= self.MAX_LIMIT):
+            raise ValueError(f"a restart limit must be a whole number from 1, not {self.limit!r}")
+
+    @classmethod
+    def parse(cls, policy: str) -> "Restart | None":
+        """Docker's policy names: "no" (None), "always", "unless-stopped"
+        (the same here: nothing stops a service but its sandbox's end),
+        "on-failure" and "on-failure:N"."""
+        name, colon, count = str(policy).partition(":")
+        if name in ("no", "always", "unless-stopped") and not colon:
+            return None if name == "no" else cls()
+        if name == "on-failure":
+            if not colon:
+                return cls(on_failure=True)
+            if count.isdigit() and count.isascii():
+                # Docker: on-failure:0 is on-failure with no limit.
+                return cls(on_failure=True, limit=int(count) or None)
+        raise ValueError(f"restart policy must be no, always, unless-stopped, on-failure or on-failure:N, "
+                         f"not {policy!r}")
+
+
+@dataclass(frozen=True)
 class Bind:
     """A host file or directory made visible inside the sandbox at `target`."""
 

@@ -25,7 +25,7 @@
 
 #include <stdint.h>
 
-#define NSBOX_PROTOCOL_VERSION 5
+#define NSBOX_PROTOCOL_VERSION 6
 
 /* PATH of a command whose environment has none (the host sends the same
  * default; it reads this one through nsbox_default_path()). */
@@ -61,6 +61,16 @@ enum nsbox_op {
 #define NSBOX_F_DETACHED 0x10  /* EXEC: closing the channel does not kill the command */
 #define NSBOX_F_REGULAR 0x20   /* OPEN: only a regular file or a directory will do */
 #define NSBOX_F_NO_STARTED 0x40 /* EXEC: no STARTED reply (a caller that waits for EXIT) */
+/* EXEC: a restart policy (compose's `restart`). The init starts the command
+ * again when it exits, after a wait that doubles from 100 ms to 1 min (back
+ * to 100 ms after a run of 10 s), as Docker does. No reply is sent for a
+ * run that is followed by another; EXIT reports the last one's status.
+ * With F_RESTART_ON_FAILURE, only after a non-zero status. `mode` holds the
+ * most restarts, 0 for no limit. A command that fails to start on its
+ * first run is not restarted, nor one the host signals with SIGKILL or
+ * SIGTERM, nor one whose channel the host closes (unless F_DETACHED). */
+#define NSBOX_F_RESTART 0x80
+#define NSBOX_F_RESTART_ON_FAILURE 0x100
 
 /*
  * Payload layout: ngroups uint32 gids, then NUL-terminated strings:
@@ -76,7 +86,7 @@ struct nsbox_request {
     uint32_t argc;
     uint32_t envc;
     uint32_t open_flags;  /* OPEN: O_* flags (access mode, O_CREAT, O_TRUNC) */
-    uint32_t mode;        /* OPEN: creation mode */
+    uint32_t mode;        /* OPEN: creation mode; EXEC with F_RESTART: most restarts (0: any) */
     uint32_t payload_len; /* bytes of payload, inline or in the memfd */
 };
 

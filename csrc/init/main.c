@@ -8,7 +8,8 @@
  *      on an OPEN request a forked child opens a file as the requesting user
  *      and passes the descriptor back;
  *   2. reaper: it reaps every process that ends up as its child and reports
- *      the exit status of commands (128+N for signal N);
+ *      the exit status of commands (128+N for signal N), or starts a
+ *      command with a restart policy again;
  *   3. killer: on request (or when the host drops a command's channel) it
  *      kills the command's whole process tree;
  *   4. lifeline: when the owning process is gone (POLLHUP on the lifeline
@@ -52,14 +53,35 @@
 /* A forked child we answer for: a command started by EXEC whose exit has
  * not been reported yet, or the helper serving an OPEN. */
 struct job {
-    pid_t pid;
+    pid_t pid;     /* 0 while a restart waits (restart->due) */
     int chan;      /* -1 once the host has let go of the channel */
     int start;     /* EXEC: the start pipe until the command runs or failed, else -1 */
     bool detached; /* losing the channel does not kill it */
     bool open;     /* an OPEN helper: it answers on its own copy of chan */
     bool stopped;  /* we killed it because a sandbox process stopped it */
     bool no_started; /* EXEC: the host asked for no STARTED reply */
+    bool rerun;    /* started again by its restart policy: no replies but EXIT */
+    int code;      /* while a restart waits: the last run's exit status */
+    struct restart *restart; /* EXEC with F_RESTART: how to start it again */
 };
+
+/* A command with a restart policy: its request as it came, and our copies
+ * of its descriptors, to start it again as often as it exits. */
+struct restart {
+    struct nsbox_request h;
+    char *payload; /* inline; NULL where it came in a memfd, fds[3] */
+    int fds[4];    /* stdin, stdout, stderr [, the payload's memfd] */
+    int nfds;
+    uint32_t restarts; /* so far */
+    long delay_ms;     /* the next wait */
+    struct timespec started, due;
+};
+/* Docker's backoff: 100 ms, doubled at each restart up to 1 min, and back
+ * to 100 ms after a run of 10 s. A command that exits at once costs the
+ * init a fork every minute at most, once the waits have grown. */
+#define RESTART_FIRST_MS 100
+#define RESTART_MAX_MS 60000
+#define RESTART_RESET_MS 10000
 
 
 static struct job *jobs;
@@ -151,13 +173,54 @@ static void add_job(struct job j)
     jobs[njobs++] = j;
 }
 
-/* Records a started EXEC command; the descriptors it was given are its own
- * now (the command's stdout and stderr must reach EOF when it exits). */
-static void add_exec_job(pid_t pid, int start, const struct request *rq, int *fds, int nfds)
+/* Keeps what a command with a restart policy needs to start again: its
+ * request, and `fds` (stdin, stdout, stderr [, payload memfd]), which are
+ * then the restart's. NULL where there is no memory: it runs once. */
+static struct restart *new_restart(const struct request *rq, const char *payload, const int *fds, int nfds)
 {
+    struct restart *r = calloc(1, sizeof *r);
+    if (!r)
+        return NULL;
+    r->h = rq->h;
+    if (!(rq->h.flags & NSBOX_F_PAYLOAD_FD)) {
+        r->payload = malloc(rq->h.payload_len ? rq->h.payload_len : 1);
+        if (!r->payload) {
+            free(r);
+            return NULL;
+        }
+        memcpy(r->payload, payload, rq->h.payload_len);
+    }
+    memcpy(r->fds, fds, (size_t)nfds * sizeof *fds);
+    r->nfds = nfds;
+    clock_gettime(CLOCK_MONOTONIC, &r->started);
+    return r;
+}
+
+static void drop_restart(struct job *j)
+{
+    struct restart *r = j->restart;
+    if (!r)
+        return;
+    close_fds(r->fds, r->nfds);
+    free(r->payload);
+    free(r);
+    j->restart = NULL;
+}
+
+/* Records a started EXEC command; the descriptors it was given are its own
+ * now (the command's stdout and stderr must reach EOF when it exits), or
+ * its restart policy's. `failed`: the host heard it did not start, and it
+ * will not be restarted. */
+static void add_exec_job(pid_t pid, int start, const struct request *rq, const char *payload, int *fds, int nfds,
+                         bool failed)
+{
+    struct restart *r = NULL;
+    if ((rq->h.flags & NSBOX_F_RESTART) && !failed)
+        r = new_restart(rq, payload, fds + 1, nfds - 1);
     add_job((struct job){.pid = pid, .chan = fds[0], .start = start, .detached = rq->h.flags & NSBOX_F_DETACHED,
-                         .no_started = rq->h.flags & NSBOX_F_NO_STARTED});
-    close_fds(fds + 1, nfds - 1);
+                         .no_started = rq->h.flags & NSBOX_F_NO_STARTED, .restart = r});
+    if (!r)
+        close_fds(fds + 1, nfds - 1);
 }
 
 /* ---- starting a command without copying ourselves --------------------- */
@@ -325,7 +388,37 @@ static void spawn_shared(struct request *rq, char *payload, int *fds, int nfds)
         send_reply(chan, NSBOX_REPLY_FAIL, 0, shared.failure.err, shared.failure.stage, -1);
     else if (!(rq->h.flags & NSBOX_F_NO_STARTED))
         send_reply(chan, NSBOX_REPLY_STARTED, 0, 0, 0, -1);
-    add_exec_job(pid, -1, rq, fds, nfds);
+    add_exec_job(pid, -1, rq, payload, fds, nfds, shared.failure.stage != 0);
+}
+
+/* The forked child of a request: an OPEN reports a failure on its
+ * channel, an EXEC on its start pipe, `start_w` (-1 for a restart's run,
+ * which no one waits for). */
+static void __attribute__((noreturn)) request_child(struct request *rq, char *payload, int *fds, int nfds, int start_w)
+{
+    bool exec = rq->h.op == NSBOX_OP_EXEC;
+    child_report_is_pipe = exec;
+    child_report_fd = exec ? start_w : fds[0];
+    child_report_mem = NULL; /* a child of spawn_shared set it in our memory */
+    reset_signals();
+    /* We carry the init's seccomp filter, which allows exactly these two
+     * setns calls (see seccomp.c). */
+    int err = enter_sandbox();
+    if (err)
+        child_fail(NSBOX_STAGE_SPAWN, err);
+    if (rq->h.flags & NSBOX_F_PAYLOAD_FD) {
+        payload = read_payload_fd(fds[nfds - 1], rq->h.payload_len);
+        if (!payload)
+            child_fail(NSBOX_STAGE_REQUEST, EIO);
+    }
+    if (!parse_payload(rq, payload, rq->h.payload_len) || (exec && rq->h.argc == 0))
+        child_fail(NSBOX_STAGE_REQUEST, EINVAL);
+    if (!exec)
+        child_open(rq);
+    /* Each command leads its own session, so kill_tree can find it. */
+    if (setsid() < 0)
+        child_fail(NSBOX_STAGE_SPAWN, errno);
+    child_exec(rq, fds);
 }
 
 /* Forks the child that serves an EXEC or OPEN request.
@@ -366,34 +459,12 @@ static void spawn_request(struct request *rq, char *payload, int *fds, int nfds)
         close_fds(start, exec ? 2 : 0);
         return;
     }
-    if (pid == 0) {
-        child_report_is_pipe = exec;
-        child_report_fd = exec ? start[1] : chan;
-        child_report_mem = NULL; /* a child of spawn_shared set it in our memory */
-        reset_signals();
-        /* We carry the init's seccomp filter, which allows exactly these
-         * two setns calls (see seccomp.c). */
-        int err = enter_sandbox();
-        if (err)
-            child_fail(NSBOX_STAGE_SPAWN, err);
-        if (in_fd) {
-            payload = read_payload_fd(fds[nfds - 1], rq->h.payload_len);
-            if (!payload)
-                child_fail(NSBOX_STAGE_REQUEST, EIO);
-        }
-        if (!parse_payload(rq, payload, rq->h.payload_len) || (exec && rq->h.argc == 0))
-            child_fail(NSBOX_STAGE_REQUEST, EINVAL);
-        if (!exec)
-            child_open(rq);
-        /* Each command leads its own session, so kill_tree can find it. */
-        if (setsid() < 0)
-            child_fail(NSBOX_STAGE_SPAWN, errno);
-        child_exec(rq, fds);
-    }
+    if (pid == 0)
+        request_child(rq, payload, fds, nfds, start[1]);
     if (exec) {
         exec_count++;
         close(start[1]);
-        add_exec_job(pid, start[0], rq, fds, nfds);
+        add_exec_job(pid, start[0], rq, payload, fds, nfds, false);
     } else {
         /* The helper answers on its own copy of chan; ours tells us when
          * the host gives up, and is closed when the helper is reaped. */
@@ -461,7 +532,93 @@ static void remove_job(size_t i)
         close(jobs[i].chan);
     if (jobs[i].start >= 0)
         close(jobs[i].start);
+    drop_restart(&jobs[i]);
     jobs[i] = jobs[--njobs];
+}
+
+/* ---- restart policies ------------------------------------------------ */
+
+/* Whether a command that exited with `code` runs again; if so, when. */
+static bool will_restart(struct job *j, int code)
+{
+    struct restart *r = j->restart;
+    if (!r || ((r->h.flags & NSBOX_F_RESTART_ON_FAILURE) && code == 0) || (r->h.mode && r->restarts >= r->h.mode))
+        return false;
+    if (elapsed_ms(&r->started) >= RESTART_RESET_MS || !r->delay_ms)
+        r->delay_ms = RESTART_FIRST_MS;
+    clock_gettime(CLOCK_MONOTONIC, &r->due);
+    r->due.tv_sec += r->delay_ms / 1000;
+    r->due.tv_nsec += (r->delay_ms % 1000) * 1000000L;
+    if (r->due.tv_nsec >= 1000000000L) {
+        r->due.tv_sec++;
+        r->due.tv_nsec -= 1000000000L;
+    }
+    r->delay_ms = r->delay_ms * 2 > RESTART_MAX_MS ? RESTART_MAX_MS : r->delay_ms * 2;
+    j->pid = 0;
+    j->code = code;
+    return true;
+}
+
+/* Starts a waiting command again, in a forked child. Its run reports to no
+ * one: the host heard it start the first time, and hears its last exit. */
+static void start_again(struct job *j)
+{
+    struct restart *r = j->restart;
+    struct request rq = {.h = r->h};
+    int fds[1 + 4] = {-1};
+    memcpy(fds + 1, r->fds, (size_t)r->nfds * sizeof *fds);
+    pid_t pid = fork();
+    if (pid == 0)
+        request_child(&rq, r->payload, fds, 1 + r->nfds, -1);
+    if (pid < 0) { /* no process to be had now (a pids limit): as a run that failed at once */
+        clock_gettime(CLOCK_MONOTONIC, &r->started);
+        will_restart(j, j->code);
+        return;
+    }
+    r->restarts++;
+    clock_gettime(CLOCK_MONOTONIC, &r->started);
+    j->pid = pid;
+    j->rerun = true;
+}
+
+/* Milliseconds until the next restart is due: the poll's timeout (-1: none). */
+static int next_restart_ms(void)
+{
+    long next = -1;
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    for (size_t i = 0; i < njobs; i++) {
+        const struct restart *r = jobs[i].restart;
+        if (jobs[i].pid || !r)
+            continue;
+        long ms = (r->due.tv_sec - now.tv_sec) * 1000 + (r->due.tv_nsec - now.tv_nsec) / 1000000 + 1;
+        if (ms < 0)
+            ms = 0;
+        if (next < 0 || ms < next)
+            next = ms;
+    }
+    return (int)next;
+}
+
+/* Starts the waiting commands that are due. A waiting command whose policy
+ * the host ended (serve_channel) is done: its last status is its EXIT. */
+static void restart_due(void)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    for (size_t i = njobs; i-- > 0;) {
+        struct job *j = &jobs[i];
+        if (j->pid)
+            continue;
+        if (!j->restart) {
+            if (j->chan >= 0)
+                send_reply(j->chan, NSBOX_REPLY_EXIT, j->code, 0, 0, -1);
+            remove_job(i);
+        } else if (now.tv_sec > j->restart->due.tv_sec ||
+                   (now.tv_sec == j->restart->due.tv_sec && now.tv_nsec >= j->restart->due.tv_nsec)) {
+            start_again(j);
+        }
+    }
 }
 
 /* The start pipe of an EXEC is readable (or its helper is gone): tells the
@@ -474,6 +631,8 @@ static void settle_start(struct job *j)
         return;
     close(j->start);
     j->start = -1;
+    if (j->stopped || n == (ssize_t)sizeof f)
+        drop_restart(j); /* it did not start: nothing to run again */
     if (j->chan < 0)
         return;
     if (j->stopped)
@@ -515,12 +674,14 @@ static void reap(void)
         }
         if (j->start >= 0)
             settle_start(j); /* before EXIT: the host hears why first */
+        int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+        if (!j->open && will_restart(j, code))
+            continue; /* no reply: it runs again (restart_due) */
         if (j->chan >= 0) {
             if (j->open) {
                 if (j->stopped || WIFSIGNALED(status))
                     send_reply(j->chan, NSBOX_REPLY_FAIL, 0, EINTR, NSBOX_STAGE_HELPER, -1);
             } else {
-                int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
                 send_reply(j->chan, NSBOX_REPLY_EXIT, code, 0, 0, -1);
             }
         }
@@ -536,15 +697,24 @@ static void serve_channel(size_t i)
     if (n < 0 && (errno == EINTR || errno == EAGAIN))
         return;
     if (!jobs[i].open && n == (ssize_t)sizeof sig && sig > 0 && sig < NSIG) {
-        kill_tree(jobs[i].pid, sig);
+        /* As with `docker kill`, SIGKILL or SIGTERM (the stop signal)
+         * from the host ends a restart policy, and a command waiting to
+         * restart is then done (restart_due); other signals leave it. */
+        if (sig == SIGKILL || sig == SIGTERM)
+            drop_restart(&jobs[i]);
+        if (jobs[i].pid)
+            kill_tree(jobs[i].pid, sig);
         return;
     }
     /* EOF or garbage: the host no longer wants this command (or, for a
      * detached one, no longer wants to hear about it). */
-    if (jobs[i].open)
+    if (jobs[i].open) {
         kill(jobs[i].pid, SIGKILL);
-    else if (!jobs[i].detached)
-        kill_tree(jobs[i].pid, SIGKILL);
+    } else if (!jobs[i].detached) {
+        drop_restart(&jobs[i]);
+        if (jobs[i].pid)
+            kill_tree(jobs[i].pid, SIGKILL);
+    }
     close(jobs[i].chan);
     jobs[i].chan = -1; /* still reaped, silently */
 }
@@ -680,7 +850,10 @@ int main(int argc, char **argv)
         for (size_t i = 0; i < njobs; i++)
             pfds[n++] = (struct pollfd){.fd = jobs[i].start, .events = POLLIN};
 
-        int r = poll(pfds, n, listen_paused ? LISTEN_RETRY_MS : -1);
+        int timeout = next_restart_ms();
+        if (listen_paused && (timeout < 0 || timeout > LISTEN_RETRY_MS))
+            timeout = LISTEN_RETRY_MS;
+        int r = poll(pfds, n, timeout);
         listen_paused = false; /* try again: a descriptor may be free now */
         if (r < 0) {
             if (errno == EINTR)
@@ -710,5 +883,6 @@ int main(int argc, char **argv)
             accept_clients();
         if (pfds[0].revents)
             reap();
+        restart_due();
     }
 }

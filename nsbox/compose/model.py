@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from ..spec import Restart
+
 if TYPE_CHECKING:
     from .hostpaths import HostPaths
 
@@ -85,6 +87,7 @@ class Service:
     volumes: list[Mount] = field(default_factory=list)  # binds, volumes, tmpfs, secrets and configs
     tmpfs: list[Mount] = field(default_factory=list)  # the `tmpfs:` key
     read_only: bool = False
+    restart: Restart | None = None  # restart, or deploy.restart_policy
     ports: list[str] = field(default_factory=list)  # nsbox's form: [ADDRESS:]HOSTPORT:PORT
     network_mode: str | None = None
     networks: dict[str, list[str]] = field(default_factory=dict)  # network -> aliases

@@ -15,7 +15,7 @@ import shlex
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..spec import normalize_gpus, parse_size
+from ..spec import Restart, normalize_gpus, parse_size
 from .errors import ComposeError
 from .hostpaths import HostPaths
 from .model import CONDITIONS, Build, Healthcheck, Mount, Service
@@ -192,6 +192,30 @@ class Reader:
                 raise self.fail("healthcheck.retries", f"expected a whole number, not {value['retries']!r}")
             hc.retries = int(retries) or None
         return hc
+
+    def restart(self, value: Any, policy: Any) -> Restart | None:
+        """`restart`, else deploy.restart_policy (as Compose maps it onto a
+        container's policy: condition any, on-failure or none, and
+        max_attempts; delay and window are swarm's)."""
+        if value is None and policy is None:
+            return None
+        if value is not None:
+            try:  # an unquoted `no` is YAML's false
+                return Restart.parse("no" if value is False else self.string("restart", value))
+            except ValueError as e:
+                raise self.fail("restart", str(e)) from None
+        if not isinstance(policy, dict):
+            raise self.fail("deploy.restart_policy", f"expected a mapping, not {policy!r}")
+        condition = policy.get("condition", "any")
+        if condition not in ("none", "on-failure", "any"):
+            raise self.fail("deploy.restart_policy.condition",
+                            f"expected none, on-failure or any, not {condition!r}")
+        attempts = policy.get("max_attempts")
+        if attempts is not None and (isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 0):
+            raise self.fail("deploy.restart_policy.max_attempts", f"expected a whole number, not {attempts!r}")
+        if condition == "none":
+            return None
+        return Restart(on_failure=condition == "on-failure", limit=attempts or None)
 
     def depends_on(self, value: Any) -> tuple[dict[str, Any], set[str]]:
         """The dependencies with their conditions, and those not required."""
@@ -406,6 +430,7 @@ def read_service(name: str, raw: dict[str, Any], directory: Path, environ: Mappi
     if get("init") is not None:
         s.init = r.boolean("init", get("init"))
     s.read_only = r.boolean("read_only", get("read_only", False))
+    s.restart = r.restart(get("restart"), (raw.get("deploy") or {}).get("restart_policy"))
     s.privileged = r.boolean("privileged", get("privileged", False))
     if get("healthcheck") is not None:
         s.healthcheck = r.healthcheck(get("healthcheck"))

@@ -50,7 +50,7 @@ from ..plan import netmodes
 from ..init import streaming
 from ..network import Network
 from ..sandbox import Sandbox
-from ..spec import SandboxSpec
+from ..spec import Restart, SandboxSpec
 
 # Docker's healthcheck defaults (seconds).
 INTERVAL, TIMEOUT, RETRIES = 30.0, 30.0, 3
@@ -177,6 +177,7 @@ class ServiceSpec:
     # "services" mode: its networks, each with the names it answers to there
     # (the first carries its outbound traffic); none: its spec's network.
     networks: dict[str, list[str]] = field(default_factory=dict)
+    restart: Restart | None = None  # its main process's restart policy
 
 
 def start_order(services: Sequence[ServiceSpec]) -> list[ServiceSpec]:
@@ -336,10 +337,13 @@ class Services:
         if not command:
             return
         try:
+            # With a restart policy the init starts it again as it exits;
+            # the sample hears only of an exit after which it does not.
             if self._is_job(service.name):  # its exit status and output are wanted
-                self._main[service.name] = await sb.start_process(command, output_limit=MAIN_OUTPUT_LIMIT)
+                self._main[service.name] = await sb.start_process(command, output_limit=MAIN_OUTPUT_LIMIT,
+                                                                  restart=service.restart)
             else:  # on its own, but watched until the sample is up
-                chan = await sb.spawn(command, watch=True)
+                chan = await sb.spawn(command, watch=True, restart=service.restart)
                 assert chan is not None
                 self._main[service.name] = Watched(chan)
         except (NsboxError, OSError) as e:

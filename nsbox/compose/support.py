@@ -36,7 +36,7 @@ MODELLED = frozenset({
     "read_only", "ports", "network_mode", "networks", "links", "mem_limit", "cpus", "pids_limit",
     "deploy", "cap_add", "cap_drop", "privileged", "platform", "pull_policy", "secrets", "configs",
     "profiles", "scale", "storage_opt", "security_opt", "pid", "ipc", "uts", "cgroup", "userns_mode",
-    "runtime", "extra_hosts", "gpus",
+    "runtime", "extra_hosts", "gpus", "restart",
 })
 
 # Accepted silently (listed in Service.ignored): they do not change what
@@ -59,8 +59,6 @@ HARMLESS = {
 
 # Accepted, honoured only approximately: a warning says how.
 APPROXIMATE = {
-    # (restart: "no" is harmless: review_service)
-    "restart": "a main process that exits is not restarted (before the sample is up, its exit fails the sample)",
     "ulimits": "ulimits are not applied",
     "shm_size": "/dev/shm keeps nsbox's size",
     "memswap_limit": "swap is not limited separately (memory is)",
@@ -109,7 +107,7 @@ APPROXIMATE_CAPS = {
 NAMESPACE_MODES = {"pid": ("", "private"), "ipc": ("", "private", "shareable", "none"),
                    "uts": ("", "private"), "cgroup": ("", "private"), "userns_mode": ("",)}
 TOP_LEVEL = frozenset({"name", "version", "include", "services", "networks", "volumes", "secrets", "configs"})
-DEPLOY_HARMLESS = frozenset({"mode", "placement", "restart_policy", "update_config", "rollback_config",
+DEPLOY_HARMLESS = frozenset({"mode", "placement", "update_config", "rollback_config",
                              "labels", "endpoint_mode"})
 # SandboxSpec settings `x-nsbox` may set; the rest come from compose keys,
 # and the id mapping is the operator's choice, never a compose file's
@@ -182,7 +180,7 @@ def review_service(name: str, raw: dict[str, Any]) -> Review:
     for key, value in raw.items():
         if key.startswith("x-"):
             continue
-        if key in HARMLESS or (key == "restart" and str(value) in ("no", "None", "")):
+        if key in HARMLESS:
             r.ignored.append(key)
         elif key in APPROXIMATE:
             r.warnings.append(f"service {name}: {key}: {APPROXIMATE[key]}")
@@ -258,7 +256,7 @@ def _review_deploy(deploy: dict[str, Any], scale: Any, r: Review) -> None:
     for replicas, key in ((deploy.get("replicas"), "deploy.replicas"), (scale, "scale")):
         if replicas is not None and str(replicas) not in ("0", "1"):
             r.issues.append(f"{key}: {replicas} (one sandbox per service)")
-    for key in set(deploy) - DEPLOY_HARMLESS - {"resources", "replicas"}:
+    for key in set(deploy) - DEPLOY_HARMLESS - {"resources", "replicas", "restart_policy"}:
         r.issues.append(f"deploy.{key}")
     resources = deploy.get("resources") or {}
     reservations = resources.get("reservations") or {}

@@ -66,6 +66,9 @@ class Command:
     env: Mapping[str, str]
     cwd: str
     creds: protocol.Creds
+    # A restart policy: protocol.F_RESTART[_ON_FAILURE], and the most restarts (0: any).
+    restart_flags: int = 0
+    restart_limit: int = 0
 
 
 class Channel:
@@ -292,7 +295,8 @@ class InitClient:
         strings = [os.fsencode(cmd.cwd), *map(os.fsencode, cmd.argv),
                    *(os.fsencode(f"{k}={v}") for k, v in cmd.env.items())]
         message, memfd = protocol.encode(protocol.OP_EXEC, cmd.creds, strings, argc=len(cmd.argv),
-                                         envc=len(cmd.env), flags=flags)
+                                         envc=len(cmd.env), flags=flags | cmd.restart_flags,
+                                         mode=cmd.restart_limit)
         return await self._request(message, memfd, stdio, channel)
 
     async def spawn(self, cmd: Command, devnull: int, *, watch: bool = False) -> Channel | None:

@@ -243,7 +243,7 @@ async def start_sample(task: ComposeTask, label: str, *, output_limit_mode: str 
                                      depends_on=dict(service.depends_on), healthcheck=check,
                                      no_healthcheck=service.healthcheck is not None and service.healthcheck.disable,
                                      names=[n for n in names.get(service.name, []) if n != service.name],
-                                     networks=per_service.get(service.name, {})))
+                                     networks=per_service.get(service.name, {}), restart=service.restart))
         if volumes is not None:
             give(volumes, mapping.host_root)  # the volume directories service_spec made
             for service in start_order(project):  # the first service to mount a volume seeds it

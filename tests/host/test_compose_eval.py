@@ -26,6 +26,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from inspect_ai import Task, eval
@@ -507,6 +508,53 @@ async def test_a_service_that_never_gets_healthy_fails_the_sample(images: dict[s
         assert [i for i in live.entries() if name in i.label] == []
     finally:
         await NsboxSandboxEnvironment.task_cleanup(name, str(compose), cleanup=True)
+
+
+async def test_a_service_restarted_by_its_policy(images: dict[str, str], tmp_path: Path) -> None:
+    """restart: on-failure through the provider: web fails twice before it
+    listens, and its sample comes up all the same; killed inside, it comes
+    back. With restart: "no", the same service fails the sample."""
+    web = ["sh", "-c", "n=$$(( $$(cat /tmp/n 2>/dev/null || echo 0) + 1 )); echo $$n > /tmp/n; "
+                       "[ $$n -ge 3 ] || exit 1; mkdir -p /tmp/srv && echo FLAG-$$n > /tmp/srv/flag.txt "
+                       "&& exec httpd -f -p 80 -h /tmp/srv"]
+    fetch = FETCH_WEB.replace("cat <&3", "tail -n1 <&3")
+    for policy in ("on-failure", '"no"'):
+        compose = tmp_path / policy.strip('"') / "compose.yaml"
+        compose.parent.mkdir()
+        compose.write_text(textwrap.dedent(f"""\
+            services:
+              default:
+                image: {images['debian']}
+                command: tail -f /dev/null
+              web:
+                image: {images['busybox']}
+                command: {json.dumps(web)}
+                restart: {policy}
+                healthcheck:
+                  test: ["CMD-SHELL", "wget -q -O- http://127.0.0.1/flag.txt"]
+                  interval: 200ms
+                  retries: 50
+            """))
+        name = "nsbox_compose_restart"
+        await NsboxSandboxEnvironment.task_init(name, str(compose))
+        try:
+            if policy == '"no"':
+                with pytest.raises(NsboxError, match="service web exited with status 1 before it was healthy"):
+                    await NsboxSandboxEnvironment.sample_init(name, str(compose), {"__sample_id__": "1"})
+            else:
+                envs = await NsboxSandboxEnvironment.sample_init(name, str(compose), {"__sample_id__": "1"})
+                try:
+                    r = await envs["default"].exec(["bash", "-c", fetch])
+                    assert r.stdout == "FLAG-3\n", r
+                    await envs["web"].exec(["sh", "-c", "kill $(pidof httpd)"])
+                    with anyio.fail_after(20):
+                        while "FLAG-4" not in (await envs["default"].exec(["bash", "-c", fetch])).stdout:
+                            await anyio.sleep(0.1)
+                finally:
+                    await NsboxSandboxEnvironment.sample_cleanup(name, str(compose), envs, interrupted=False)
+        finally:
+            await NsboxSandboxEnvironment.task_cleanup(name, str(compose), cleanup=True)
+        assert [i for i in live.entries() if name in i.label] == []
 
 
 def test_an_included_stack_reached_by_name_from_a_sandbox_yaml(images: dict[str, str], tmp_path: Path,

@@ -11,6 +11,7 @@ import psutil
 import pytest
 
 import nsbox
+from nsbox.spec import Restart
 from nsbox.storage.config import ImageConfig
 from nsbox.host import live
 from nsbox.compose.services import (
@@ -164,6 +165,35 @@ async def test_a_main_process_that_exits_fails_the_sample() -> None:
                          ServiceSpec("setup", _spec(), command=["true"]), ServiceSpec("idle", _spec(), command=[])])
     await services.start()
     await services.close()
+
+
+async def test_a_service_with_a_restart_policy_comes_up_and_back() -> None:
+    """A main process that fails twice before it serves brings its sample up
+    under `restart: on-failure` (its exits are not the sample's failure, as
+    `docker compose up --wait` waits through them), and comes back when a
+    sandbox process kills it; on-failure:N gives up after N restarts."""
+    flaky = ["sh", "-c", "n=$(( $(cat /tmp/n 2>/dev/null || echo 0) + 1 )); echo $n > /tmp/n; "
+                         "[ $n -ge 3 ] || exit 1; exec sleep 1000"]
+    ready = Healthcheck.from_test(["CMD-SHELL", "[ $(cat /tmp/n) -ge 3 ]"], interval=0.2, retries=50)
+    services = Services([ServiceSpec("default", _spec(), command=["sleep", "infinity"]),
+                         ServiceSpec("web", _spec(), command=flaky, healthcheck=ready, restart=Restart(on_failure=True))])
+    sandboxes = await services.start()
+    try:
+        web = sandboxes["web"]
+        await web.exec(["pkill", "-x", "sleep"])  # exits 143: a failure
+        with anyio.fail_after(10):
+            while (await web.exec(["cat", "/tmp/n"])).stdout != "4\n":
+                await anyio.sleep(0.05)
+        assert (await web.exec(["pgrep", "-x", "sleep"])).success
+    finally:
+        await services.close()
+    before = {i.id for i in live.entries()}
+    services = Services([ServiceSpec("default", _spec(), command=["sleep", "infinity"]),
+                         ServiceSpec("web", _spec(), command=flaky, healthcheck=ready,
+                                     restart=Restart(on_failure=True, limit=1))])
+    with pytest.raises(ServicesError, match=r"service web exited with status 1 before it was healthy"):
+        await services.start()
+    assert not _leftovers(before)
 
 
 def test_compose_deadline_is_inspects() -> None:

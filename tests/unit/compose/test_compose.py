@@ -25,7 +25,7 @@ from nsbox.compose import dotenv
 from nsbox.compose.support import service_networks
 from nsbox.plan import netmodes
 from nsbox.errors import NsboxError
-from nsbox.spec import Tmpfs
+from nsbox.spec import Restart, Tmpfs
 
 FIXTURES = Path(__file__).resolve().parents[2] / "compose_fixtures"
 MiB = 1 << 20
@@ -314,9 +314,9 @@ def test_service_keys_into_the_model(tmp_path, monkeypatch):
     assert (s.volumes[5].type, s.volumes[5].size, s.volumes[5].mode) == ("tmpfs", 64 * MiB, 0o1777)
     assert [(m.target, m.size, m.mode) for m in s.tmpfs] == [("/run", 10 * MiB, 0o755), ("/tmp2", None, None)]
     assert (s.x_local, s.x_nsbox, s.x_default) == (True, {"nested_userns": True}, False)
-    assert s.ignored == ["labels"]  # restart: always is a warning (nothing is restarted)
-    assert any("service app: restart: a main process that exits is not restarted" in w
-               for w in project.warnings), project.warnings
+    assert s.ignored == ["labels"]
+    assert s.restart == Restart()  # always
+    assert not any("restart" in w for w in project.warnings), project.warnings
     assert project.services["db"].networks == {"back": []}
     assert set(project.volumes) == {"cache"} and not project.volumes["cache"].external
 
@@ -582,13 +582,41 @@ def test_harmless_keys_are_accepted_and_listed(tmp_path):
         security_opt: [apparmor=unconfined, "label:disable"]
         deploy: {restart_policy: {condition: any}, resources: {reservations: {memory: 1g}}}
         """)
-    assert s.ignored == ["restart", "stop_grace_period", "stop_signal", "labels", "expose", "logging", "tty",
+    assert s.ignored == ["stop_grace_period", "stop_signal", "labels", "expose", "logging", "tty",
                          "stdin_open", "mem_reservation", "security_opt apparmor=unconfined",
                          "security_opt label:disable"]
 
 
+@pytest.mark.parametrize("service_yaml, policy", [
+    ("restart: always", Restart()),
+    ("restart: unless-stopped", Restart()),
+    ("restart: on-failure", Restart(on_failure=True)),
+    ("restart: on-failure:3", Restart(on_failure=True, limit=3)),
+    ("restart: on-failure:0", Restart(on_failure=True)),  # Docker: 0 is no limit
+    ('restart: "no"', None),
+    ("restart: no", None),  # YAML's false
+    ("deploy: {restart_policy: {}}", Restart()),  # condition any
+    ("deploy: {restart_policy: {condition: on-failure, max_attempts: 2, delay: 5s}}", Restart(True, 2)),
+    ("deploy: {restart_policy: {condition: none}}", None),
+    ("restart: on-failure:1\ndeploy: {restart_policy: {condition: any}}", Restart(True, 1)),  # restart wins
+])
+def test_restart_policies(tmp_path, service_yaml, policy):
+    assert one(tmp_path, "image: alpine\n" + service_yaml).restart == policy
+
+
+@pytest.mark.parametrize("service_yaml, error", [
+    ("restart: sometimes", "restart: restart policy must be no, always, unless-stopped, on-failure or on-failure:N"),
+    ("restart: on-failure:-1", "restart policy must be"),
+    ("restart: always:2", "restart policy must be"),
+    ("deploy: {restart_policy: {condition: never}}", "condition: expected none, on-failure or any"),
+    ("deploy: {restart_policy: {max_attempts: two}}", "max_attempts: expected a whole number"),
+    ("deploy: {restart_policy: always}", "deploy.restart_policy: expected a mapping"),
+])
+def test_bad_restart_policies_are_named(tmp_path, service_yaml, error):
+    assert error in cannot(tmp_path, "services:\n  s:\n    image: alpine\n    " + service_yaml + "\n")
+
+
 @pytest.mark.parametrize("service_yaml, warning", [
-    ("restart: on-failure", "restart: a main process that exits is not restarted"),
     ("cap_drop: [ALL]", "cap_drop is not enforced"),
     ("cap_add: [NET_ADMIN]", "cap_add NET_ADMIN: applies to the service's network namespace (in the pod mode"),
     ("cap_add: [SYS_ADMIN]", "granted as nested_userns"),
@@ -905,7 +933,8 @@ def test_fixture_image_with_platform_list_command_and_limits():
     assert (s.platform, s.command, s.user) == ("linux/amd64", ["tail", "-f", "/dev/null"], "1000:1000")
     assert (s.memory, s.cpus, s.pids_limit) == (512 * MiB, 1.5, 512)
     assert s.environment == {"PYTHONUNBUFFERED": "1", "HOME": "/home/agent"}
-    assert s.ignored == ["logging"]  # restart: unless-stopped is a warning
+    assert s.ignored == ["logging"]
+    assert s.restart == Restart()  # unless-stopped: as always, nothing stops a service but its end
 
 
 def test_fixture_target_and_attacker_on_an_internal_network():
@@ -924,7 +953,7 @@ def test_fixture_build_args_labels_and_grace_period():
     s = load_project(FIXTURES / "build_args", environ={"FLAG": "picoCTF{real}"}).default_service
     assert s.build.args == {"FLAG": "picoCTF{real}", "DEBIAN_FRONTEND": "noninteractive"}
     assert (s.build.target, s.build.dockerfile.name) == ("challenge", "Dockerfile.challenge")
-    assert set(s.ignored) == {"labels", "stop_grace_period", "restart"}
+    assert set(s.ignored) == {"labels", "stop_grace_period"}
     default_flag = load_project(FIXTURES / "build_args", environ={}).default_service.build.args["FLAG"]
     assert default_flag == "picoCTF{default}"
 
