@@ -6,10 +6,13 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <linux/magic.h>
 #include <linux/openat2.h>
+#include <stdbool.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 #include "common/fdpass.h"
@@ -33,6 +36,31 @@ static int make_parents(const char *path)
         *p = '/';
     }
     return 0;
+}
+
+/* Whether `fd` is a file of a kernel file system. Their files look
+ * regular, but many check the credentials of whoever reads or writes, not
+ * of whoever opened: the host process, which may hold capabilities the
+ * sandbox does not (as host root, a write to /proc/1/autogroup sets a
+ * negative nice; one to /proc/PID/oom_score_adj exempts from the OOM
+ * killer). Their contents are the sandbox's commands' to move (exec). */
+static bool on_kernel_fs(int fd)
+{
+    static const unsigned long kinds[] = {
+        PROC_SUPER_MAGIC, SYSFS_MAGIC, CGROUP_SUPER_MAGIC, CGROUP2_SUPER_MAGIC, DEBUGFS_MAGIC, TRACEFS_MAGIC,
+        SECURITYFS_MAGIC, BPF_FS_MAGIC, EFIVARFS_MAGIC, PSTOREFS_MAGIC, SELINUX_MAGIC, SMACK_MAGIC,
+        BINFMTFS_MAGIC, NSFS_MAGIC,
+        0x62656570, /* configfs */
+        0x65735543, /* fusectl */
+    };
+    struct statfs sf;
+    if (fstatfs(fd, &sf) < 0)
+        return true; /* unknown: not ours to move */
+    for (size_t i = 0; i < sizeof kinds / sizeof *kinds; i++) {
+        if ((unsigned long)sf.f_type == kinds[i])
+            return true;
+    }
+    return false;
 }
 
 void __attribute__((noreturn)) child_open(struct request *rq)
@@ -75,6 +103,8 @@ void __attribute__((noreturn)) child_open(struct request *rq)
      * contents accept nothing else. */
     if ((rq->h.flags & NSBOX_F_REGULAR) && !S_ISREG(st.st_mode) && !S_ISDIR(st.st_mode))
         child_fail(NSBOX_STAGE_OPEN, EINVAL);
+    if ((rq->h.flags & NSBOX_F_REGULAR) && S_ISREG(st.st_mode) && on_kernel_fs(fd))
+        child_fail(NSBOX_STAGE_KERNEL_FS, EPERM);
     send_reply(chan, NSBOX_REPLY_FD, S_ISDIR(st.st_mode) ? 1 : 0, 0, 0, fd);
     _exit(0);
 }

@@ -543,6 +543,9 @@ def open_failure(reply: protocol.Reply, path: str, regular: bool) -> OSError:
     err = reply.err or errno.EIO
     if reply.stage == protocol.STAGE_OPEN and err == errno.EINVAL and regular:
         return OSError(errno.EINVAL, "Not a regular file", path)
+    if reply.stage == protocol.STAGE_KERNEL_FS:
+        return PermissionError(err, "A file of a kernel file system (/proc, /sys, cgroups): "
+                                    "read or write it with a command (exec)", path)
     words = _OPEN_STAGES.get(reply.stage)
     return OSError(err, os.strerror(err) + (f" ({words})" if words else ""), path)
 

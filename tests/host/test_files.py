@@ -56,9 +56,29 @@ async def test_read_limit(sandbox: nsbox.Sandbox, monkeypatch: pytest.MonkeyPatc
     assert len(await sandbox.read_file("big.txt")) == 2048
 
 
-async def test_files_that_stat_as_empty_are_read_to_eof(sandbox: nsbox.Sandbox) -> None:
-    # /proc files report size 0.
-    assert (await sandbox.read_file("/proc/1/cmdline", text=False)).startswith(b"nsbox-init\0")
+@pytest.mark.parametrize("path", ["/proc/1/cmdline", "/proc/self/oom_score_adj", "/proc/sys/kernel/hostname"])
+async def test_files_of_kernel_file_systems_are_refused(sandbox: nsbox.Sandbox, path: str) -> None:
+    # They look regular, but the kernel checks the credentials of whoever
+    # reads or writes them: here the host process's, not the sandbox's.
+    with pytest.raises(PermissionError, match="kernel file system.*exec") as e:
+        await sandbox.read_file(path)
+    assert e.value.filename == path
+    with pytest.raises(OSError) as e:  # or a read-only mount, or no write permission
+        await sandbox.write_file(path, "0")
+    assert e.value.filename == path and e.value.errno in (errno.EPERM, errno.EROFS, errno.EACCES)
+
+
+async def test_write_file_cannot_lend_the_hosts_capabilities(sandbox: nsbox.Sandbox) -> None:
+    """Sandbox root may not set a negative nice through /proc/PID/autogroup
+    (CAP_SYS_NICE over the host); write_file had written it with the host
+    process's credentials, which as root have it."""
+    await sandbox.spawn(["sleep", "1000"])
+    pid = (await sandbox.exec(["pidof", "sleep"])).stdout.split()[0]
+    for path in (f"/proc/{pid}/autogroup", "/proc/1/autogroup"):
+        before = (await sandbox.exec(["cat", path])).stdout
+        with pytest.raises(PermissionError):
+            await sandbox.write_file(path, "-20")
+        assert (await sandbox.exec(["cat", path])).stdout == before
 
 
 async def test_permissions_are_the_sandbox_users(mode: str) -> None:

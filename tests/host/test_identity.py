@@ -31,7 +31,7 @@ async def test_sandbox_root_is_the_invoking_user(sandbox: nsbox.Sandbox) -> None
     assert outside != 0
     assert uid_map[:3] == ["0", str(outside), "1" if os.geteuid() else str(idmap.ROOT_RANGE)]
     # ...and sandbox processes live in a nested one that maps ids to themselves.
-    nested = (await sandbox.read_file("/proc/self/uid_map")).split()
+    nested = (await sandbox.exec(["cat", "/proc/self/uid_map"])).stdout.split()
     assert nested[:2] == ["0", "0"]
 
 

@@ -41,7 +41,7 @@ async def test_privileged_nests_namespaces_mounts_and_sees_sys() -> None:
         assert int(status["CapEff"], 16) >> CAP_SYS_ADMIN & 1, out
         assert status["Seccomp"] == "0", out  # no filter at all
         assert "sys-seen" in out and "nested-mount-ok" in out, out
-        mounts = await sb.read_file("/proc/self/mountinfo")
+        mounts = (await sb.exec(["cat", "/proc/self/mountinfo"])).stdout
         sysfs = [line for line in mounts.splitlines() if line.split()[4] == "/sys"]
         assert sysfs and " sysfs " in sysfs[0], sysfs
     async with nsbox.Sandbox() as sb:

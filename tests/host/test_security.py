@@ -321,7 +321,7 @@ async def test_root_only_host_files_stay_unreadable(mode: str) -> None:
             with pytest.raises(PermissionError):
                 await sb.read_file(path)
         # The host's setuid binaries are inert: /usr is nosuid.
-        mounts = (await sb.read_file("/proc/self/mountinfo")).splitlines()
+        mounts = (await sb.exec(["cat", "/proc/self/mountinfo"])).stdout.splitlines()
         usr = [line for line in mounts if line.split()[4] == "/usr"]
         assert usr and "nosuid" in usr[0].split()[5].split(","), usr
         if mode == "root":
