@@ -99,12 +99,17 @@ class Restart:
 class Bind:
     """A host file or directory made visible inside the sandbox at `target`."""
 
-    source: str
+    source: str  # resolved when made: no symlink in it (see __post_init__)
     target: str
     readonly: bool = False
 
     def __post_init__(self) -> None:
         _check_target("bind", self.target)
+        # Resolved now, once: the sandbox is then made from this path with no
+        # symlink followed, so one swapped in since (by a sandbox writing
+        # where the source lies) fails its creation instead of leading
+        # elsewhere (nsbox/plan/mounts.py).
+        object.__setattr__(self, "source", os.path.realpath(self.source))
         if not os.path.exists(self.source):
             raise SandboxSetupError(f"bind source {self.source} does not exist")
 

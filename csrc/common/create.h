@@ -12,7 +12,8 @@
 enum nsbox_step_kind {
     NSBOX_STEP_MOUNT = 1,       /* mount(a, b, c, flags, d) */
     NSBOX_STEP_TREE_CLONE = 2,  /* slots[slot] = detached copy of the mount tree at a,
-                                   with attr_set / attr_clr applied (read-only etc.) */
+                                   with attr_set / attr_clr applied (read-only etc.);
+                                   flags: AT_RECURSIVE, NSBOX_TREE_NO_SYMLINKS */
     NSBOX_STEP_TREE_ATTACH = 3, /* attach slots[slot] at b */
     NSBOX_STEP_MKDIR = 4,       /* mkdir(b, mode); an existing directory (not a symlink) is fine */
     NSBOX_STEP_MKFILE = 5,      /* create the empty file b where missing (a mount point for a file) */
@@ -39,6 +40,12 @@ enum nsbox_step_kind {
 #ifndef AT_RECURSIVE
 #define AT_RECURSIVE 0x8000
 #endif
+
+/* TREE_CLONE: `a` is opened with no symlink followed (RESOLVE_NO_SYMLINKS).
+ * A bind source is resolved once, when its Bind is made; one a sandbox has
+ * since turned into a symlink (a directory of a volume it shares, swapped
+ * for a link to /) fails the step instead of leading to the host. */
+#define NSBOX_TREE_NO_SYMLINKS 0x40000000
 
 struct nsbox_step {
     int kind;

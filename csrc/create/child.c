@@ -6,6 +6,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <linux/openat2.h>
 #include <linux/sched.h>
 #include <net/if.h>
 #include <signal.h>
@@ -64,7 +65,19 @@ static int run_step(const struct nsbox_step *s, int *slots)
             return -1;
         }
         unsigned int rec = (s->flags & AT_RECURSIVE) ? AT_RECURSIVE : 0;
-        int fd = (int)syscall(SYS_open_tree, AT_FDCWD, s->a, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | rec);
+        int fd;
+        if (s->flags & NSBOX_TREE_NO_SYMLINKS) {
+            struct open_how how = {.flags = O_PATH | O_CLOEXEC, .resolve = RESOLVE_NO_SYMLINKS};
+            int src = (int)syscall(SYS_openat2, AT_FDCWD, s->a, &how, sizeof how);
+            if (src < 0)
+                return -1;
+            fd = (int)syscall(SYS_open_tree, src, "", OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_EMPTY_PATH | rec);
+            int err = errno;
+            close(src);
+            errno = err;
+        } else {
+            fd = (int)syscall(SYS_open_tree, AT_FDCWD, s->a, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | rec);
+        }
         if (fd < 0)
             return -1;
         if (s->attr_set || s->attr_clr) {

@@ -90,7 +90,11 @@ def service_spec(service: Service, project: Project, *, image: str, network: str
 def volume_dir(service: Service, m: Mount, index: int, volume_root: Path) -> Path:
     """The directory of a named or anonymous volume (the `index`th entry of
     the service's volumes)."""
-    return volume_root / (m.source or os.path.join("_anonymous", service.name, str(index)))
+    # Apart, so that no volume name (a named volume "_anonymous") reaches
+    # the anonymous volumes of every service.
+    if m.source:
+        return volume_root / "named" / m.source
+    return volume_root / "anonymous" / service.name / str(index)
 
 
 def _tmpfs(mount: Mount) -> Tmpfs:

@@ -29,9 +29,13 @@ def contribute(plan: Plan, rootfs: Rootfs, layer: Path, mount_dir: Path, binds: 
     # Device nodes cannot be created in a user namespace: take the host's.
     for dev in DEVICES:
         plan.add(Phase.HOST, s.tree_clone(f"/dev/{dev}", plan.slot(f"/dev/{dev}"), f"take the host's /dev/{dev}"))
+    # A bind's source is resolved when the Bind is made (nsbox/spec.py):
+    # a symlink found in it now was put there since, by a sandbox writing
+    # where the source lies, and is not followed.
     for i, bind in enumerate(binds):
-        plan.add(Phase.HOST, s.tree_clone(bind.source, plan.slot(f"bind{i}"), f"take a copy of {bind.source}",
-                                          recursive=True, readonly=bind.readonly))
+        plan.add(Phase.HOST, s.tree_clone(bind.source, plan.slot(f"bind{i}"),
+                                          f"take a copy of {bind.source} (a symlink in it is refused)",
+                                          recursive=True, readonly=bind.readonly, no_symlinks=True))
     # Crossing into the root once it is mounted needs a path through a
     # directory sandbox root may search: mount_dir is its own.
     plan.root = f"{plan.host_dir(mount_dir)}/root"

@@ -70,15 +70,18 @@ def mount(source: str | None, target: str, fstype: str | None, flags: Iterable[s
 
 
 def tree_clone(source: str, slot: int, what: str, *, recursive: bool = False, readonly: bool = False,
-               nosuid: bool = False, noexec: bool = False) -> Step:
-    """slot = a detached copy of the mount tree at `source`."""
+               nosuid: bool = False, noexec: bool = False, no_symlinks: bool = False) -> Step:
+    """slot = a detached copy of the mount tree at `source`; with
+    `no_symlinks`, a symlink anywhere in `source` fails the step."""
     attrs = {"MOUNT_ATTR_RDONLY"} if readonly else set()
     if nosuid:
         attrs.add("MOUNT_ATTR_NOSUID")
     if noexec:
         attrs.add("MOUNT_ATTR_NOEXEC")
-    return Step(Kind.TREE_CLONE, what, a=source, slot=slot,
-                flags=frozenset({"AT_RECURSIVE"} if recursive else ()), attr_set=frozenset(attrs))
+    flags = {"AT_RECURSIVE"} if recursive else set()
+    if no_symlinks:
+        flags.add("NSBOX_TREE_NO_SYMLINKS")
+    return Step(Kind.TREE_CLONE, what, a=source, slot=slot, flags=frozenset(flags), attr_set=frozenset(attrs))
 
 
 def tree_attach(slot: int, target: str, what: str) -> Step:

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 import nsbox
+from nsbox.spec import Bind
 from nsbox.host import live
 
 pytestmark = pytest.mark.timeout(60)
@@ -100,6 +101,30 @@ async def test_a_mount_point_through_a_symlink_is_refused(tmp_path: Path) -> Non
     assert {i.id for i in live.entries() if i.owner_pid == os.getpid()} == before
     with open("/proc/self/mountinfo") as f:
         assert str(outside) not in f.read()
+
+
+async def test_a_bind_source_turned_into_a_symlink_since_is_refused(tmp_path: Path) -> None:
+    """A compose sample's specs are made before its services run, and its
+    services share volume directories: one service may swap a directory of
+    a volume for a symlink to / before a later service's sandbox binds it.
+    The Bind was resolved when made; a symlink in its source since then is
+    refused, and nothing of the host is bound."""
+    volume = tmp_path / "volume"
+    (volume / "sub").mkdir(parents=True)
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    (secret / "flag").write_text("host\n")
+    later = Bind(str(volume / "sub"), "/data")  # as service_spec makes it
+    (volume / "sub").rmdir()  # what the earlier service does through its own bind
+    (volume / "sub").symlink_to(secret)
+    before = {i.id for i in live.entries() if i.owner_pid == os.getpid()}
+    box = nsbox.Sandbox(mounts=[later])
+    with pytest.raises(nsbox.SandboxSetupError, match="symlink in it is refused.*symbolic links"):
+        await box.start()
+    assert {i.id for i in live.entries() if i.owner_pid == os.getpid()} == before
+    # A symlink that was there when the Bind was made is resolved, as Docker does.
+    async with nsbox.Sandbox(mounts=[Bind(str(volume / "sub"), "/data")]) as sb:
+        assert (await sb.exec(["cat", "/data/flag"])).stdout == "host\n"
 
 
 def test_bad_tmpfs_options_are_clear_errors() -> None:

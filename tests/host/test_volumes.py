@@ -134,7 +134,7 @@ async def test_named_and_anonymous_volumes_hold_the_images_files(context: Path, 
         assert await sh(a, "cat /data/new") == "from-second"
         assert await sh(c, "ls -A /data | wc -l") == "0"  # nocopy
         # On the host: symlinks stayed symlinks, nothing of the host came in.
-        volume = Path(sample.volumes) / "data"  # type: ignore[arg-type]
+        volume = Path(sample.volumes) / "named" / "data"  # type: ignore[arg-type]
         assert os.readlink(volume / "shadow") == "/etc/shadow"
         assert os.readlink(volume / "up") == "../../../../etc/passwd"
         assert (volume / "f").stat().st_uid == _host_uid(1000 if MODE.mode != "single" else 0)

@@ -821,9 +821,9 @@ def test_service_spec(tmp_path):
     assert [(b.source, b.target, b.readonly) for b in spec.mounts] == [
         (str(tmp_path / "src"), "/src", True),
         (str(tmp_path / "made-by-docker"), "/made", False),
-        (str(tmp_path / "vols" / "shared"), "/shared", False),
-        (str(tmp_path / "vols" / "_anonymous" / "app" / "3"), "/anon", False),
-        (str(tmp_path / "vols" / "shared" / "p"), "/part", False),
+        (str(tmp_path / "vols" / "named" / "shared"), "/shared", False),
+        (str(tmp_path / "vols" / "anonymous" / "app" / "3"), "/anon", False),
+        (str(tmp_path / "vols" / "named" / "shared" / "p"), "/part", False),
     ]
     assert (tmp_path / "made-by-docker").is_dir()  # short syntax creates a missing source, as Docker does
     # tmpfs mounts, noexec unless `exec` (Docker's default); what nsbox does not apply is a warning.
