@@ -16,6 +16,7 @@ knowing what to end.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import secrets
@@ -180,6 +181,10 @@ async def teardown(sb: Member, client: InitClient | None, wait: float) -> None:
     sb._launched.cleanups.clear()
     if sb._layer is not None:  # nothing runs in the sandbox any more
         assert sb.idmap is not None
+        # Its runtime entry goes first: until the sweeper has it, only its
+        # age keeps `nsbox gc` from taking the layer for an orphan.
+        with contextlib.suppress(OSError):
+            os.utime(sb._layer, follow_symlinks=False)
         layer.release_later(sb.id, sb._layer, sb.rootfs, sb.idmap)
         sb._layer = None
     if sb._rundir is not None:

@@ -345,9 +345,12 @@ def reuse_layer(layer: Path, owner: tuple[int, int], kind: str = HOST_LAYER) -> 
             continue
         try:
             os.rename(kept, layer)
-            return True
         except OSError:
             continue  # another process took it
+        # New again: until its sandbox is registered, only its age keeps
+        # `nsbox gc` from taking it for an orphan (manage.garbage).
+        os.utime(layer, follow_symlinks=False)
+        return True
     return False
 
 

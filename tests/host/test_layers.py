@@ -5,10 +5,14 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Callable
+
+import pytest
 
 import nsbox
 from nsbox.host import layers, removal
 from nsbox import manage
+from nsbox.create.unshare import remove_layer
 from nsbox.plan.rootfs import HostRootfs, ImageRootfs
 
 
@@ -261,3 +265,34 @@ async def test_gc_sweeps_what_a_sweeper_left() -> None:
     report = manage.gc(nsbox.host.idmap.detect())
     assert not report.failures, report.failures
     assert not left.exists()
+
+
+async def test_gc_leaves_a_layer_alone_between_its_sandboxes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layer is in no runtime entry while it passes from one sandbox to
+    the next: closed, it waits for the sweeper; kept, it is taken from the
+    pool before its new sandbox is registered. Only its age tells `nsbox gc`
+    (another process's, say) it is no orphan, and a layer of a sandbox that
+    ran for an hour, or was kept for one, is old: each move makes it new."""
+    manage.gc(nsbox.host.idmap.detect())  # start from an empty pool
+    an_hour_ago = time.time() - 3600
+    jobs: list[Callable[[], None]] = []
+    with monkeypatch.context() as m:
+        m.setattr(removal, "release_later", jobs.append)  # the sweeper, held
+        async with nsbox.Sandbox() as sb:
+            layer = sb._layer
+            assert layer is not None
+            os.utime(layer, (an_hour_ago, an_hour_ago))
+        assert jobs and layer.is_dir()
+        assert layer not in manage.garbage()[1], "gc would delete a layer the sweeper is about to keep"
+        for job in jobs:
+            job()
+    [name] = kept()
+    os.utime(reuse_dir() / name, (an_hour_ago, an_hour_ago))
+    upper = os.lstat(reuse_dir() / name / "upper")
+    taken = layers.layers_dir() / f"taken-by-{os.getpid()}"
+    try:
+        assert layers.reuse_layer(taken, (upper.st_uid, upper.st_gid), HostRootfs.layer_kind())
+        assert taken not in manage.garbage()[1], "gc would delete a layer a sandbox is being made on"
+    finally:
+        if taken.exists():
+            remove_layer(taken, nsbox.host.idmap.detect())
