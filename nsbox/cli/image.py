@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import click
 
 from ..errors import NsboxError
+from ..storage.applytar import shown
 from ..storage.progress import Progress
 from ..storage.store import Store
 from .common import fail, run_async
@@ -112,7 +113,8 @@ def ls_cmd(as_json: bool) -> None:
         click.echo(json.dumps([r.to_dict() for r in records], indent=2))
         return
     rows = [("NAME", "IMAGE ID", "PLATFORM", "SIZE", "STORED")]
-    rows += [(r.name, r.id[7:19], r.platform, _size(r.size), _age(r.created)) for r in records]
+    # The platform is the image config's: its author's text, escaped for the terminal.
+    rows += [(r.name, r.id[7:19], shown(r.platform), _size(r.size), _age(r.created)) for r in records]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         click.echo("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
@@ -130,14 +132,15 @@ def inspect_cmd(ref: str, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(info, indent=2))
         return
+    # What comes from the image config is its author's text: escaped for the terminal.
     cfg = info["config"]
     click.echo(f"names:      {', '.join(info['names'])}")
-    click.echo(f"id:         {info['id']}\ndigest:     {info['digest']}\nplatform:   {info['platform']}")
+    click.echo(f"id:         {info['id']}\ndigest:     {info['digest']}\nplatform:   {shown(info['platform'])}")
     for label, key in (("user", "User"), ("workdir", "WorkingDir"), ("entrypoint", "Entrypoint"), ("cmd", "Cmd")):
         if cfg.get(key):
-            click.echo(f"{label + ':':<11} {cfg[key]}")
+            click.echo(f"{label + ':':<11} {shown(str(cfg[key]))}")
     for item in cfg.get("Env") or []:
-        click.echo(f"env:        {item}")
+        click.echo(f"env:        {shown(item)}")
     click.echo(f"layers:     {len(info['layers'])}, {_size(info['size'])} compressed")
 
 

@@ -290,7 +290,11 @@ class ImageRootfs(OverlayRootfs):
         return f"the image {self.name} ({len(self.layers)} layers)"
 
     def lower_dirs(self) -> list[Path]:
-        return list(reversed(self.layers))
+        """Topmost first, each layer once: overlayfs refuses a directory
+        twice (ELOOP), and an image may have the same layer twice (`RUN
+        true` twice). Its topmost place is kept: what the lower copy holds,
+        the upper one shows above all between them, so the view is the same."""
+        return list(dict.fromkeys(reversed(self.layers)))
 
 
 def resolve(rootfs: str | os.PathLike[str] | None) -> Rootfs:

@@ -263,6 +263,7 @@ class Applier:
         self.max_files = max_files
         self.entries = 0
         self.root = os.open(dest, OPEN_DIR)
+        os.fchmod(self.root, 0o755)  # whatever the umask: see member() on the root
         self.single = single
         self.dirs: dict[tuple[str, ...], tarfile.TarInfo] = {}
         self.cache: dict[tuple[str, ...], int] = {}  # walked directories (not the root)
@@ -382,8 +383,7 @@ class Applier:
         for dparts, d in sorted(self.dirs.items(), key=lambda kv: -len(kv[0])):
             try:
                 # Opened without following: a later member may have made it a symlink.
-                fd = os.open(dparts[-1], OPEN_DIR, dir_fd=self.parent(list(dparts), create=False)) \
-                    if dparts else os.dup(self.root)
+                fd = os.open(dparts[-1], OPEN_DIR, dir_fd=self.parent(list(dparts), create=False))
             except (Unsafe, OSError):
                 continue
             try:
@@ -394,10 +394,11 @@ class Applier:
         self.drop_cache()
 
     def member(self, tf: tarfile.TarFile, m: tarfile.TarInfo, parts: list[str]) -> None:
-        if not parts:  # the layer's root itself
-            if m.isdir():
-                self.owner(self.root, None, m)
-                self.dirs[()] = m
+        if not parts:
+            # The layer's root keeps 0755 and sandbox root as owner: an
+            # overlay's root shows its upper dir's, never a lower layer's,
+            # and publishing the layer (a rename to another parent) needs
+            # it writable by the unprivileged owner of the store.
             return
         base = parts[-1]
         if base == OPAQUE:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
+import posixpath
 import re
 import subprocess
 import tarfile
@@ -29,14 +29,21 @@ from ..host import idmap
 from ..errors import NsboxError
 from ..spec import Bind
 from . import oci
+from .applytar import BoundedHeaders, shown
+from .bounds import ImageBounds, refusal
 from .config import ImageConfig
 from .progress import Progress
 from .reference import ReferenceError, parse
-from .store import Image, Session, Store
+from .store import COPY_CHUNK, Image, Session, Store
 
 REF_NAME = "org.opencontainers.image.ref.name"
 _MAGIC = {b"\x1f\x8b": "gzip", b"\x28\xb5\x2f\xfd": "zstd", b"\xfd7zXZ\x00": "xz", b"BZh": "bzip2"}
 _ARCHIVE_TOP = re.compile(r"(manifest\.json|oci-layout|index\.json|repositories|blobs|[0-9a-f]{64}(\.json|\.tar)?)")
+# Symlinks followed to reach a member (docker save links shared layers).
+_MAX_LINKS = 8
+# What a decompressed archive may hold beyond its image's bound: manifests,
+# configs, tar headers.
+_ARCHIVE_SLACK = 16 << 20
 
 
 def compression(head: bytes) -> str | None:
@@ -52,19 +59,37 @@ def layer_media_type(head: bytes) -> str:
 
 
 class _Files:
-    """Named files of a layout or archive: a directory or a tar's members."""
+    """Named files of a layout or archive: a directory or a tar's members.
+    `source`: the file or directory the user named (the tar may be a
+    decompressed copy of it)."""
 
-    def __init__(self, root: Path | tarfile.TarFile) -> None:
+    def __init__(self, root: Path | tarfile.TarFile, source: Path | None = None) -> None:
         self.root = root
+        self.source = source or (root if isinstance(root, Path) else Path(os.fsdecode(root.name or "image")))
+        # A tar's members by normalised name, the last of a name winning (as extracting would).
+        self.members = {} if isinstance(root, Path) else {_member_name(m.name): m for m in root.getmembers()}
 
     def exists(self, name: str) -> bool:
         if isinstance(self.root, Path):
             return (self.root / name).is_file()
-        try:
-            self.root.getmember(name)
-            return True
-        except KeyError:
-            return False
+        return _member_name(name) in self.members
+
+    def member(self, name: str) -> tarfile.TarInfo:
+        """The regular file `name` names, its symlinks and hardlinks followed
+        here, a few at most (tarfile would follow a loop until RecursionError)."""
+        for _ in range(_MAX_LINKS + 1):
+            member = self.members.get(_member_name(name))
+            if member is None:
+                raise NsboxError(f"the archive has no file {shown(name)}")
+            if member.isreg():
+                return member
+            if member.issym():
+                name = posixpath.join(posixpath.dirname(_member_name(member.name)), member.linkname)
+            elif member.islnk():
+                name = member.linkname
+            else:
+                raise NsboxError(f"{shown(name)} in the archive is not a regular file")
+        raise NsboxError(f"{shown(name)} in the archive: too many symlinks (a loop?)")
 
     @contextlib.contextmanager
     def open(self, name: str) -> Iterator[IO[bytes]]:
@@ -77,21 +102,22 @@ class _Files:
             with open(path, "rb") as f:
                 yield f
             return
-        try:
-            member = self.root.extractfile(name)
-        except KeyError:
-            member = None
-        if member is None:
-            raise NsboxError(f"the archive has no file {name}")
+        member = self.root.extractfile(self.member(name))
+        assert member is not None  # a regular file
         with member:
             yield member
 
-    def read(self, name: str, limit: int = 16 << 20) -> bytes:
+    def read(self, name: str, limit: int = oci.MAX_MANIFEST) -> bytes:
         with self.open(name) as f:
             data = f.read(limit + 1)
         if len(data) > limit:
-            raise NsboxError(f"{name} is too large for a manifest or config")
+            raise NsboxError(f"{shown(name)} is too large for a manifest or config")
         return data
+
+
+def _member_name(name: str) -> str:
+    """A member's name as a path in the archive ("./a//b" is "a/b")."""
+    return posixpath.normpath("/" + name).lstrip("/")
 
 
 def _default_name(source: Path, tag: str = "latest") -> str:
@@ -139,32 +165,40 @@ async def import_image(store: Store, source: str | os.PathLike[str], *, name: st
     return image
 
 
-async def _from_file(s: Session, src: Path, want: oci.Platform, tag: str | None) -> tuple[str, list[str], str]:
+async def _from_file(s: Session, src: Path, want: oci.Platform, tag: str | None,
+                     source: Path | None = None) -> tuple[str, list[str], str]:
+    """`source`: the file the user named, when `src` is its decompressed copy."""
     with open(src, "rb") as f:
         head = f.read(6)
     kind = compression(head)
     if kind is None:
-        try:
-            tf = tarfile.open(src, "r:")
-        except tarfile.TarError as e:
-            raise NsboxError(f"{src} is not a tar archive ({e})") from None
-        with tf:
-            names = set(tf.getnames())
-            if "manifest.json" in names:
-                digest, tags = await _from_docker(s, _Files(tf), tag)
+        with _open_tar(src, source or src) as files:
+            if files.exists("manifest.json"):
+                digest, tags = await _from_docker(s, files, tag)
                 return digest, tags, "docker-archive"
-            if "oci-layout" in names and "index.json" in names:
-                digest, tags = await _from_layout(s, _Files(tf), want, tag)
+            if files.exists("oci-layout") and files.exists("index.json"):
+                digest, tags = await _from_layout(s, files, want, tag)
                 return digest, tags, "oci-archive"
     elif _looks_like_image_archive(src, kind):
         # `docker save | gzip`: decompress once, then read it as a tar.
         tmp = s.store.temp_path()
         try:
-            await anyio.to_thread.run_sync(_decompress, src, kind, tmp)
-            return await _from_file(s, tmp, want, tag)
+            await anyio.to_thread.run_sync(_decompress, src, kind, tmp, ImageBounds.from_env())
+            return await _from_file(s, tmp, want, tag, src)
         finally:
             tmp.unlink(missing_ok=True)
     return await _from_rootfs_tarball(s, src, want), [], "rootfs"
+
+
+@contextlib.contextmanager
+def _open_tar(src: Path, source: Path) -> Iterator[_Files]:
+    """The members of an uncompressed tar, its extended headers bounded
+    (tarfile reads one whole: a 1 GiB PAX header would be 1 GiB here)."""
+    try:
+        with tarfile.open(src, "r:", tarinfo=BoundedHeaders) as tf:
+            yield _Files(tf, source)
+    except tarfile.TarError as e:
+        raise NsboxError(f"{source} is not a tar archive nsbox reads ({e})") from None
 
 
 def _decompressor(kind: str, src: Path) -> subprocess.Popen[bytes]:
@@ -180,7 +214,7 @@ def _looks_like_image_archive(src: Path, kind: str) -> bool:
     proc = _decompressor(kind, src)
     assert proc.stdout is not None
     try:
-        with tarfile.open(fileobj=proc.stdout, mode="r|") as tf:
+        with tarfile.open(fileobj=proc.stdout, mode="r|", tarinfo=BoundedHeaders) as tf:
             first = tf.next()
             return first is not None and bool(_ARCHIVE_TOP.fullmatch(first.name.lstrip("./").split("/")[0]))
     except tarfile.TarError:
@@ -190,11 +224,26 @@ def _looks_like_image_archive(src: Path, kind: str) -> bool:
         proc.wait()
 
 
-def _decompress(src: Path, kind: str, dest: Path) -> None:
-    with open(dest, "wb") as out:
-        proc = subprocess.Popen(_decompressor(kind, src).args, stdout=out)
+def _decompress(src: Path, kind: str, dest: Path, bounds: ImageBounds) -> None:
+    """Decompresses `src` into `dest`, at most the image's bound (plus room
+    for its manifests and configs): a few KiB of zstd can say 1 TiB of zeros."""
+    limit = bounds.size + _ARCHIVE_SLACK
+    proc = _decompressor(kind, src)
+    assert proc.stdout is not None
+    written = 0
+    try:
+        with open(dest, "wb") as out:
+            while chunk := proc.stdout.read(COPY_CHUNK):
+                written += len(chunk)
+                if written > limit:
+                    raise refusal(f"archive {shown(src.name)}", "size", bounds.size)
+                out.write(chunk)
         if proc.wait() != 0:
             raise NsboxError(f"{src}: {kind} decompression failed (corrupt or truncated)")
+    finally:
+        proc.kill()  # stopped early: the rest is not decompressed
+        proc.wait()
+        proc.stdout.close()
 
 
 async def _put(s: Session, files: _Files, name: str, expected: str | None = None, size: int | None = None) -> str:
@@ -207,7 +256,7 @@ async def _put(s: Session, files: _Files, name: str, expected: str | None = None
 # ---- docker save ------------------------------------------------------
 
 async def _from_docker(s: Session, files: _Files, tag: str | None) -> tuple[str, list[str]]:
-    entries = json.loads(files.read("manifest.json"))
+    entries = oci.json_doc(files.read("manifest.json"), "the archive's manifest.json")
     if not entries:
         raise NsboxError("the archive's manifest.json lists no image")
     if not isinstance(entries, list) or not all(
@@ -224,11 +273,11 @@ async def _from_docker(s: Session, files: _Files, tag: str | None) -> tuple[str,
             raise NsboxError(f"the archive has no image tagged {tag}")
         entry = matches[0]
     elif len(entries) > 1:
-        s.progress.note(f"the archive holds {len(entries)} images; importing the first "
-                        f"({', '.join(entry.get('RepoTags') or ['untagged'])})")
-    config_bytes = files.read(entry["Config"])
+        s.progress.note(shown(f"the archive holds {len(entries)} images; importing the first "
+                              f"({', '.join(map(str, entry.get('RepoTags') or ['untagged']))})"))
+    config_bytes = files.read(entry["Config"], oci.MAX_CONFIG)
+    cfg = ImageConfig.parse(oci.json_object(config_bytes, "the image config"))
     config_digest = s.store.put_bytes(config_bytes)
-    cfg = ImageConfig.parse(json.loads(config_bytes))
     if len(cfg.diff_ids) != len(entry["Layers"]):
         raise NsboxError(f"manifest.json lists {len(entry['Layers'])} layers, the config {len(cfg.diff_ids)}")
     layers = []
@@ -277,7 +326,9 @@ async def _from_layout(s: Session, files: _Files, want: oci.Platform, tag: str |
     else:
         raise NsboxError("the layout's indexes nest too deeply")
     layers = oci.layer_descriptors(doc)
-    cdesc = oci.check_descriptor(doc.get("config"), f"manifest {desc['digest']}")
+    cdesc = oci.check_descriptor(doc.get("config"), f"manifest {desc['digest']}", sized=True)
+    if int(cdesc["size"]) > oci.MAX_CONFIG:  # read whole later: bounded as a pull bounds it
+        raise NsboxError(f"the config {cdesc['digest']} is larger than {oci.MAX_CONFIG} bytes")
     s.store.put_bytes(data)
     await _put(s, files, _blob_name(cdesc["digest"]), cdesc["digest"], int(cdesc["size"]))
     for d in layers:
@@ -299,9 +350,7 @@ def _valid_tag(tag: str) -> bool:
 
 
 def _layout_stem(files: _Files) -> str:
-    root = files.root
-    path = root if isinstance(root, Path) else Path(os.fsdecode(root.name or "image"))
-    return _default_name(path).split("/", 1)[1].rsplit(":", 1)[0]
+    return _default_name(files.source).split("/", 1)[1].rsplit(":", 1)[0]
 
 
 # ---- root filesystems ---------------------------------------------------

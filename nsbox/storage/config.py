@@ -54,7 +54,6 @@ class ImageConfig:
             check_digest(d, "the image config's rootfs.diff_ids")
         if len(diff_ids) > MAX_LAYERS:
             raise NsboxError(f"the image has {len(diff_ids)} layers, more than the {MAX_LAYERS} nsbox stacks")
-        health = c.get("Healthcheck")
         return cls(
             env=env,
             workdir=_string(c.get("WorkingDir"), "WorkingDir"),
@@ -65,7 +64,7 @@ class ImageConfig:
             volumes=sorted(str(v) for v in _mapping(c.get("Volumes"), "Volumes")),
             labels={str(k): str(v) for k, v in _mapping(c.get("Labels"), "Labels").items()},
             stop_signal=_string(c.get("StopSignal"), "StopSignal"),
-            healthcheck=dict(health) if isinstance(health, dict) else None,
+            healthcheck=_healthcheck(c.get("Healthcheck")),
             shell=_strings(c.get("Shell"), "Shell"),
             os=_string(doc.get("os"), "os") or "linux",
             architecture=_string(doc.get("architecture"), "architecture") or "",
@@ -133,6 +132,29 @@ def _string(value: Any, field: str) -> str | None:
     if not isinstance(value, str) or "\0" in value:
         raise _bad(field, "a string")
     return value
+
+
+# Docker's durations are Go's time.Duration: int64 nanoseconds.
+_INT64_MAX = (1 << 63) - 1
+_DURATIONS = ("Interval", "Timeout", "StartPeriod", "StartInterval")
+
+
+def _healthcheck(value: Any) -> dict[str, Any] | None:
+    """Docker's Healthcheck, its fields of their documented types: Test a
+    string or a list of strings, the durations and Retries int64s (a
+    larger one would overflow the arithmetic on them later)."""
+    if value is None:
+        return None
+    health = dict(_mapping(value, "Healthcheck"))
+    test = health.get("Test")
+    parts = [test] if isinstance(test, str) else test if isinstance(test, list) else None
+    if test is not None and (parts is None or not all(isinstance(p, str) and "\0" not in p for p in parts)):
+        raise _bad("Healthcheck.Test", "a string or a list of strings")
+    for key in (*_DURATIONS, "Retries"):
+        n = health.get(key)
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= _INT64_MAX):
+            raise _bad(f"Healthcheck.{key}", "a count" if key == "Retries" else "a duration in nanoseconds")
+    return health
 
 
 def _strings(value: Any, field: str) -> list[str]:

@@ -33,6 +33,9 @@ class DigestMismatch(NsboxError):
 _DIGEST = re.compile(r"(sha256):([0-9a-f]{64})|(sha512):([0-9a-f]{128})")
 # More layers than this fails overlay's mount anyway (and Docker's at 125).
 MAX_LAYERS = 128
+# What is read whole: a manifest or index, a config (podman's and skopeo's bounds).
+MAX_MANIFEST = 4 << 20
+MAX_CONFIG = 4 << 20
 
 
 def check_digest(digest: object, what: str = "an image") -> tuple[str, str]:
@@ -45,11 +48,20 @@ def check_digest(digest: object, what: str = "an image") -> tuple[str, str]:
     return (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
 
 
+def json_doc(data: bytes, what: str, error: type[NsboxError] = NsboxError) -> Any:
+    """`data` parsed as JSON, else `error` (json.loads recurses: a
+    document nested 200k deep is a RecursionError, not a ValueError)."""
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError):
+        raise error(f"{what} is not valid JSON (or nests too deeply)") from None
+
+
 def json_object(data: bytes, what: str, error: type[NsboxError] = NsboxError) -> dict[str, Any]:
     """`data` as a JSON object (a manifest, an index, a config), else `error`."""
     try:
         doc = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):
         doc = None
     if not isinstance(doc, dict):
         raise error(f"{what} is not a JSON object")
@@ -155,18 +167,20 @@ def layer_descriptors(manifest: dict[str, Any]) -> list[dict[str, Any]]:
     for d in layers:
         if "foreign" in (d.get("mediaType") or "") and d.get("urls"):
             raise NsboxError("this image has foreign layers (Windows base layers); nsbox runs Linux images only")
-        check_descriptor(d, "the image manifest")
+        check_descriptor(d, "the image manifest", sized=True)
     return layers
 
 
-def check_descriptor(desc: object, what: str) -> dict[str, Any]:
-    """A descriptor with a well-formed digest and a size that is a count."""
+def check_descriptor(desc: object, what: str, sized: bool = False) -> dict[str, Any]:
+    """A descriptor with a well-formed digest and a size that is a count;
+    `sized`: one it must give (what is downloaded or copied stops at it)."""
     if not isinstance(desc, dict):
         raise NsboxError(f"{what} has a descriptor that is not an object")
     check_digest(desc.get("digest"), what)
-    size = desc.get("size", 0)
+    size = desc.get("size", None if sized else 0)
     if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size < 1 << 50:
-        raise NsboxError(f"{what} gives {desc['digest']} the size {str(size)[:40]!r}")
+        given = "no size" if size is None else f"the size {str(size)[:40]!r}"
+        raise NsboxError(f"{what} gives {desc['digest']} {given}")
     return desc
 
 

@@ -21,6 +21,7 @@ import base64
 import json
 import os
 import re
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -34,6 +35,7 @@ from ..errors import NsboxError
 from . import oci
 from .config import ImageConfig
 from .apply import Feed
+from .applytar import shown
 from .bounds import Budget
 from .progress import Progress
 from .reference import DOCKER_HUB, DOCKER_HUB_API, Reference, is_loopback, parse
@@ -46,8 +48,10 @@ INSECURE_ENV = "NSBOX_INSECURE_REGISTRIES"
 DOWNLOADS = 4
 CHUNK = 1 << 18
 TIMEOUT = httpx.Timeout(30.0, read=60.0)
-MAX_MANIFEST = 4 << 20
-MAX_CONFIG = 4 << 20  # podman's and skopeo's bound too
+MAX_MANIFEST = oci.MAX_MANIFEST
+MAX_CONFIG = oci.MAX_CONFIG  # podman's and skopeo's bound too
+MAX_ERROR_BODY = 64 << 10  # read of an error's body, for its text
+MAX_TOKEN = 1 << 20  # a token service's answer
 RETRIES = 2  # per blob, after a dropped connection
 
 
@@ -147,12 +151,40 @@ def _challenge(header: str) -> tuple[str, dict[str, str]]:
     return scheme.lower(), dict(re.findall(r'(\w+)="([^"]*)"', rest))
 
 
-def _error_text(resp: httpx.Response) -> str:
+async def _capped(resp: httpx.Response, limit: int) -> tuple[bytes, bool]:
+    """At most `limit` bytes of a streamed body, and whether it had more.
+    Read raw: httpx decodes gzip a whole network chunk at a time (1000:1),
+    so gzip and deflate are decompressed here, bounded as well."""
+    encoding = resp.headers.get("content-encoding", "").strip().lower()
+    dec = zlib.decompressobj(wbits=47) if encoding in ("gzip", "x-gzip", "deflate") else None
+    if encoding not in ("", "identity") and dec is None:
+        return b"", True  # br, zstd: not asked for, not decoded
+    data = b""
     try:
-        errors = resp.json().get("errors") or []
-        return "; ".join(f"{e.get('code', '')}: {e.get('message', '')}".strip(": ") for e in errors) or resp.text[:200]
-    except (ValueError, AttributeError):
-        return resp.text[:200].strip() or resp.reason_phrase
+        async for raw in resp.aiter_raw(CHUNK):
+            data += dec.decompress(raw, limit + 1 - len(data)) if dec else raw
+            if len(data) > limit:
+                return data[:limit], True
+    except zlib.error:
+        return data, True
+    return data, False
+
+
+async def _error_text(resp: httpx.Response) -> str:
+    """What a registry says of an error status (its `errors`, else the
+    start of the body), read bounded, on one line, escaped for a terminal."""
+    body, _ = await _capped(resp, MAX_ERROR_BODY)
+    try:
+        errors = json.loads(body).get("errors") or []
+        text = "; ".join(f"{e.get('code', '')}: {e.get('message', '')}".strip(": ") for e in errors)
+    except (ValueError, RecursionError, AttributeError, TypeError):
+        text = ""
+    return shown((text or body.decode("utf-8", "replace").strip() or resp.reason_phrase)[:200])[:200]
+
+
+def _is_digest(reference: str) -> bool:
+    """A tag cannot hold ":" (`sha-1a2b3c4` is a tag), a digest always does."""
+    return ":" in reference
 
 
 class Registry:
@@ -174,8 +206,9 @@ class Registry:
 
     def _client(self, verify: bool) -> httpx.AsyncClient:
         if verify not in self._clients:
+            # identity: what is read is bounded as it arrives, not after httpx decoded it
             self._clients[verify] = httpx.AsyncClient(verify=verify, timeout=TIMEOUT, follow_redirects=True,
-                                                      headers={"User-Agent": "nsbox"})
+                                                      headers={"User-Agent": "nsbox", "Accept-Encoding": "identity"})
         return self._clients[verify]
 
     async def _send(self, path: str, headers: dict[str, str] | None = None) -> httpx.Response:
@@ -212,23 +245,31 @@ class Registry:
             query["service"] = params["service"]
         auth = httpx.BasicAuth(*creds) if creds else None
         realm = params["realm"]
+        client = self._client(self._endpoint.verify)
         try:
-            resp = await self._client(self._endpoint.verify).get(realm, params=query, auth=auth)
+            resp = await client.send(client.build_request("GET", realm, params=query), auth=auth, stream=True)
+            try:
+                if resp.status_code != 200:
+                    raise AuthError(f"{where}'s token service refused "
+                                    f"{'your credentials' if creds else 'an anonymous pull'}"
+                                    f" ({resp.status_code}: {await _error_text(resp)})",
+                                    hint=None if creds else "log in with `podman login` or `docker login`")
+                body, more = await _capped(resp, MAX_TOKEN)
+            finally:
+                await resp.aclose()
         except httpx.HTTPError as e:
-            raise RegistryError(f"cannot reach {where}'s token service {realm}: {e}") from None
-        if resp.status_code != 200:
-            raise AuthError(f"{where}'s token service refused {'your credentials' if creds else 'an anonymous pull'}"
-                            f" ({resp.status_code}: {_error_text(resp)})",
-                            hint=None if creds else "log in with `podman login` or `docker login`")
-        body = resp.json()
-        token = body.get("token") or body.get("access_token")
-        if not token:
+            raise RegistryError(f"cannot reach {where}'s token service {shown(realm)}: {e}") from None
+        if more:
+            raise AuthError(f"{where}'s token service answered more than {MAX_TOKEN} bytes")
+        doc = oci.json_object(body, f"{where}'s token service's answer", AuthError)
+        token = doc.get("token") or doc.get("access_token")
+        if not isinstance(token, str) or not (token.isascii() and token.isprintable()):
             raise AuthError(f"{where}'s token service answered without a token")
         self._auth = f"Bearer {token}"
 
     async def manifest(self, reference: str) -> tuple[bytes, str]:
         """The manifest bytes for a tag or digest (digests verified), and its Content-Type."""
-        if reference.startswith("sha"):
+        if _is_digest(reference):
             oci.check_digest(reference, f"the index of {self.ref}")
         last: Exception | None = None
         for ep in ([self._endpoint] if self._auth else self._endpoints):
@@ -240,22 +281,20 @@ class Registry:
                 continue
             try:
                 if resp.status_code == 200:
-                    data = b""
-                    async for chunk in resp.aiter_bytes():
-                        data += chunk
-                        if len(data) > MAX_MANIFEST:
-                            raise RegistryError(f"the manifest of {self.ref} is larger than {MAX_MANIFEST} bytes")
-                    if reference.startswith("sha"):
+                    data, more = await _capped(resp, MAX_MANIFEST)
+                    if more:
+                        raise RegistryError(f"the manifest of {self.ref} is larger than {MAX_MANIFEST} bytes")
+                    if _is_digest(reference):
                         oci.verify(data, reference, f"the manifest of {self.ref}")
                     return data, resp.headers.get("content-type", "").split(";")[0]
-                await resp.aread()
+                text = await _error_text(resp)
                 if resp.status_code == 404:
-                    last = ImageNotFound(f"image {self.ref} not found on {ep.base} ({_error_text(resp)})")
+                    last = ImageNotFound(f"image {self.ref} not found on {ep.base} ({text})")
                 elif resp.status_code in (401, 403):
-                    raise AuthError(f"access to {self.ref} denied ({_error_text(resp)})",
+                    raise AuthError(f"access to {self.ref} denied ({text})",
                                     hint="check the name; for a private image log in with `podman login`")
                 else:
-                    last = RegistryError(f"{ep.base} answered {resp.status_code} for {self.ref}: {_error_text(resp)}")
+                    last = RegistryError(f"{ep.base} answered {resp.status_code} for {self.ref}: {text}")
             finally:
                 await resp.aclose()
         assert last is not None
@@ -265,15 +304,12 @@ class Registry:
         """A config: read whole, so bounded like a manifest."""
         digest = oci.check_descriptor(desc, f"the manifest of {self.ref}")["digest"]
         resp = await self._send(f"blobs/{digest}")
-        data = b""
         try:
             if resp.status_code != 200:
-                await resp.aread()
-                raise RegistryError(f"blob {digest} of {self.ref}: {resp.status_code} {_error_text(resp)}")
-            async for chunk in resp.aiter_bytes():
-                data += chunk
-                if len(data) > MAX_CONFIG:
-                    raise RegistryError(f"the config {digest} of {self.ref} is larger than {MAX_CONFIG} bytes")
+                raise RegistryError(f"blob {digest} of {self.ref}: {resp.status_code} {await _error_text(resp)}")
+            data, more = await _capped(resp, MAX_CONFIG)
+            if more:
+                raise RegistryError(f"the config {digest} of {self.ref} is larger than {MAX_CONFIG} bytes")
         finally:
             await resp.aclose()
         oci.verify(data, digest, f"blob {digest} of {self.ref}")
@@ -328,8 +364,7 @@ class Registry:
             resp = await self._send(f"blobs/{digest}")
             try:
                 if resp.status_code != 200:
-                    await resp.aread()
-                    raise RegistryError(f"blob {digest} of {self.ref}: {resp.status_code} {_error_text(resp)}")
+                    raise RegistryError(f"blob {digest} of {self.ref}: {resp.status_code} {await _error_text(resp)}")
                 with open(tmp, "wb") as f:
                     async for chunk in resp.aiter_bytes(CHUNK):
                         n += len(chunk)
@@ -380,9 +415,9 @@ async def pull(store: Store, ref: str, *, platform: str | None = None, progress:
             store.put_bytes(data)
             config_bytes = await reg.small_blob(doc.get("config"))
             store.put_bytes(config_bytes)
-            cfg = ImageConfig.parse(json.loads(config_bytes))
+            cfg = ImageConfig.parse(oci.json_object(config_bytes, f"{r}: the config", RegistryError))
             if cfg.architecture and cfg.architecture != want.architecture:
-                progress.note(f"warning: {r.short()} is for {cfg.os}/{cfg.architecture}, not {want}")
+                progress.note(shown(f"warning: {r.short()} is for {cfg.os}/{cfg.architecture}, not {want}"))
             if len(layers) != len(cfg.diff_ids):
                 raise RegistryError(f"{r}: the manifest has {len(layers)} layers, its config {len(cfg.diff_ids)}")
             for d in layers:

@@ -57,6 +57,7 @@ from .reference import ReferenceError, parse
 
 IMAGE_ID = re.compile(r"(?:sha256:)?([0-9a-f]{4,64})")
 COPY_CHUNK = 1 << 20
+SMALL_BLOB_MAX = max(oci.MAX_MANIFEST, oci.MAX_CONFIG)  # what read_blob reads whole
 MARK = ".verified"
 
 
@@ -77,8 +78,8 @@ class Image:
 
     @property
     def lowerdirs(self) -> list[Path]:
-        """overlayfs order: topmost first."""
-        return list(reversed(self.layers))
+        """overlayfs order: topmost first, each layer once (see ImageRootfs.lower_dirs)."""
+        return list(dict.fromkeys(reversed(self.layers)))
 
 
 @dataclass(frozen=True)
@@ -179,10 +180,14 @@ class Store:
             seen = _verified.get(path)
             if seen is not None and seen[0] == ident:
                 return seen[1]
-            data = path.read_bytes()
+            with open(path, "rb") as f:
+                data = f.read(SMALL_BLOB_MAX + 1)
         except FileNotFoundError:
             raise ImageNotFound(f"blob {digest} is missing from the store",
                                 hint="pull or import the image again") from None
+        if len(data) > SMALL_BLOB_MAX:
+            raise NsboxError(f"stored blob {digest} is larger than a manifest or config may be "
+                             f"({SMALL_BLOB_MAX} bytes)", hint="the image is damaged or hostile")
         oci.verify(data, digest, f"stored blob {digest}")
         if len(data) <= _VERIFIED_MAX_BYTES:
             if len(_verified) >= _VERIFIED_MAX:
@@ -191,7 +196,7 @@ class Store:
         return data
 
     def read_json(self, digest: str) -> dict[str, Any]:
-        return json.loads(self.read_blob(digest))
+        return oci.json_object(self.read_blob(digest), f"stored blob {digest}")
 
     def temp_path(self) -> Path:
         return self.tmp / f"{os.getpid()}-{secrets.token_hex(6)}"

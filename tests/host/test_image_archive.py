@@ -20,7 +20,7 @@ from nsbox.cli.image import image as image_cli
 from nsbox.storage.store import Image, Store
 
 from tests.conftest import MODE
-from tests.imagekit import busybox_oci, fixture_tar, need, run_image, store, tool  # noqa: F401
+from tests.imagekit import Layout, busybox_oci, fixture_tar, need, run_image, store, tool  # noqa: F401
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -133,3 +133,16 @@ def test_archive_member_names_are_not_paths(tmp_path: Path, store: Store) -> Non
         t.addfile(info, io.BytesIO(cfg))
     with pytest.raises(NsboxError, match="no file ../../etc/passwd"):
         anyio.run(import_image, store, bad)
+
+
+async def test_a_compressed_oci_archive_is_named_after_its_file(tmp_path: Path, store: Store) -> None:
+    """A tag of a compressed oci-archive names the image after the file
+    (it had been named after the decompressed temp copy: 32659-92d52c297753)."""
+    layout = Layout(tmp_path / "layout")
+    layout.tag("1", layout.image([fixture_tar("busybox").read_bytes()]))
+    src = tmp_path / "my-app.tar.gz"
+    with tarfile.open(src, "w:gz") as tf:
+        for name in ("oci-layout", "index.json", "blobs"):
+            tf.add(layout.path / name, arcname=name)
+    image = await import_image(store, src)
+    assert image.name == "localhost/my-app:1"

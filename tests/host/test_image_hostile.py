@@ -152,6 +152,37 @@ async def test_unverified_layer_directory_is_not_trusted(tmp_path: Path, store: 
     assert again.layers == image.layers and os.lstat(top).st_ino == os.lstat(again.layers[-1]).st_ino
 
 
+@pytest.mark.parametrize("root", [{"mode": 0o555}, {"uid": 1000, "gid": 1000}])
+async def test_a_layer_root_entry_is_not_applied(tmp_path: Path, store: Store, root: dict[str, int]) -> None:
+    """A layer's "./" entry read-only, or another user's: the layer's root
+    stays 0755 and sandbox root's (an overlay shows its upper dir's root
+    anyway). Rootless, publishing the layer (a rename to another parent,
+    which needs write permission on it) had failed with a PermissionError."""
+    import stat
+
+    raw = tar_bytes(lambda t: [add(t, "./", type=tarfile.DIRTYPE, **{"mode": 0o755, **root}),
+                               add(t, "hello", b"hi\n")])
+    layout = Layout(tmp_path / "layout")
+    _image(layout, [busybox_layer(), raw])
+    image = await import_image(store, layout.path, name="root:1")
+    st = os.stat(image.layers[-1])
+    assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o755, *MODE.host_root)
+    assert (image.layers[-1] / "hello").read_bytes() == b"hi\n"
+
+
+async def test_an_image_with_a_layer_twice_runs(tmp_path: Path, store: Store) -> None:
+    """`RUN true` twice makes the same (empty) layer twice: overlayfs had
+    refused its directory twice in lowerdir (ELOOP)."""
+    layout = Layout(tmp_path / "layout")
+    empty = bytes(1024)
+    _image(layout, [busybox_layer(), empty, tar_bytes(lambda t: add(t, "f", b"x")), empty])
+    image = await import_image(store, layout.path, name="dup:1")
+    assert len(image.layers) == 4 and image.layers[1] == image.layers[3]
+    async with run_image(image) as sb:
+        r = await sb.exec(["cat", "/f"])
+        assert r.success and r.stdout == "x", r.stderr
+
+
 # ---- sparse files and bombs ----------------------------------------------
 
 def _sparse_tar(tmp_path: Path, fmt: str, size: int = 1 << 30) -> bytes:
