@@ -51,7 +51,8 @@ def parse_size(value: str | int | float, name: str = "size") -> int:
     return size
 
 
-def _check_target(kind: str, target: str) -> None:
+def check_target(kind: str, target: str) -> None:
+    """A mount point: absolute, below /, normalized (ValueError otherwise)."""
     if not posixpath.isabs(target) or posixpath.normpath(target) in ("/", "//"):
         raise ValueError(f"{kind} target must be an absolute path below /, not {target!r}")
     if posixpath.normpath(target) != target.rstrip("/") or "\0" in target:
@@ -104,7 +105,7 @@ class Bind:
     readonly: bool = False
 
     def __post_init__(self) -> None:
-        _check_target("bind", self.target)
+        check_target("bind", self.target)
         # Resolved now, once: the sandbox is then made from this path with no
         # symlink followed, so one swapped in since (by a sandbox writing
         # where the source lies) fails its creation instead of leading
@@ -146,7 +147,7 @@ class Tmpfs:
     OPTIONS = "size=SIZE, mode=OCTAL, ro, rw, exec, noexec, nosuid, nodev"
 
     def __post_init__(self) -> None:
-        _check_target("tmpfs", self.target)
+        check_target("tmpfs", self.target)
         if self.size is not None:
             object.__setattr__(self, "size", parse_size(self.size, "tmpfs size"))
         if isinstance(self.mode, bool) or not isinstance(self.mode, int) or not 0 <= self.mode <= 0o7777:
@@ -390,8 +391,10 @@ class SandboxSpec:
             raise ValueError(f"workdir must be an absolute path inside the sandbox, not {self.workdir!r}")
         if self.hostname is not None and not _HOSTNAME.fullmatch(self.hostname):
             raise ValueError(f"hostname must be 1-64 letters, digits, '.' or '-', not {self.hostname!r}")
+        if not isinstance(self.env, Mapping):
+            raise ValueError(f"env must be a mapping of names to values, not {self.env!r}")
         for name, value in self.env.items():
-            if not _ENV_NAME.fullmatch(name) or "\0" in str(value):
+            if not isinstance(name, str) or not _ENV_NAME.fullmatch(name) or "\0" in str(value):
                 raise ValueError(f"invalid environment variable {name!r}")
         if self.timeout is not None and self.timeout <= 0:
             raise ValueError(f"timeout must be positive, not {self.timeout!r}")

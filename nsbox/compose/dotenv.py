@@ -14,7 +14,7 @@ import re
 from typing import Callable
 
 from .errors import ComposeError
-from .interpolate import substitute
+from .interpolate import BUDGET, substitute
 
 _ESCAPE = re.compile(r'\\(?:[abcfnrtv$"\\]|0\d{0,3})')
 _SIMPLE = {"a": "\a", "b": "\b", "c": "\\c", "f": "\f", "n": "\n", "r": "\r", "t": "\t", "v": "\v",
@@ -36,6 +36,7 @@ def parse(text: str, lookup: Callable[[str], str | None], source: str) -> dict[s
 
     # Positions into `src`, never slices of the rest: a large file stays linear.
     pos = 0
+    budget = [BUDGET]  # what every value's interpolation may scan and make, together
     while True:
         pos = _statement_start(src, pos)
         if pos == len(src):
@@ -49,7 +50,7 @@ def parse(text: str, lookup: Callable[[str], str | None], source: str) -> dict[s
             if value is not None:
                 out[key] = value
             continue
-        value, pos = _value(src, pos, find, source, line)
+        value, pos = _value(src, pos, find, source, line, budget)
         out[key] = value
 
 
@@ -91,12 +92,13 @@ def _key(src: str, pos: int, source: str, line: int) -> tuple[str, int, bool]:
     return src[pos:].rstrip(), len(src), True  # a last line holding only a name
 
 
-def _value(src: str, pos: int, lookup: Callable[[str], str | None], source: str, line: int) -> tuple[str, int]:
+def _value(src: str, pos: int, lookup: Callable[[str], str | None], source: str, line: int,
+           budget: list[int]) -> tuple[str, int]:
     if pos == len(src) or src[pos] not in "'\"":
         nl = src.find("\n", pos)
         end = len(src) if nl < 0 else nl
         value = src[pos:end].split(" #", 1)[0].rstrip()
-        return substitute(value, lookup), min(end + 1, len(src))
+        return substitute(value, lookup, budget=budget), min(end + 1, len(src))
     quote = src[pos]
     chars: list[str] = []
     escaped = False
@@ -117,7 +119,7 @@ def _value(src: str, pos: int, lookup: Callable[[str], str | None], source: str,
             continue
         value = "".join(chars)
         if quote == '"':
-            value = substitute(_ESCAPE.sub(_unescape, value), lookup)
+            value = substitute(_ESCAPE.sub(_unescape, value), lookup, budget=budget)
         return value, i + 1
     raise ComposeError(f"{_at(source, src, line)}: unterminated quoted value")
 

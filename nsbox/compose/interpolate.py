@@ -23,7 +23,9 @@ _PATTERN = re.compile(
 )
 _OPERATORS = (":?", "?", ":-", "-", ":+", "+")
 _NAME = re.compile(r"[_a-zA-Z][_a-zA-Z0-9]*")
-BUDGET = 50_000_000  # characters matching may scan in one file: well under a second
+# Characters matching may scan, and substitution make, in one file: well
+# under a second, and a bound on what `A1=$A0$A0`, `A2=$A1$A1`... can grow to.
+BUDGET = 50_000_000
 
 
 class _Missing(Exception):
@@ -35,9 +37,10 @@ def substitute(template: str, lookup: Callable[[str], str | None], unset: list[s
                budget: list[int] | None = None) -> str:
     """`template` with its variables replaced. `lookup` returns a variable's
     value or None when unset; names used while unset are appended to `unset`.
-    `budget` ([characters]) is what matching may scan, shared by the calls
-    given the same one. Raises ComposeError for a missing required
-    variable, a bad template, or one that costs more than the budget."""
+    `budget` ([characters]) is what matching may scan and substitution
+    make, shared by the calls given the same one. Raises ComposeError for
+    a missing required variable, a bad template, or one that costs more
+    than the budget."""
     budget = [BUDGET] if budget is None else budget
     try:
         return _substitute(template, lookup, unset, budget)
@@ -66,11 +69,9 @@ def _substitute(template: str, lookup: Callable[[str], str | None], unset: list[
         # A braced template's match runs to the last "}" of its line, and
         # what follows its closing brace is scanned again: many templates on
         # one long line cost their number times its length.
-        budget[0] -= m.end() - m.start()
-        if budget[0] < 0:
-            raise ComposeError(f"interpolation of {template[:60]!r}... is too costly",
-                               hint="split long lines that hold many ${...} templates")
+        _charge(budget, m.end() - m.start(), template)
         value, rest = _replace(m.group(0), template, lookup, unset, budget)
+        _charge(budget, len(value), template)
         out.append(value)
         stack.append((text, m.end()))
         if rest:
@@ -135,6 +136,15 @@ def _closing_brace(s: str) -> int:
             i += 1  # as compose-go does: the character after "{" is not examined
         i += 1
     return -1
+
+
+def _charge(budget: list[int], characters: int, template: str) -> None:
+    budget[0] -= characters
+    if budget[0] < 0:
+        raise ComposeError(f"interpolation of {template[:60]!r}... is too costly: it scans or makes more than "
+                           f"{BUDGET:,} characters",
+                           hint="split long lines that hold many ${...} templates; values of variables that hold "
+                                "others grow with each")
 
 
 def interpolate(value: Any, environ: Mapping[str, str], unset: list[str] | None = None,

@@ -3,11 +3,11 @@ entrypoint and command) and a SandboxSpec per service."""
 
 from __future__ import annotations
 
-import os
+import posixpath
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..spec import Bind, SandboxSpec, Tmpfs
+from ..spec import Bind, SandboxSpec, Tmpfs, check_target
 from .errors import ComposeError
 from .hostpaths import HostPaths
 from .model import Mount, Project, Service
@@ -47,7 +47,7 @@ def pull_policy(service: Service) -> str:
 
 
 def service_spec(service: Service, project: Project, *, image: str, network: str,
-                 volume_root: Path | None = None, **extra: Any) -> SandboxSpec:
+                 volume_root: Path | None = None, check_only: bool = False, **extra: Any) -> SandboxSpec:
     """The SandboxSpec of one service. `image` is the reference to run (the
     caller pulls or builds it); `network` is the sample's mode
     (support.sample_network), or in the "services" mode the service's own
@@ -55,7 +55,20 @@ def service_spec(service: Service, project: Project, *, image: str, network: str
     under `volume_root` (one per sample, shared by its services), created
     here, as are missing sources of short-syntax binds (Docker does too).
     `extra` sets or overrides any other SandboxSpec field (x-nsbox settings
-    come first, `extra` wins)."""
+    come first, `extra` wins). With `check_only`, nothing is made: the
+    spec has no binds (their sources are a sample's), only their targets
+    are checked, so what every sample would refuse is found once."""
+    try:
+        return SandboxSpec(**_fields(service, project, image, network, volume_root, check_only, extra))
+    except (TypeError, ValueError, AttributeError) as e:  # x-nsbox values are the file's: any type
+        raise ComposeError(f"service {service.name}: {e}") from None
+
+
+def _fields(service: Service, project: Project, image: str, network: str, volume_root: Path | None,
+            check_only: bool, extra: dict[str, Any]) -> dict[str, Any]:
+    binds = [(i, m) for i, m in enumerate(service.volumes) if m.type != "tmpfs"]
+    for _, m in binds:
+        check_target("bind", _target(m))
     fields: dict[str, Any] = {
         "image": image,
         "pull": pull_policy(service),
@@ -67,7 +80,7 @@ def service_spec(service: Service, project: Project, *, image: str, network: str
         "ports": tuple(service.ports) if network != "host" else (),
         "hostname": service.hostname,
         "hosts": dict(service.extra_hosts),
-        "mounts": tuple(_bind(service, project, m, volume_root, i) for i, m in enumerate(service.volumes) if m.type != "tmpfs"),
+        "mounts": () if check_only else tuple(_bind(service, project, m, volume_root, i) for i, m in binds),
         "read_only": service.read_only,
         "tmpfs": tuple(_tmpfs(m) for m in [*service.tmpfs, *(m for m in service.volumes if m.type == "tmpfs")]),
         "memory": service.memory,
@@ -81,10 +94,12 @@ def service_spec(service: Service, project: Project, *, image: str, network: str
     }
     fields.update(service.x_nsbox)
     fields.update(extra)
-    try:
-        return SandboxSpec(**fields)
-    except (TypeError, ValueError) as e:
-        raise ComposeError(f"service {service.name}: {e}") from None
+    return fields
+
+
+def _target(mount: Mount) -> str:
+    """Where a mount goes, cleaned as Docker cleans it ("/data//x", "/a/../b")."""
+    return "/" + posixpath.normpath(mount.target).lstrip("/")
 
 
 def volume_dir(service: Service, m: Mount, index: int, volume_root: Path) -> Path:
@@ -98,7 +113,7 @@ def volume_dir(service: Service, m: Mount, index: int, volume_root: Path) -> Pat
 
 
 def _tmpfs(mount: Mount) -> Tmpfs:
-    return Tmpfs(mount.target, size=mount.size, mode=0o1777 if mount.mode is None else mount.mode,
+    return Tmpfs(_target(mount), size=mount.size, mode=0o1777 if mount.mode is None else mount.mode,
                  readonly=mount.read_only, noexec=mount.noexec)
 
 
@@ -120,4 +135,4 @@ def _bind(service: Service, project: Project, m: Mount, volume_root: Path | None
                                hint="pass volume_root to service_spec")
         source = volume_dir(service, m, index, Path(volume_root)) / (m.subpath or "")
         source.mkdir(parents=True, exist_ok=True)
-    return Bind(str(source), m.target.rstrip("/") or "/", readonly=m.read_only)
+    return Bind(str(source), _target(m), readonly=m.read_only)

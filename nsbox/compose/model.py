@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..spec import Restart
+from .errors import ComposeError
 
 if TYPE_CHECKING:
     from .hostpaths import HostPaths
@@ -141,3 +142,29 @@ class Project:
             if service.x_default:
                 return service
         return self.services.get("default") or next(iter(self.services.values()))
+
+    def dependency_order(self) -> list[str]:
+        """Service names, each after those it depends on (depth first, in
+        file order). A cycle is an error, as Compose refuses one."""
+        order: list[str] = []
+        done: set[str] = set()
+        for first in self.services:
+            path: list[str] = []  # the names being visited, each a dependency of the one before
+            stack = [(first, False)]
+            while stack:
+                name, leaving = stack.pop()
+                if leaving:
+                    path.pop()
+                    done.add(name)
+                    order.append(name)
+                    continue
+                if name in done:
+                    continue
+                if name in path:
+                    cycle = path[path.index(name):] + [name]
+                    raise ComposeError(f"services depend on each other in a cycle: {' -> '.join(cycle)}")
+                path.append(name)
+                stack.append((name, True))
+                deps = [d for d in self.services[name].depends_on if d in self.services]
+                stack.extend((d, False) for d in reversed(deps))
+        return order

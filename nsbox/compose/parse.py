@@ -9,6 +9,7 @@ whole keys).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shlex
@@ -25,6 +26,10 @@ _FALSE = {"n", "no", "false", "off"}
 _DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3, "s": 1.0,
                    "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
 _DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h|d|w)")
+
+
+# A Go duration is an int64 of nanoseconds.
+_DURATION_MAX = (2**63 - 1) / 1e9
 
 
 class Reader:
@@ -61,9 +66,12 @@ class Reader:
         try:
             if isinstance(value, bool):
                 raise ValueError
-            return float(value)
+            number = float(value)
         except (TypeError, ValueError):
             raise self.fail(key, f"expected a number, not {value!r}") from None
+        if not math.isfinite(number):  # .nan, .inf, 1e400
+            raise self.fail(key, f"expected a finite number, not {value!r}")
+        return number
 
     def size(self, key: str, value: Any) -> int:
         try:
@@ -87,7 +95,10 @@ class Reader:
             return 0.0
         if not body or _DURATION.sub("", body):
             raise self.fail(key, f"expected a duration such as 30s, 1m30s or 500ms, not {value!r}")
-        return sign * sum(float(n) * _DURATION_UNITS[u] for n, u in _DURATION.findall(body))
+        seconds = sign * sum(float(n) * _DURATION_UNITS[u] for n, u in _DURATION.findall(body))
+        if not abs(seconds) <= _DURATION_MAX:
+            raise self.fail(key, f"{value!r} is longer than a Go duration can be (about 290 years)")
+        return seconds
 
     def command(self, key: str, value: Any) -> list[str] | None:
         """A list as given; a string split as a shell would (compose uses
@@ -356,9 +367,13 @@ class Reader:
         def span(text: str) -> list[int]:
             lo, _, hi = text.partition("-")
             try:
-                return list(range(int(lo), int(hi or lo) + 1))
+                first, last = int(lo), int(hi or lo)
             except ValueError:
                 raise self.fail("ports", f"bad port in {item!r}") from None
+            # Checked before the range is made: "1-30000000" would be 30 million.
+            if not 0 <= first <= last <= 65535:
+                raise self.fail("ports", f"{item!r}: a port is a number up to 65535, a range LOW-HIGH")
+            return list(range(first, last + 1))
         inside = span(container)
         outside = span(host) if host else [0] * len(inside)
         if len(outside) != len(inside):
@@ -531,11 +546,15 @@ def read_secret_mounts(r_name: str, raw: dict[str, Any], definitions: dict[str, 
     mounts = []
     for item in raw.get(kind) or []:
         source, target = (item, None) if isinstance(item, str) else (item.get("source"), item.get("target"))
+        if not isinstance(source, str) or not isinstance(target, (str, type(None))):
+            raise ComposeError(f"service {r_name}: {kind}: source and target must be strings, not {item!r}")
         definition, paths = definitions.get(source) or (None, None)
         if definition is None or paths is None:
             raise ComposeError(f"service {r_name}: {kind}: {source!r} is not defined in the top-level {kind}")
         if not definition.get("file"):
             continue  # support.py reports the other sources
+        if not isinstance(definition["file"], str):
+            raise ComposeError(f"{kind}: {source}: file must be a path, not {definition['file']!r}")
         if kind == "secrets":
             target = target if target and target.startswith("/") else f"/run/secrets/{target or source}"
         else:

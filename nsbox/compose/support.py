@@ -21,8 +21,10 @@ none or host, or a service sharing another's namespace
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Literal
 
+from ..net.hosts import check_name
 from ..spec import SandboxSpec, Tmpfs
 from .errors import ComposeError
 from .model import Project, Service
@@ -142,6 +144,8 @@ SHAPES: dict[str, Any] = {
     "cap_add[]": STR, "cap_drop": (STR, LIST), "security_opt": LIST, "profiles": LIST, "profiles[]": STR,
     "storage_opt": MAP, "secrets": LIST, "secrets[]": (STR, MAP), "configs": LIST, "configs[]": (STR, MAP),
     "x-nsbox": MAP, "labels": (MAP, LIST), "ulimits": MAP, "sysctls": (MAP, LIST),
+    "deploy.resources.reservations.devices": LIST, "deploy.resources.reservations.devices[]": MAP,
+    "deploy.restart_policy": MAP, "network_mode": STR, "restart": (STR, bool),
 }
 
 
@@ -211,7 +215,20 @@ def _true(value: Any) -> bool:
     return value is True or str(value).strip().lower() in ("true", "yes", "y", "on")
 
 
+# The host's network is the operator's to grant, not a compose file's (it
+# reaches every service on the host's loopback and its abstract sockets).
+HOST_NETWORK_ENV = "NSBOX_COMPOSE_HOST_NETWORK"
+
+
+def host_network_granted() -> bool:
+    return os.environ.get(HOST_NETWORK_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
 def _review_network_mode(mode: Any, r: Review) -> None:
+    if mode == "host" and not host_network_granted():
+        r.issues.append(f"network_mode: host (the host's network, its loopback services included, is yours to "
+                        f"grant, not a compose file's: set {HOST_NETWORK_ENV}=1 to allow it)")
+        return
     if mode is None or mode in ("none", "host", "bridge", "default") or str(mode).startswith("service:"):
         return
     r.issues.append(f"network_mode: {mode}")
@@ -354,6 +371,13 @@ def check_references(project: Project) -> list[str]:
         for m in s.volumes:
             if m.type == "volume" and m.source is not None and m.source not in project.volumes:
                 raise ComposeError(f"service {s.name} refers to undefined volume {m.source}")
+    project.dependency_order()  # a cycle fails the file, not every sample
+    for service, names in aliases(project).items():  # they reach /etc/hosts
+        for name in names:
+            try:
+                check_name(name)
+            except ValueError as e:
+                raise ComposeError(f"service {service}: {e}") from None
     return warnings
 
 

@@ -42,19 +42,7 @@ def seeds(service: Service, volume_root: Path) -> list[tuple[str, Path]]:
 def start_order(project: Project) -> list[Service]:
     """The services, each after those it depends on (the order compose
     creates containers in, so the order volumes are first mounted in)."""
-    order: list[str] = []
-
-    def visit(name: str, seen: tuple[str, ...]) -> None:
-        if name in order or name in seen:
-            return
-        for dep in project.services[name].depends_on:
-            if dep in project.services:
-                visit(dep, seen + (name,))
-        order.append(name)
-
-    for name in project.services:
-        visit(name, ())
-    return [project.services[n] for n in order]
+    return [project.services[n] for n in project.dependency_order()]
 
 
 async def seed(image: Image, targets: Iterable[tuple[str, Path]], id_mapping: str = "auto") -> list[Path]:

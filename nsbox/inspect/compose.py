@@ -162,6 +162,9 @@ async def prepare(config: object, id_mapping: str = "auto", variables: dict[str,
         if source not in known:
             known[source] = await _image(project, service, id_mapping)
         task.images[service.name] = known[source]
+        # What every sample would refuse fails the task here, once.
+        service_spec(service, project, image=task.images[service.name].id, network=_mode(task.network, service),
+                     check_only=True, pull="never", id_mapping=id_mapping, origin="inspect")
     return task
 
 

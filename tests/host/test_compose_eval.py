@@ -261,6 +261,16 @@ def test_unsupported_keys_fail_the_task_in_one_message(images: dict[str, str], t
     assert {i.id for i in live.entries()} == before
 
 
+async def test_what_every_sample_would_refuse_fails_task_init(images: dict[str, str], tmp_path: Path) -> None:
+    """A setting no sample can start with fails once, at task_init, not as
+    the same error of every sample."""
+    compose = tmp_path / "compose.yaml"
+    compose.write_text(f"services:\n  default:\n    image: {images['debian']}\n    x-nsbox: {{env: 5}}\n")
+    with pytest.raises(NsboxError, match="service default: env must be a mapping"):
+        await NsboxSandboxEnvironment.task_init("nsbox_compose_refused", str(compose))
+    await NsboxSandboxEnvironment.task_cleanup("nsbox_compose_refused", str(compose), cleanup=True)
+
+
 DOCKERFILE = """\
 ARG BASE
 FROM ${BASE}

@@ -610,7 +610,7 @@ def test_restart_policies(tmp_path, service_yaml, policy):
     ("restart: always:2", "restart policy must be"),
     ("deploy: {restart_policy: {condition: never}}", "condition: expected none, on-failure or any"),
     ("deploy: {restart_policy: {max_attempts: two}}", "max_attempts: expected a whole number"),
-    ("deploy: {restart_policy: always}", "deploy.restart_policy: expected a mapping"),
+    ("deploy: {restart_policy: always}", "deploy.restart_policy: 'always' is not a mapping"),
 ])
 def test_bad_restart_policies_are_named(tmp_path, service_yaml, error):
     assert error in cannot(tmp_path, "services:\n  s:\n    image: alpine\n    " + service_yaml + "\n")
@@ -676,12 +676,23 @@ def test_default_network_is_nat(tmp_path):
     assert sample_network(load(tmp_path, "services:\n  a: {image: a, network_mode: bridge}\n")) == "nat"
 
 
-def test_host_network_only_for_all(tmp_path):
+def test_host_network_only_for_all(tmp_path, monkeypatch):
+    monkeypatch.setenv("NSBOX_COMPOSE_HOST_NETWORK", "1")
     assert sample_network(load(tmp_path, "services:\n  a: {image: a, network_mode: host}\n")) == "host"
     mixed = "services:\n  a: {image: a, network_mode: host}\n  b: {image: b}\n"
     assert sample_network(load(tmp_path, mixed)) == "services"
     assert "network_mode: host on a but not on b, c" in cannot(
         tmp_path, mixed + "  c: {image: c, network_mode: 'service:b'}\n")
+
+
+def test_the_host_network_is_the_operators_to_grant(tmp_path, monkeypatch):
+    """A compose file is an eval suite's: network_mode: host would reach
+    every service on the host's loopback. Refused unless the operator says so."""
+    monkeypatch.delenv("NSBOX_COMPOSE_HOST_NETWORK", raising=False)
+    error = cannot(tmp_path, "services:\n  a: {image: a, network_mode: host}\n")
+    assert "network_mode: host (the host's network" in error and "NSBOX_COMPOSE_HOST_NETWORK=1" in error
+    monkeypatch.setenv("NSBOX_COMPOSE_HOST_NETWORK", "1")
+    assert sample_network(load(tmp_path, "services:\n  a: {image: a, network_mode: host}\n")) == "host"
 
 
 def test_internal_network_makes_the_sample_internal(tmp_path):
@@ -717,7 +728,8 @@ def test_none_beside_networked_services_is_an_error(tmp_path):
         tmp_path, mixed + "  c: {image: c, network_mode: 'service:b'}\n")
 
 
-def test_which_samples_keep_the_pod_mode(tmp_path):
+def test_which_samples_keep_the_pod_mode(tmp_path, monkeypatch):
+    monkeypatch.setenv("NSBOX_COMPOSE_HOST_NETWORK", "1")
     pod = {
         "services:\n  a: {image: a}\n": "nat",  # a single service
         "services:\n  a: {image: a, network_mode: none}\n  b: {image: b, network_mode: none}\n": "none",
@@ -837,7 +849,8 @@ def test_service_spec(tmp_path):
         Tmpfs("/t", size=MiB, mode=0o700, readonly=True),)
 
 
-def test_service_spec_pull_and_host_network(tmp_path):
+def test_service_spec_pull_and_host_network(tmp_path, monkeypatch):
+    monkeypatch.setenv("NSBOX_COMPOSE_HOST_NETWORK", "1")
     s = one(tmp_path, "image: a\nx-local: true\nnetwork_mode: host\nports: ['80:80']\n")
     project = load(tmp_path, "services:\n  s: {image: a, x-local: true, network_mode: host, ports: ['80:80']}\n")
     spec = service_spec(project.services["s"], project, image="a", network="host")

@@ -303,6 +303,68 @@ def test_costly_interpolation(proj: Path, value: str, match: str | None) -> None
     assert time.monotonic() - start < 20
 
 
+@pytest.mark.timeout(60)
+def test_variables_that_double_are_bounded(proj: Path) -> None:
+    """A .env of 60 lines, each variable twice the one before, would be 2^60
+    characters; so would a short value referenced many times over. What
+    interpolation makes counts against its budget, as what it scans does."""
+    (proj / ".env").write_text("A0=xxxxxxxxxxxxxxxx\n" + "".join(f"A{i}=$A{i - 1}$A{i - 1}\n" for i in range(1, 60)))
+    start = time.monotonic()
+    with pytest.raises(ComposeError, match="too costly: it scans or makes more than"):
+        load_project(compose(proj, "services: {s: {image: a}}\n"), environ={})
+    (proj / ".env").write_text("BIG=" + "x" * 1_000_000 + "\n")
+    refs = "x-r: &r ${BIG}\n" + "".join(f"x-{i}: [*r, *r, *r, *r]\n" for i in range(100))
+    with pytest.raises(ComposeError, match="too costly"):
+        load_project(compose(proj, refs + "services: {s: {image: a, environment: {V: '${BIG}'}}}\n"), environ={})
+    assert time.monotonic() - start < 30
+
+
+@pytest.mark.parametrize("service, match", [
+    ("ports: ['1-30000000']", "a port is a number up to 65535"),
+    ("ports: ['99999:99999']", "a port is a number up to 65535"),
+    ("deploy: {resources: {reservations: {devices: 5}}}", "devices: 5 is not a list"),
+    ("secrets: [{source: s, target: 5}]", "source and target must be strings"),
+    ("secrets: [{source: [1]}]", "source and target must be strings"),
+    ("healthcheck: {test: 'true', retries: 1e400}", "retries: expected a finite number"),
+    ("healthcheck: {test: 'true', retries: .nan}", "retries: expected a finite number"),
+    ("healthcheck: {test: 'true', interval: 99999999999999999999h}", "longer than a Go duration"),
+    ("pids_limit: .inf", "pids_limit: expected a finite number"),
+    ("cpus: .nan", "cpus: expected a finite number"),
+    ("restart: [1]", "restart: \\[1\\] is not a string"),
+    ("depends_on: [s]", "in a cycle: s -> s"),
+    ("container_name: 'a b'", "cannot be a host name"),
+    ("networks: {default: {aliases: ['evil\\n1.2.3.4 pwn']}}", "cannot be a host name"),
+])
+def test_bad_values_are_compose_errors_when_the_file_is_read(proj: Path, service: str, match: str) -> None:
+    """Each had been a traceback (TypeError, AttributeError, OverflowError),
+    a 5 GB list of ports, or an error of every sample instead of the file."""
+    (proj / "f").write_text("x")
+    start = time.monotonic()
+    with pytest.raises(ComposeError, match=match):
+        load_project(compose(proj, f"services:\n  s:\n    image: a\n    {service}\n"
+                                   "secrets: {s: {file: ./f}}\n"), environ={})
+    assert time.monotonic() - start < 20
+
+
+def test_what_every_sample_would_refuse_is_found_without_a_sample(proj: Path) -> None:
+    """service_spec(check_only=True), as the provider's task_init calls it:
+    the x-nsbox values are checked, nothing is made on disk."""
+    project = load_project(compose(proj, "services: {s: {image: a, volumes: ['v:/data'], x-nsbox: {env: 5}}}\n"
+                                         "volumes: {v: {}}\n"), environ={})
+    with pytest.raises(ComposeError, match="service s: env must be a mapping of names to values, not 5"):
+        service_spec(project.services["s"], project, image="a", network="none", check_only=True)
+    assert sorted(p.name for p in proj.iterdir()) == ["compose.yaml"]
+
+
+def test_mount_targets_are_cleaned_as_docker_cleans_them(proj: Path, tmp_path: Path) -> None:
+    (proj / "d").mkdir()
+    project = load_project(compose(proj, "services: {s: {image: a, volumes: ['./d:/data//x', 'v:/a/../b'], "
+                                         "tmpfs: ['/t/./u']}}\nvolumes: {v: {}}\n"), environ={})
+    spec = service_spec(project.services["s"], project, image="a", network="none", volume_root=tmp_path / "v")
+    assert [b.target for b in spec.mounts] == ["/data/x", "/b"]
+    assert [t.target for t in spec.tmpfs] == ["/t/u"]
+
+
 # -- fuzzing: loads, or one ComposeError; never reads outside ---------------------
 
 NAMES = st.sampled_from(["s", "web", "db", "default", "x-a", "a.b", "..", "", "1"])
