@@ -154,6 +154,7 @@ class InitClient:
         self.sandbox_id = sandbox_id
         self._ctl: socket.socket | None = None
         self._busy = 0  # exchanges under way on the connection: not idle
+        self._dropped: list[socket.socket] = []  # connections the init closed, still in use
         self._closed = False
         # anyio lets one task at a time wait on a socket: senders that find
         # the connection full take turns, as do control exchanges.
@@ -205,6 +206,10 @@ class InitClient:
     def _let_go(self) -> None:
         with IDLE.lock:
             self._busy -= 1
+            if not self._busy:
+                for ctl in self._dropped:
+                    ctl.close()
+                self._dropped.clear()
 
     def _connect(self) -> None:
         try:
@@ -245,21 +250,35 @@ class InitClient:
     def _gone(self) -> SandboxUnavailable:
         return SandboxUnavailable(f"sandbox {self.sandbox_id} is not running (its init has exited)")
 
-    async def send(self, message: bytes, fds: Sequence[int]) -> None:
-        ctl = self._hold()
-        try:
-            while True:
-                try:
-                    protocol.send(ctl, message, fds)
-                    return
-                except BlockingIOError:
-                    pass
-                except OSError as e:
-                    raise self._send_failed(e) from None
-                async with self._room_wait:
-                    await anyio.wait_writable(ctl)
-        finally:
-            self._let_go()
+    async def send(self, message: bytes, fds: Sequence[int], *, again: bool = True) -> None:
+        """Sends one request. The init may have closed the connection while
+        it lives (one it turned away, out of descriptors): a send that
+        failed so delivered nothing, and goes once more on a new connection
+        (unless not `again`), whose connect says whether the init is there."""
+        for last in (False, True) if again else (True,):
+            ctl = self._hold()
+            try:
+                while True:
+                    try:
+                        protocol.send(ctl, message, fds)
+                        return
+                    except BlockingIOError:
+                        pass
+                    except OSError as e:
+                        if last or e.errno not in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN):
+                            raise self._send_failed(e) from None
+                        break
+                    async with self._room_wait:
+                        await anyio.wait_writable(ctl)
+            finally:
+                self._let_go()
+            with IDLE.lock:
+                if self._ctl is ctl:
+                    self._ctl = None
+                    if self._busy:
+                        self._dropped.append(ctl)  # closed once its other users let go (_let_go)
+                    else:
+                        ctl.close()
 
     def _send_failed(self, e: OSError) -> OSError | NsboxError:
         if e.errno in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.EBADF):
@@ -371,7 +390,8 @@ class InitClient:
         async with self._control_turn:
             ctl = self._hold()
             try:
-                await self.send(protocol.REQUEST.pack(op, *[0] * 9), [])
+                # The answer comes on this connection: not sent on another.
+                await self.send(protocol.REQUEST.pack(op, *[0] * 9), [], again=False)
                 with anyio.fail_after(START_TIMEOUT):
                     while True:
                         await anyio.wait_readable(ctl)

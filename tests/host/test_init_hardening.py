@@ -160,8 +160,7 @@ async def test_an_init_out_of_descriptors_turns_clients_away_without_spinning() 
             # Below every descriptor it opened itself (0-4 are the standard
             # ones, the lifeline and the listener): nothing can be accepted,
             # the host waits (its timeout), and the init still does not spin.
-            sb.client.disconnect()  # the init closed its end, turning it away
-            _set_soft_nofile(pid, 5)
+            _set_soft_nofile(pid, 5)  # (the client reconnects: the init closed the connection it turned away)
             with pytest.raises(CommandTimeout):
                 await sb.exec(["true"], timeout=1)
             assert _idle_ticks(pid) < 20, "the init spins while idle"
@@ -170,6 +169,25 @@ async def test_an_init_out_of_descriptors_turns_clients_away_without_spinning() 
         # Room again: the init listens again (on a new connection: the one
         # that timed out may never have been accepted).
         sb.client.disconnect()
+        r = await sb.exec(["echo", "ok"], timeout=10)
+        assert r.stdout == "ok\n"
+
+
+async def test_a_connection_the_init_turned_away_is_made_again() -> None:
+    """The init, out of descriptors, accepts a connection and closes it: the
+    next request finds it closed. That is not the sandbox's end (which the
+    host had reported, "its init has exited"): it connects again."""
+    async with nsbox.Sandbox() as sb:
+        pid = sb.pid
+        await sb.exec(["true"])
+        await _drop_connection(sb)
+        soft = resource.prlimit(pid, resource.RLIMIT_NOFILE)[0]
+        try:
+            _set_soft_nofile(pid, _open_fds(pid))
+            with pytest.raises(NsboxError):
+                await sb.exec(["true"], timeout=8)
+        finally:
+            resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, resource.prlimit(pid, resource.RLIMIT_NOFILE)[1]))
         r = await sb.exec(["echo", "ok"], timeout=10)
         assert r.stdout == "ok\n"
 
