@@ -5,8 +5,12 @@
  * that touches the mount waits in the kernel, uninterruptibly once the
  * request has reached us, even after SIGKILL: what a hung network file
  * system does. Exits after argv[2] seconds (a bound for a failed test).
+ * With argv[3] "file", every name in the root is a 10-byte regular file
+ * that can be looked up, opened and statfs'd, and it is its READ that is
+ * held.
  */
 #define _GNU_SOURCE
+#include <errno.h>
 #include <fcntl.h>
 #include <linux/fuse.h>
 #include <poll.h>
@@ -21,8 +25,9 @@ static char buf[1 << 20]; /* the kernel wants room for its largest request */
 
 int main(int argc, char **argv)
 {
-    if (argc != 3)
+    if (argc != 3 && argc != 4)
         return 2;
+    int files = argc == 4 && strcmp(argv[3], "file") == 0;
     int fd = open("/dev/fuse", O_RDWR | O_CLOEXEC);
     if (fd < 0) {
         perror("open /dev/fuse");
@@ -50,6 +55,9 @@ int main(int argc, char **argv)
             union {
                 struct fuse_init_out init;
                 struct fuse_attr_out attr;
+                struct fuse_entry_out entry;
+                struct fuse_open_out open;
+                struct fuse_statfs_out statfs;
             } u;
         } out;
         memset(&out, 0, sizeof out);
@@ -61,19 +69,43 @@ int main(int argc, char **argv)
             out.u.init.max_readahead = ii->max_readahead;
             out.u.init.max_write = 4096;
             out.h.len = sizeof out.h + sizeof out.u.init;
-        } else if (in->opcode == FUSE_GETATTR) {
-            out.u.attr.attr.mode = 040755;
-            out.u.attr.attr.ino = 1;
-            out.u.attr.attr.nlink = 2;
+        } else if (in->opcode == FUSE_GETATTR && (in->nodeid == 1 || files)) {
+            int root = in->nodeid == 1;
+            out.u.attr.attr.mode = root ? 040755 : 0100644;
+            out.u.attr.attr.ino = in->nodeid;
+            out.u.attr.attr.nlink = root ? 2 : 1;
+            out.u.attr.attr.size = root ? 0 : 10;
             out.u.attr.attr_valid = 100;
             out.h.len = sizeof out.h + sizeof out.u.attr;
+        } else if (in->opcode == FUSE_LOOKUP && files) {
+            out.u.entry.nodeid = 2;
+            out.u.entry.attr.mode = 0100644;
+            out.u.entry.attr.ino = 2;
+            out.u.entry.attr.nlink = 1;
+            out.u.entry.attr.size = 10;
+            out.u.entry.attr_valid = 100;
+            out.u.entry.entry_valid = 100;
+            out.h.len = sizeof out.h + sizeof out.u.entry;
+        } else if (in->opcode == 52 /* FUSE_STATX, newer than some headers */ && files) {
+            out.h.error = -ENOSYS; /* the kernel asks with GETATTR instead */
+            out.h.len = sizeof out.h;
+        } else if (in->opcode == FUSE_STATFS && files) {
+            out.u.statfs.st.namelen = 255;
+            out.u.statfs.st.bsize = 4096;
+            out.h.len = sizeof out.h + sizeof out.u.statfs;
+        } else if (in->opcode == FUSE_OPEN && files) {
+            out.u.open.fh = 1;
+            out.u.open.open_flags = FOPEN_DIRECT_IO; /* every read reaches us */
+            out.h.len = sizeof out.h + sizeof out.u.open;
         } else {
             printf("holding opcode %u\n", in->opcode);
             fflush(stdout);
             continue; /* never answered */
         }
-        if (write(fd, &out, out.h.len) < 0)
+        if (write(fd, &out, out.h.len) < 0) {
+            printf("reply to opcode %u refused: %m\n", in->opcode);
             break;
+        }
     }
     return 0;
 }

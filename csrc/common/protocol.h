@@ -106,7 +106,7 @@ enum nsbox_stage {
     NSBOX_STAGE_MKDIRS = 6,  /* creating parent directories */
     NSBOX_STAGE_OPEN = 7,    /* opening the file */
     NSBOX_STAGE_HELPER = 8,  /* a process inside stopped or killed nsbox's helper */
-    NSBOX_STAGE_KERNEL_FS = 9, /* OPEN with F_REGULAR: a file of a kernel file system (proc, sysfs...) */
+    NSBOX_STAGE_KERNEL_FS = 9, /* OPEN with F_REGULAR: a file of a kernel file system (proc, sysfs...) or FUSE */
 };
 
 struct nsbox_reply {

@@ -38,12 +38,14 @@ static int make_parents(const char *path)
     return 0;
 }
 
-/* Whether `fd` is a file of a kernel file system. Their files look
- * regular, but many check the credentials of whoever reads or writes, not
- * of whoever opened: the host process, which may hold capabilities the
- * sandbox does not (as host root, a write to /proc/1/autogroup sets a
- * negative nice; one to /proc/PID/oom_score_adj exempts from the OOM
- * killer). Their contents are the sandbox's commands' to move (exec). */
+/* Whether `fd` is a file of a kernel file system, or of FUSE, whose
+ * bytes the host process may not move. Kernel files look regular, but many
+ * check the credentials of whoever reads or writes, not of whoever opened:
+ * the host process, which may hold capabilities the sandbox does not (as
+ * host root, a write to /proc/1/autogroup sets a negative nice; one to
+ * /proc/PID/oom_score_adj exempts from the OOM killer). A FUSE file system
+ * a sandbox process serves may hold the host's read, or the flush of its
+ * close, forever. Their contents are the sandbox's commands' to move. */
 static bool on_kernel_fs(int fd)
 {
     static const unsigned long kinds[] = {
@@ -52,6 +54,7 @@ static bool on_kernel_fs(int fd)
         BINFMTFS_MAGIC, NSFS_MAGIC,
         0x62656570, /* configfs */
         0x65735543, /* fusectl */
+        0x65735546, /* FUSE */
     };
     struct statfs sf;
     if (fstatfs(fd, &sf) < 0)

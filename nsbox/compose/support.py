@@ -144,7 +144,7 @@ SHAPES: dict[str, Any] = {
     "cap_add[]": STR, "cap_drop": (STR, LIST), "security_opt": LIST, "profiles": LIST, "profiles[]": STR,
     "storage_opt": MAP, "secrets": LIST, "secrets[]": (STR, MAP), "configs": LIST, "configs[]": (STR, MAP),
     "x-nsbox": MAP, "labels": (MAP, LIST), "ulimits": MAP, "sysctls": (MAP, LIST),
-    "deploy.resources.reservations.devices": LIST, "deploy.resources.reservations.devices[]": MAP,
+    "deploy.resources.reservations.devices": LIST,
     "deploy.restart_policy": MAP, "network_mode": STR, "restart": (STR, bool),
 }
 

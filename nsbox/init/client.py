@@ -564,7 +564,7 @@ def open_failure(reply: protocol.Reply, path: str, regular: bool) -> OSError:
     if reply.stage == protocol.STAGE_OPEN and err == errno.EINVAL and regular:
         return OSError(errno.EINVAL, "Not a regular file", path)
     if reply.stage == protocol.STAGE_KERNEL_FS:
-        return PermissionError(err, "A file of a kernel file system (/proc, /sys, cgroups): "
+        return PermissionError(err, "A file of a kernel file system (/proc, /sys, cgroups) or of FUSE: "
                                     "read or write it with a command (exec)", path)
     words = _OPEN_STAGES.get(reply.stage)
     return OSError(err, os.strerror(err) + (f" ({words})" if words else ""), path)

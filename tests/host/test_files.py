@@ -129,8 +129,9 @@ async def test_write_through_symlink_stays_inside(sandbox: nsbox.Sandbox, host_s
     assert (await sandbox.exec(["cat", str(host_secret)])).stdout == "overwritten?\n"
     # Parent directories are created inside too, even through a symlinked dir.
     await sandbox.exec(["ln", "-s", str(host_secret.parent), "/root/hostdir"])
-    await sandbox.write_file("/root/hostdir/new/file", "x")
-    assert not (host_secret.parent / "new").exists()
+    new = f"new-{secrets.token_hex(4)}"  # in the host's /tmp: a name no one else has
+    await sandbox.write_file(f"/root/hostdir/{new}/file", "x")
+    assert not (host_secret.parent / new).exists()
 
 
 async def test_dotdot_cannot_climb_out(sandbox: nsbox.Sandbox) -> None:

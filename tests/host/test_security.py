@@ -295,6 +295,45 @@ async def test_a_helper_stuck_in_the_kernel_does_not_stall_pid1(tmp_path: Path) 
             await anyio.sleep(0.05)
 
 
+@pytest.mark.timeout(150)
+async def test_a_fuse_file_stalls_no_one(tmp_path: Path) -> None:
+    """A file on a FUSE file system a sandbox process serves and never
+    answers reads of: read_file refuses it at once. It had held the host's
+    close of the file (FUSE's flush), and so its whole event loop, until the
+    server chose to exit."""
+    components.require("fuse")
+    hold = tmp_path / "fuse_hold"
+    subprocess.run([shutil.which("cc") or "gcc", "-O2", "-static", "-o", str(hold), str(FUSE_HOLD)], check=True,
+                   timeout=60)
+    hold.parent.chmod(0o755)
+    binds = (Bind("/dev/fuse", "/dev/fuse"), Bind(str(tmp_path), "/opt/hold", readonly=True))
+    async with nsbox.Sandbox(nested_userns=True, mounts=binds) as sb:
+        await sb.exec(["mkdir", "/tmp/held"])
+        await sb.spawn(["sh", "-c", "exec /opt/hold/fuse_hold /tmp/held 100 file >/tmp/hold.log 2>&1"])
+        with anyio.fail_after(20):
+            while "mounted" not in (await sb.exec(["cat", "/tmp/hold.log"])).stdout:
+                await anyio.sleep(0.05)
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                await anyio.sleep(0.05)
+                ticks += 1
+
+        start = time.monotonic()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(tick)
+            # (write_file takes the same check; its open here would wait on
+            # the server, held to the open's own bound, off the event loop.)
+            with pytest.raises(PermissionError, match="FUSE") as e:
+                await sb.read_file("/tmp/held/flag")
+            assert e.value.filename == "/tmp/held/flag"
+            await anyio.sleep(0.5)
+            tg.cancel_scope.cancel()
+        assert time.monotonic() - start < 20 and ticks >= 5, "the event loop stood still"
+
+
 # ---- 4. real root's sandboxes --------------------------------------------
 
 
