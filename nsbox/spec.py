@@ -157,8 +157,20 @@ class Tmpfs:
     def parse(cls, spec: str) -> "Tmpfs":
         """TARGET[:OPTIONS], as in `nsbox run --tmpfs` and Docker's: OPTIONS
         are comma-separated, of Tmpfs.OPTIONS."""
+        target, fields, others = cls.split(spec)
+        if others:
+            raise ValueError(f"tmpfs option {others[0]!r} is not supported (nsbox takes {cls.OPTIONS}; "
+                             "every tmpfs is nosuid and nodev)")
+        return cls(target, **fields)  # type: ignore[arg-type]
+
+    @staticmethod
+    def split(spec: str) -> tuple[str, dict[str, object], list[str]]:
+        """TARGET[:OPTIONS] as the target, the fields its options of
+        Tmpfs.OPTIONS set (size as given, mode read as octal), and the
+        options it has beyond them (a compose file's uid=, nr_inodes=...)."""
         target, _, options = spec.partition(":")
         fields: dict[str, object] = {}
+        others = []
         for option in filter(None, options.split(",")):
             name, eq, value = option.partition("=")
             if name == "size" and eq:
@@ -173,9 +185,8 @@ class Tmpfs:
             elif option in ("exec", "noexec"):
                 fields["noexec"] = option == "noexec"
             elif option not in ("nosuid", "nodev"):
-                raise ValueError(f"tmpfs option {option!r} is not supported (nsbox takes {cls.OPTIONS}; "
-                                 "every tmpfs is nosuid and nodev)")
-        return cls(target, **fields)  # type: ignore[arg-type]
+                others.append(option)
+        return target, fields, others
 
 
 # GPU requests (nsbox/plan/gpu.py turns them into binds and environment).

@@ -16,7 +16,7 @@ import shlex
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..spec import Restart, normalize_gpus, parse_size
+from ..spec import Restart, Tmpfs, normalize_gpus, parse_size
 from .errors import ComposeError
 from .hostpaths import HostPaths
 from .model import CONDITIONS, Build, Healthcheck, Mount, Service
@@ -303,25 +303,16 @@ class Reader:
         applies those of spec.Tmpfs and drops the others (uid=, nr_inodes=...)."""
         mounts = []
         for item in self.string_list("tmpfs", value):
-            target, _, opts = item.partition(":")
+            try:
+                target, fields, dropped = Tmpfs.split(item)
+            except ValueError as e:
+                raise self.fail("tmpfs", str(e)) from None
             if not target.startswith("/"):
                 raise self.fail("tmpfs", f"target must be an absolute path in the container, not {target!r}")
-            mount = Mount("tmpfs", target)
-            dropped = []
-            for opt in filter(None, opts.split(",")):
-                k, eq, v = opt.partition("=")
-                if k == "size" and eq:
-                    mount.size = self.size("tmpfs size", v)
-                elif k == "mode" and eq:
-                    mount.mode = self.octal("tmpfs mode", v)
-                elif opt in ("ro", "rw"):
-                    mount.read_only = opt == "ro"
-                elif opt in ("exec", "noexec"):
-                    mount.noexec = opt == "noexec"
-                elif opt not in ("nosuid", "nodev"):
-                    dropped.append(opt)
-            mount.dropped = tuple(dropped)
-            mounts.append(mount)
+            size = None if "size" not in fields else self.size("tmpfs size", fields["size"])
+            mounts.append(Mount("tmpfs", target, read_only=bool(fields.get("readonly", False)), size=size,
+                                mode=fields.get("mode"), noexec=bool(fields.get("noexec", True)),  # type: ignore[arg-type]
+                                dropped=tuple(dropped)))
         return mounts
 
     def ports(self, value: Any) -> list[str]:

@@ -1029,7 +1029,7 @@ def test_yaml_anchors_and_merge_keys(tmp_path):
     ("services: {}\n", "needs a `services` mapping"),
     ("version: '3'\n", "needs a `services` mapping"),
     ("services:\n  s: {image: a, working_dir: app}\n", "service s: working_dir: must be an absolute path"),
-    ("services:\n  s: {image: a, tmpfs: ['/t:mode=rwx']}\n", "expected an octal file mode"),
+    ("services:\n  s: {image: a, tmpfs: ['/t:mode=rwx']}\n", "tmpfs: tmpfs mode must be octal permissions"),
     ("services:\n  s: {image: a, tmpfs: [rel]}\n", "tmpfs: target must be an absolute path in the container"),
     ("services:\n  s: {image: a, init: maybe}\n", "service s: init: expected true or false"),
     ("services: [", "not valid YAML"),
