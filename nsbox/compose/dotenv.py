@@ -54,6 +54,26 @@ def parse(text: str, lookup: Callable[[str], str | None], source: str) -> dict[s
         out[key] = value
 
 
+def parse_raw(text: str, lookup: Callable[[str], str | None], source: str) -> dict[str, str]:
+    """The variables of an env_file in compose's `format: raw`, the format
+    of `docker run --env-file`: KEY=VALUE a line, the value as written (no
+    quotes, no interpolation); a bare KEY takes the environment's value;
+    blank lines and lines starting with # are skipped."""
+    out: dict[str, str] = {}
+    for number, line in enumerate(text.lstrip("\ufeff").splitlines(), 1):
+        line = line.lstrip()
+        if not line or line.startswith("#"):
+            continue
+        key, eq, value = line.partition("=")
+        if not key or any(c.isspace() for c in key):
+            raise ComposeError(f"{source}, line {number}: a variable name cannot be empty or hold a space")
+        if eq:
+            out[key] = value
+        elif (inherited := lookup(key)) is not None:
+            out[key] = inherited
+    return out
+
+
 def _at(source: str, src: str, pos: int) -> str:
     """Where an error is: its line number, never its text (a file named by
     a hostile compose file may be a key or a password file)."""

@@ -552,6 +552,9 @@ def _with_env_files(name: str, svc: dict[str, Any], directory: Path, environ: Ma
     values: dict[str, str] = {}
     for entry in files if isinstance(files, list) else [files]:
         path, required = (entry, True) if not isinstance(entry, dict) else (entry.get("path"), entry.get("required", True))
+        form = entry.get("format") if isinstance(entry, dict) else None
+        if form not in (None, "raw"):
+            raise ComposeError(f"service {name}: env_file {path}: format {form!r} is not one compose knows (raw)")
         full = reader.host_path(reader.string("env_file", path), "env_file")
         text = paths.read_text(full, f"service {name}: env_file")
         if text is None:
@@ -559,7 +562,7 @@ def _with_env_files(name: str, svc: dict[str, Any], directory: Path, environ: Ma
                 raise ComposeError(f"service {name}: env_file {full} not found",
                                    hint="create it, or mark it `required: false`")
             continue
-        values.update(dotenv.parse(text, environ.get, full))
+        values.update((dotenv.parse_raw if form == "raw" else dotenv.parse)(text, environ.get, full))
     own = reader.mapping("environment", svc.get("environment"))
     merged: dict[str, Any] = dict(values)
     for key, value in own.items():

@@ -63,7 +63,7 @@ class Mount:
     size: int | None = None  # tmpfs
     mode: int | None = None  # tmpfs
     noexec: bool = True  # tmpfs: Docker mounts one noexec unless told `exec`
-    dropped: tuple[str, ...] = ()  # tmpfs: options given that nsbox does not apply (a warning says so)
+    dropped: tuple[str, ...] = ()  # options given that nsbox does not apply (a warning says so)
     # bind: the policy of the file that named it (an included file's own
     # directory), checked again when the sandbox is made; None: the project's
     host_paths: "HostPaths | None" = field(default=None, repr=False, compare=False)

@@ -28,6 +28,12 @@ _DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "ms": 1e-3,
 _DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h|d|w)")
 
 
+# What the short volume syntax's MODE may hold (compose-go's): access,
+# SELinux relabelling (no SELinux here: nothing to do), consistency (macOS
+# only), propagation, and a volume's nocopy.
+_PROPAGATION = ("shared", "rshared", "slave", "rslave", "private", "rprivate")
+_VOLUME_OPTIONS = ("ro", "rw", "z", "Z", "nocopy", "cached", "delegated", "consistent", *_PROPAGATION)
+
 # A Go duration is an int64 of nanoseconds.
 _DURATION_MAX = (2**63 - 1) / 1e9
 
@@ -262,8 +268,10 @@ class Reader:
                 raise self.fail("volumes", f"a bind needs a source ({target})")
             create = self.boolean("volumes.bind.create_host_path",
                                   (value.get("bind") or {}).get("create_host_path", False))
+            propagation = str((value.get("bind") or {}).get("propagation") or "rprivate")
             return Mount("bind", target, self.host_path(self.string("volumes.source", source), "volumes"), read_only,
-                         create_host_path=create)
+                         create_host_path=create,
+                         dropped=() if propagation in ("private", "rprivate") else (f"propagation={propagation}",))
         if kind == "volume":
             subpath = (value.get("volume") or {}).get("subpath")
             if subpath is not None:
@@ -290,13 +298,19 @@ class Reader:
         if len(parts) > 3 or not all(parts[:2]):
             raise self.fail("volumes", f"expected SOURCE:TARGET[:MODE], not {spec!r}")
         source, target = parts[0], parts[1]
-        options = parts[2].split(",") if len(parts) == 3 else []
+        options = [o for o in parts[2].split(",") if o] if len(parts) == 3 else []
+        for option in options:
+            if option not in _VOLUME_OPTIONS:
+                raise self.fail("volumes", f"unknown option {option!r} in {spec!r} (known: {', '.join(_VOLUME_OPTIONS)})")
         read_only = "ro" in options
+        # nsbox's binds are private: a propagation other than that is not applied.
+        dropped = tuple(o for o in options if o in _PROPAGATION and o not in ("private", "rprivate"))
         if not target.startswith("/"):
             raise self.fail("volumes", f"target must be an absolute path in the container, not {spec!r}")
         if source[:1] in "./~":
-            return Mount("bind", target, self.host_path(source, "volumes"), read_only, create_host_path=True)
-        return Mount("volume", target, source, read_only)
+            return Mount("bind", target, self.host_path(source, "volumes"), read_only, create_host_path=True,
+                         dropped=dropped)
+        return Mount("volume", target, source, read_only, nocopy="nocopy" in options, dropped=dropped)
 
     def tmpfs(self, value: Any) -> list[Mount]:
         """TARGET[:OPTIONS], Docker's --tmpfs: mount options, of which nsbox

@@ -388,6 +388,10 @@ def mount_warnings(project: Project) -> list[str]:
             if m.dropped:
                 warnings.append(f"service {s.name}: tmpfs {m.target}: options {','.join(m.dropped)} are not applied "
                                 f"(nsbox applies {Tmpfs.OPTIONS})")
+        for m in s.volumes:
+            if m.dropped and m.type != "tmpfs":
+                warnings.append(f"service {s.name}: volume at {m.target}: {','.join(m.dropped)} is not applied "
+                                "(nsbox's binds are private: mounts made under one stay in their sandbox)")
     if any(s.ports for s in project.services.values()):
         warnings.append("ports are published on 127.0.0.1 unless an address is given (Docker: all interfaces)")
     return warnings

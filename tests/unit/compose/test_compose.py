@@ -587,6 +587,40 @@ def test_harmless_keys_are_accepted_and_listed(tmp_path):
                          "security_opt label:disable"]
 
 
+def test_env_file_in_the_raw_format_is_taken_as_written(tmp_path):
+    """compose's `format: raw` (docker run --env-file's): no quotes, no
+    interpolation; a bare name takes the environment's value. It had been
+    read as a dotenv file, quotes and $ processed."""
+    (tmp_path / "raw.env").write_text("# a comment\nJSON='{\"key\": \"value\"}'\nPRICE=$5\n  SPACED=a b \nHOME\n\n")
+    s = one(tmp_path, "image: a\nenv_file: [{path: ./raw.env, format: raw}]\n", {"HOME": "/home/me"})
+    assert s.environment == {"JSON": "'{\"key\": \"value\"}'", "PRICE": "$5", "SPACED": "a b ", "HOME": "/home/me"}
+    assert "format 'yaml' is not one compose knows" in cannot(
+        tmp_path, "services:\n  s: {image: a, env_file: [{path: ./raw.env, format: yaml}]}\n")
+    (tmp_path / "bad.env").write_text("A B=1\n")
+    assert "bad.env, line 1: a variable name cannot" in cannot(
+        tmp_path, "services:\n  s: {image: a, env_file: [{path: ./bad.env, format: raw}]}\n")
+
+
+def test_short_volume_options(tmp_path):
+    """nocopy keeps a volume unseeded, SELinux and consistency options have
+    nothing to do here, a propagation other than private is a warning, and
+    an option compose does not know is an error."""
+    (tmp_path / "d").mkdir()
+    project = load(tmp_path, "services:\n  s:\n    image: a\n    volumes: [\"v:/v:nocopy,ro\", \"./d:/x:z\", "
+                             "\"./d:/y:rshared\", {type: bind, source: ./d, target: /w, bind: {propagation: slave}}]\n"
+                             "volumes: {v: {}}\n")
+    s = project.services["s"]
+    assert [(m.target, m.read_only, m.nocopy, m.dropped) for m in s.volumes] == [
+        ("/v", True, True, ()), ("/x", False, False, ()), ("/y", False, False, ("rshared",)),
+        ("/w", False, False, ("propagation=slave",))]
+    assert [w for w in project.warnings if "is not applied (nsbox's binds are private" in w] == [
+        "service s: volume at /y: rshared is not applied (nsbox's binds are private: mounts made under one stay "
+        "in their sandbox)",
+        "service s: volume at /w: propagation=slave is not applied (nsbox's binds are private: mounts made under "
+        "one stay in their sandbox)"]
+    assert "unknown option 'rx' in './d:/x:rx'" in cannot(tmp_path, "services:\n  s: {image: a, volumes: ['./d:/x:rx']}\n")
+
+
 @pytest.mark.parametrize("service_yaml, policy", [
     ("restart: always", Restart()),
     ("restart: unless-stopped", Restart()),
