@@ -30,6 +30,10 @@ _HOSTNAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,62})?")
 _ENV_NAME = re.compile(r"[^=\0]+")
 
 
+# The largest memory or disk limit a cgroup or tmpfs takes (a signed 64-bit
+# count of bytes), and the kernel's most processes (PID_MAX_LIMIT).
+_BYTES_MAX = 2**63 - 1
+_PIDS_MAX = 4 * 1024 * 1024
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)i?b?\s*", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -416,9 +420,15 @@ class SandboxSpec:
                 object.__setattr__(self, name, parse_size(value, name))  # type: ignore[arg-type]
         if self.memory is not None and self.memory < 6 << 20:
             raise ValueError(f"memory must be at least 6m (as in Docker), not {self.memory}")
+        for name in ("memory", "disk"):  # what a cgroup or a tmpfs takes
+            if (getattr(self, name) or 0) > _BYTES_MAX:
+                raise ValueError(f"{name} must be at most {_BYTES_MAX} bytes (8 EiB), not {getattr(self, name)}")
         if self.pids_limit is not None:
             if isinstance(self.pids_limit, bool) or int(self.pids_limit) != self.pids_limit or self.pids_limit < 1:
                 raise ValueError(f"pids_limit must be a positive whole number, not {self.pids_limit!r}")
+            if self.pids_limit > _PIDS_MAX:
+                raise ValueError(f"pids_limit must be at most {_PIDS_MAX} (the kernel's most processes), "
+                                 f"not {self.pids_limit!r}")
             object.__setattr__(self, "pids_limit", int(self.pids_limit))
         for name in ("strict_limits", "read_only"):
             if not isinstance(getattr(self, name), bool):

@@ -195,7 +195,9 @@ def _settings(limits: ResourceLimits, name: str, version: str) -> list[tuple[str
     if name == "pids_limit":
         return [("pids.max", str(limits.pids_limit), True)]
     assert limits.cpus is not None
-    quota = max(1000, round(limits.cpus * CFS_PERIOD))
+    # More CPUs than the host has is no limit, and a quota past the kernel's
+    # bound (2^44 us) would be refused: capped at the host's CPUs.
+    quota = max(1000, round(min(limits.cpus, os.cpu_count() or 1) * CFS_PERIOD))
     if version == "v1":
         return [("cpu.cfs_period_us", str(CFS_PERIOD), True), ("cpu.cfs_quota_us", str(quota), True)]
     return [("cpu.max", f"{quota} {CFS_PERIOD}", True)]

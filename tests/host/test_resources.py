@@ -247,6 +247,14 @@ async def test_cpus(capfd: pytest.CaptureFixture[str]) -> None:
             assert float(r.stdout) < 0.5, r  # throttled to a quarter of a CPU
         else:
             assert "cpus is not enforced" in capfd.readouterr().err
+    # More CPUs than the host has: no limit, and no quota past the kernel's
+    # bound (a billion had failed the sandbox with EINVAL).
+    async with nsbox.Sandbox(cpus=1e9) as sb:
+        assert (await sb.exec(["true"])).success
+        if by_cgroup("cpus"):
+            _, parent = resources.support().cgroups["cpus"]
+            quota = Path(parent) / f"nsbox-{sb.id}" / "cpu.cfs_quota_us"
+            assert int(quota.read_text()) == (os.cpu_count() or 1) * 100000
 
 
 @pytest.mark.timeout(30)

@@ -32,3 +32,10 @@ def test_limits_refuse_bad_values() -> None:
     for bad in ({"memory": "1m"}, {"pids_limit": 0}, {"cpus": 0}, {"disk": "lots"}, {"strict_limits": "yes"}):
         with pytest.raises(ValueError):
             SandboxSpec(**bad)  # type: ignore[arg-type]
+    # Beyond what a cgroup or tmpfs takes: had failed the sandbox's setup
+    # ("the init exited right after starting") or raised EINVAL from a write.
+    for bad, message in (({"memory": 2**64}, "memory must be at most"), ({"disk": "9000000t"}, "disk must be at most"),
+                         ({"pids_limit": 2**40}, "pids_limit must be at most 4194304")):
+        with pytest.raises(ValueError, match=message):
+            SandboxSpec(**bad)  # type: ignore[arg-type]
+    assert SandboxSpec(memory=2**63 - 1, pids_limit=4194304).pids_limit == 4194304
