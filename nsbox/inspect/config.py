@@ -36,6 +36,8 @@ from ..host.idmap import detect as detect_idmap
 from ..spec import NET, NETWORKS, Bind, SandboxSpec, normalize_gpus, parse_size
 from ..sandbox import confined
 from ..storage.tarball import import_tarball
+from ..compose.hostpaths import HostPaths
+from ..compose.support import HOST_NETWORK_ENV, host_network_granted
 from .compose import is_docker_config
 
 CONFIG_FILES = ["nsbox.yaml", "nsbox.yml"]
@@ -326,14 +328,35 @@ def _load_config(config: SandboxEnvironmentConfigType | None) -> NsboxConfig:
         if not isinstance(data, dict):
             raise NsboxError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
         try:
-            return _absolute_paths(NsboxConfig(**data), path.parent)
+            cfg = _absolute_paths(NsboxConfig(**data), path.parent)
         except ValidationError as e:
             raise NsboxError(f"invalid nsbox configuration {path}:\n{_field_errors(e)}") from None
+        _held_to_a_files_rights(cfg, path)
+        return cfg
     raise NsboxError(f"the nsbox provider takes an NsboxConfig or a YAML file name, not {type(config).__name__}")
 
 
 def _field_errors(e: ValidationError) -> str:
     return "\n".join(f"  {'.'.join(map(str, err['loc'])) or '(top)'}: {err['msg']}" for err in e.errors())
+
+
+def _held_to_a_files_rights(config: NsboxConfig, path: Path) -> None:
+    """A file is an eval suite's, as a compose file is (a sample may name
+    its own): its host paths must lie in its directory (or
+    NSBOX_COMPOSE_PATHS), and the host's network and root are the
+    operator's to grant (docs/security.md, "Inputs")."""
+    paths = HostPaths(path.parent.resolve())
+    for name, spec in [("", config), *((f"sandboxes.{k}.", v) for k, v in (config.sandboxes or {}).items())]:
+        if spec.rootfs != "host":
+            paths.check(spec.rootfs, f"{path}: {name}rootfs")
+        for mount in spec.mounts:
+            paths.check(mount.split(":")[0], f"{path}: {name}mounts: source")
+        if spec.network == "host" and not host_network_granted():
+            raise NsboxError(f"{path}: {name}network: host reaches every service on the host's loopback: yours to "
+                             f"grant, not a file's: set {HOST_NETWORK_ENV}=1 to allow it")
+    if config.id_mapping == "host-root":
+        raise NsboxError(f"{path}: id_mapping: host-root makes sandbox root host root: yours to choose, not a "
+                         "file's: pass NsboxConfig(id_mapping='host-root') from the task's code")
 
 
 def _absolute_paths(config: NsboxConfig, base: Path) -> NsboxConfig:

@@ -136,6 +136,7 @@ def test_eval_with_every_tool(rootfs: str, tmp_path: Path, debian_rootfs: Path, 
     monkeypatch.chdir(tmp_path)  # no nsbox.yaml is discovered by accident
     steps, files = list(E2E_STEPS), dict(E2E_FILES)
     if rootfs == "debian":
+        monkeypatch.setenv("NSBOX_COMPOSE_PATHS", str(debian_rootfs))  # a file's host path, outside its directory
         spec: Any = ("nsbox", write_config(tmp_path, f"rootfs: {debian_rootfs}\n"))
         # The Debian minbase fixture has no python3: the python tool reports
         # that as its output (exit 127), the sample goes on.
@@ -182,7 +183,9 @@ def inspect_entries(task_name: str) -> dict[str, manage.Entry]:
 
 
 def test_no_sandbox_cleanup_keeps_detached_sandboxes(tmp_path: Path, debian_rootfs: Path,
-                                                     capfd: pytest.CaptureFixture[str]) -> None:
+                                                     capfd: pytest.CaptureFixture[str],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NSBOX_COMPOSE_PATHS", str(debian_rootfs))  # a file's host path, outside its directory
     name = f"nsbox_keep_{uuid.uuid4().hex[:8]}"
     script = scripted(KEEP_STEPS)
     task = Task(dataset=[Sample(input="keep-one", target="", id="one"),

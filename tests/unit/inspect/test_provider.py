@@ -11,7 +11,8 @@ from nsbox import NsboxError
 from nsbox.inspect.provider import NsboxConfig, NsboxSandboxEnvironment, load_config
 
 
-def test_yaml_paths_are_relative_to_the_file(tmp_path: Path) -> None:
+def test_yaml_paths_are_relative_to_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NSBOX_COMPOSE_PATHS", str(tmp_path))  # ../ is outside the file's directory
     (tmp_path / "data").mkdir()
     (tmp_path / "cfg").mkdir()
     cfg_file = tmp_path / "cfg" / "nsbox.yaml"
@@ -23,6 +24,42 @@ def test_yaml_paths_are_relative_to_the_file(tmp_path: Path) -> None:
     # Logs store the model as a dict: it must come back the same.
     assert NsboxSandboxEnvironment.config_deserialize(cfg.model_dump()) == cfg
     assert hash(cfg) == hash(NsboxConfig(**cfg.model_dump()))
+
+
+@pytest.mark.parametrize("text, message", [
+    ("mounts: ['/root:/r:ro']\n", "mounts: source /root is outside the project directory"),
+    ("mounts: ['../data:/d']\n", "mounts: source .*/data is outside the project directory"),
+    ("rootfs: /\n", "rootfs / is outside the project directory"),
+    ("sandboxes: {web: {mounts: ['out:/l']}}\n", "sandboxes.web.mounts: source .*/data is outside"),
+    ("network: host\n", "network: host reaches every service on the host's loopback"),
+    ("sandboxes: {web: {network: host}}\n", "sandboxes.web.network: host"),
+    ("id_mapping: host-root\n", "id_mapping: host-root makes sandbox root host root"),
+])
+def test_a_file_is_held_to_an_eval_suites_rights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str,
+                                                 message: str) -> None:
+    """An nsbox.yaml is an eval suite's, as a compose file is (a sample may
+    name one of its own): it had bound any host path, and asked for the
+    host's network and host root. Host paths must lie in its directory
+    (or NSBOX_COMPOSE_PATHS); the host's network and root are the operator's."""
+    monkeypatch.delenv("NSBOX_COMPOSE_PATHS", raising=False)
+    monkeypatch.delenv("NSBOX_COMPOSE_HOST_NETWORK", raising=False)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "out").symlink_to(tmp_path / "data")  # a symlink leading out
+    (tmp_path / "cfg" / "inner").mkdir()
+    (tmp_path / "cfg" / "link").symlink_to("inner")
+    cfg_file = tmp_path / "cfg" / "nsbox.yaml"
+    cfg_file.write_text(text)
+    with pytest.raises(NsboxError, match=message):
+        load_config(str(cfg_file))
+    if "network: host" in text:  # the operator grants it
+        monkeypatch.setenv("NSBOX_COMPOSE_HOST_NETWORK", "1")
+        assert load_config(str(cfg_file)) is not None
+    # What stays inside is fine, and Python code is the task's own.
+    cfg_file.write_text("mounts: ['./link/../link:/l', '.:/cfg']\nrootfs: ./rootfs\n")
+    (tmp_path / "cfg" / "rootfs").mkdir()
+    load_config(str(cfg_file))
+    assert load_config(NsboxConfig(mounts=("/root:/r",), id_mapping="host-root")).mounts == ("/root:/r",)
 
 
 def test_invalid_configuration_names_the_field(tmp_path: Path) -> None:
