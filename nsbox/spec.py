@@ -30,6 +30,10 @@ _HOSTNAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,62})?")
 _ENV_NAME = re.compile(r"[^=\0]+")
 
 
+# Published ports of one sandbox (or compose sample): each listens on a port
+# of the host's, taken from the ephemeral range (28,232 by default) that
+# every outgoing connection of the host draws from.
+MAX_PORTS = 256
 # The largest memory or disk limit a cgroup or tmpfs takes (a signed 64-bit
 # count of bytes), and the kernel's most processes (PID_MAX_LIMIT).
 _BYTES_MAX = 2**63 - 1
@@ -267,6 +271,9 @@ def _check_network(spec: "SandboxSpec") -> None:
     if spec.allow and spec.network != "proxy":
         raise ValueError(f"allow applies to the proxy network mode, not to {spec.network!r}")
     Allowlist(spec.allow)  # raises ValueError naming a bad entry
+    if len(spec.ports) > MAX_PORTS:
+        raise ValueError(f"at most {MAX_PORTS} ports may be published by one sandbox, not {len(spec.ports)}: each "
+                         "takes a port of the host's, from the range every outgoing connection of the host uses")
     ports = tuple(str(PortSpec.parse(p)) for p in spec.ports)
     if ports and spec.network == "host":
         raise ValueError("ports cannot be published with network 'host': the sandbox already uses the host's ports")

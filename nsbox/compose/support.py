@@ -25,7 +25,7 @@ import os
 from typing import Any, Literal
 
 from ..net.hosts import check_name
-from ..spec import SandboxSpec, Tmpfs
+from ..spec import MAX_PORTS, SandboxSpec, Tmpfs
 from .errors import ComposeError
 from .model import Project, Service
 
@@ -378,7 +378,27 @@ def check_references(project: Project) -> list[str]:
                 check_name(name)
             except ValueError as e:
                 raise ComposeError(f"service {service}: {e}") from None
+    _check_shared_resources(project)
     return warnings
+
+
+# A sample's networks: each takes one of the 254 subnets, and a helper
+# process, that every sample of this process shares.
+MAX_NETWORKS = 32
+
+
+def _check_shared_resources(project: Project) -> None:
+    """What a sample takes of what the host or the other samples share is
+    bounded: its published ports (the host's ephemeral range, from which
+    every outgoing connection of the host draws) and its networks."""
+    ports = sum(len(s.ports) for s in project.services.values())
+    if ports > MAX_PORTS:
+        raise ComposeError(f"the services publish {ports} ports, more than the {MAX_PORTS} a sample may: each "
+                           "takes a port of the host's, from the range its outgoing connections use")
+    used = {net for s in project.services.values() for net in s.networks}
+    if len(used) > MAX_NETWORKS:
+        raise ComposeError(f"the services use {len(used)} networks, more than the {MAX_NETWORKS} a sample may: "
+                           "each takes one of the 254 subnets all samples of this process share")
 
 
 def mount_warnings(project: Project) -> list[str]:

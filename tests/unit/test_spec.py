@@ -39,3 +39,7 @@ def test_limits_refuse_bad_values() -> None:
         with pytest.raises(ValueError, match=message):
             SandboxSpec(**bad)  # type: ignore[arg-type]
     assert SandboxSpec(memory=2**63 - 1, pids_limit=4194304).pids_limit == 4194304
+    # Each published port takes one of the host's ephemeral ports: bounded.
+    with pytest.raises(ValueError, match="at most 256 ports may be published"):
+        SandboxSpec(network="nat", ports=[f"0:{p}" for p in range(1, 258)])
+    assert len(SandboxSpec(network="nat", ports=[f"0:{p}" for p in range(1, 257)]).ports) == 256

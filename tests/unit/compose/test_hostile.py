@@ -322,6 +322,7 @@ def test_variables_that_double_are_bounded(proj: Path) -> None:
 @pytest.mark.parametrize("service, match", [
     ("ports: ['1-30000000']", "a port is a number up to 65535"),
     ("ports: ['99999:99999']", "a port is a number up to 65535"),
+    ("ports: ['1-28232']", "publish 28232 ports, more than the 256 a sample may"),  # the host's whole ephemeral range
     ("deploy: {resources: {reservations: {devices: 5}}}", "devices: 5 is not a list"),
     ("secrets: [{source: s, target: 5}]", "source and target must be strings"),
     ("secrets: [{source: [1]}]", "source and target must be strings"),
@@ -344,6 +345,18 @@ def test_bad_values_are_compose_errors_when_the_file_is_read(proj: Path, service
         load_project(compose(proj, f"services:\n  s:\n    image: a\n    {service}\n"
                                    "secrets: {s: {file: ./f}}\n"), environ={})
     assert time.monotonic() - start < 20
+
+
+def test_a_sample_takes_a_bounded_share_of_the_processs_networks(proj: Path) -> None:
+    """Each network takes one of the 254 subnets every sample of the process
+    shares: 260 networks had left none to the other samples."""
+    def text(count: int) -> str:
+        nets = [f"n{i}" for i in range(count)]
+        return ("services: {s: {image: a, networks: [" + ", ".join(nets) + "]}}\nnetworks: {"
+                + ", ".join(f"{n}: {{}}" for n in nets) + "}\n")
+    with pytest.raises(ComposeError, match="use 33 networks, more than the 32 a sample may"):
+        load_project(compose(proj, text(33)), environ={})
+    load_project(compose(proj, text(32)), environ={})
 
 
 def test_what_every_sample_would_refuse_is_found_without_a_sample(proj: Path) -> None:
