@@ -20,7 +20,7 @@ enum nsbox_step_kind {
     NSBOX_STEP_SYMLINK = 6,     /* symlink a at b; an existing link is replaced */
     NSBOX_STEP_PIVOT = 7,       /* make b the root; the old root is detached */
     NSBOX_STEP_HOSTNAME = 8,    /* sethostname(a) */
-    NSBOX_STEP_LOOPBACK_UP = 9, /* bring up "lo" in the new network namespace; write "0" to a, if given */
+    NSBOX_STEP_LOOPBACK_UP = 9, /* bring up "lo" in the new network namespace; write "0" to a, c to b, if given */
     NSBOX_STEP_REMOUNT = 10,    /* mount(NULL, b, NULL, MS_REMOUNT | flags, NULL) */
     NSBOX_STEP_BECOME_ROOT = 11, /* setresgid/setresuid(0): become the namespace's root */
     NSBOX_STEP_PATH_FD = 12,    /* open a as O_PATH at descriptor NSBOX_PATH_FD_BASE + slot */

@@ -53,6 +53,22 @@ static void report(int fd, int step, int err)
     (void)r;
 }
 
+/* Writes a sysctl of the sandbox's own namespaces; a /proc/sys made
+ * read-only outside (a procfs bound from a container's) leaves the
+ * kernel's default. */
+static int write_sysctl(const char *path, const char *value)
+{
+    int fd = open(path, O_WRONLY | O_CLOEXEC | O_NOFOLLOW);
+    if (fd < 0)
+        return errno == EROFS ? 0 : -1;
+    size_t len = strlen(value);
+    int r = write(fd, value, len) == (ssize_t)len ? 0 : -1;
+    int err = errno;
+    close(fd);
+    errno = err;
+    return r;
+}
+
 static int run_step(const struct nsbox_step *s, int *slots)
 {
     switch (s->kind) {
@@ -181,15 +197,12 @@ static int run_step(const struct nsbox_step *s, int *slots)
         /* Every user may bind any port, as in Docker: the namespace is the
          * sandbox's alone. Only its owner (us, root of the user namespace
          * that owns it) may say so; sandbox processes live in a nested
-         * user namespace. A /proc/sys made read-only outside (a procfs
-         * bound from a container's) leaves the kernel's default. */
-        fd = open(s->a, O_WRONLY | O_CLOEXEC | O_NOFOLLOW);
-        if (fd < 0)
-            return errno == EROFS ? 0 : -1;
-        r = write(fd, "0", 1) == 1 ? 0 : -1;
-        err = errno;
-        close(fd);
-        errno = err;
+         * user namespace. */
+        r = write_sysctl(s->a, "0");
+        /* And, as Docker sets it, every group may send ICMP echo without a
+         * raw socket (ping): net.ipv4.ping_group_range, b, set to c. */
+        if (r == 0 && s->b && s->c)
+            r = write_sysctl(s->b, s->c);
         return r;
     }
 

@@ -96,12 +96,15 @@ RUNTIMES = (None, "runc", "nvidia")
 # sandbox's own namespaces (or Docker grants by default): cap_add is a no-op.
 NAMESPACED_CAPS = frozenset({
     "CHOWN", "DAC_OVERRIDE", "DAC_READ_SEARCH", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID",
-    "SETPCAP", "SETFCAP", "NET_BIND_SERVICE", "NET_BROADCAST", "NET_RAW", "SYS_CHROOT", "SYS_PTRACE",
+    "SETPCAP", "SETFCAP", "NET_BIND_SERVICE", "NET_BROADCAST", "SYS_CHROOT", "SYS_PTRACE",
     "MKNOD", "AUDIT_WRITE", "IPC_OWNER", "LEASE", "CHECKPOINT_RESTORE",
 })
 APPROXIMATE_CAPS = {
     "SYS_ADMIN": "granted as nested_userns (mounts and namespaces inside the sandbox), not the host's SYS_ADMIN",
-    "NET_ADMIN": "applies to the service's network namespace (in the pod mode, the one all services share)",
+    "NET_RAW": "raw sockets are not granted (the service's network namespace is nsbox's); ping works, through "
+               "ICMP echo sockets, as for every user",
+    "NET_ADMIN": "not granted: the service's network namespace is nsbox's, so commands that configure it "
+                 "(ip addr, ip route, iptables) fail with 'Operation not permitted'",
 }
 # Any other capability (SYS_MODULE, SYS_TIME, SYS_RAWIO, SYS_BOOT, SYS_NICE,
 # IPC_LOCK, SYS_RESOURCE, BPF, PERFMON, ALL, ...) needs real privilege.

@@ -300,4 +300,4 @@ def contribute_network(plan: Plan, network: str) -> None:
         plan.namespaces.discard("CLONE_NEWUSER")
         return
     plan.namespaces.add("CLONE_NEWNET")
-    plan.add(Phase.INSIDE, steps.loopback_up())
+    plan.add(Phase.INSIDE, steps.loopback_up(plan.idmap.size))

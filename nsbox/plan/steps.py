@@ -126,12 +126,16 @@ def become_root() -> Step:
 # Ports below it need CAP_NET_BIND_SERVICE over the network namespace's owner,
 # which sandbox processes (in a nested user namespace) never have.
 UNPRIVILEGED_PORT_START = "/proc/sys/net/ipv4/ip_unprivileged_port_start"
+PING_GROUP_RANGE = "/proc/sys/net/ipv4/ping_group_range"
 
 
 @functools.cache
-def loopback_up() -> Step:
-    """Brings up lo, and lets every user of the sandbox bind any port of
-    its own network namespace (net.ipv4.ip_unprivileged_port_start=0, as
-    Docker and podman set it): after pivot_root, in the sandbox's /proc."""
-    return Step(Kind.LOOPBACK_UP, "bring up the loopback interface and open ports below 1024 to every user",
-                a=UNPRIVILEGED_PORT_START)
+def loopback_up(groups: int) -> Step:
+    """Brings up lo, lets every user of the sandbox bind any port of its
+    own network namespace (net.ipv4.ip_unprivileged_port_start=0) and
+    send ICMP echo (net.ipv4.ping_group_range, for ping without a raw
+    socket, which sandbox root cannot open: the namespace is nsbox's), as
+    Docker sets them, for the `groups` gids the sandbox maps (the kernel
+    takes no unmapped one): after pivot_root, in the sandbox's /proc."""
+    return Step(Kind.LOOPBACK_UP, "bring up the loopback interface, open ports below 1024 and ping to every user",
+                a=UNPRIVILEGED_PORT_START, b=PING_GROUP_RANGE, c=f"0 {groups - 1}")

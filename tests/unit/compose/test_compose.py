@@ -652,7 +652,8 @@ def test_bad_restart_policies_are_named(tmp_path, service_yaml, error):
 
 @pytest.mark.parametrize("service_yaml, warning", [
     ("cap_drop: [ALL]", "cap_drop is not enforced"),
-    ("cap_add: [NET_ADMIN]", "cap_add NET_ADMIN: applies to the service's network namespace (in the pod mode"),
+    ("cap_add: [NET_ADMIN]", "cap_add NET_ADMIN: not granted: the service's network namespace is nsbox's"),
+    ("cap_add: [NET_RAW]", "cap_add NET_RAW: raw sockets are not granted"),
     ("cap_add: [SYS_ADMIN]", "granted as nested_userns"),
     ("security_opt: [no-new-privileges:true]", "no-new-privileges is not set"),
     ("security_opt: [seccomp:unconfined]", "nsbox keeps its own seccomp deny-list"),
