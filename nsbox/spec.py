@@ -433,6 +433,8 @@ class SandboxSpec:
         if self.pids_limit is not None:
             if isinstance(self.pids_limit, bool) or int(self.pids_limit) != self.pids_limit or self.pids_limit < 1:
                 raise ValueError(f"pids_limit must be a positive whole number, not {self.pids_limit!r}")
+            if self.pids_limit < 2:
+                raise ValueError("pids_limit must be at least 2 (the sandbox's init takes one)")
             if self.pids_limit > _PIDS_MAX:
                 raise ValueError(f"pids_limit must be at most {_PIDS_MAX} (the kernel's most processes), "
                                  f"not {self.pids_limit!r}")

@@ -202,7 +202,17 @@ async def launch(plan: Plan, launched: Launched, *, sandbox_id: str, socket_path
                 if zygote_goes:  # else after the hooks
                     zygote.go(go_w)
         with reply:
-            await fdwait.readable(reply.fileno())
+            try:
+                await fdwait.readable(reply.fileno())
+            except BaseException:
+                # Cancelled: the process may run already (the zygote gives
+                # it its go when there are no hooks). Its pid, read still,
+                # is what lets the caller end it; else it would live on,
+                # found by nothing, until this process exits.
+                with anyio.CancelScope(shield=True), anyio.move_on_after(REPLY_WAIT):
+                    await fdwait.readable(reply.fileno())
+                    _note_pid(reply, launched)
+                raise
             try:
                 launched.pid, launched.pidfd = zygote.read_spawn_reply(reply)
             except zygote.IdMapError as e:
@@ -233,6 +243,22 @@ async def launch(plan: Plan, launched: Launched, *, sandbox_id: str, socket_path
     if report:
         step, err = struct.unpack("=ii", report[:8])
         raise setup_error(plan, step, err, layer)
+
+
+# How long a cancelled launch still waits for the zygote's reply (sent
+# right after the clone): the pid of what it made.
+REPLY_WAIT = 5.0
+
+
+def _note_pid(reply: socket.socket, launched: Launched) -> None:
+    """The spawned process's pid (and pidfd) into `launched`, if the reply
+    names one."""
+    try:
+        launched.pid, launched.pidfd = zygote.read_spawn_reply(reply)
+    except zygote.IdMapError as e:
+        launched.pid = e.pid
+    except OSError:
+        pass  # nothing was made
 
 
 async def _setup_alongside(hooks: list[ParentHook], pid: int, err_r: int) -> bytes:

@@ -593,4 +593,10 @@ def failed_start(failure: protocol.Reply, command: str, workdir: str) -> ExecRes
                              f"that does not answer, say) and was killed")
         raise NsboxError(f"a process inside the sandbox stopped or killed nsbox's helper while it was "
                          f"starting {command!r}; the helper was killed")
+    if failure.stage == protocol.STAGE_SPAWN and err in (errno.EAGAIN, errno.ENOMEM):
+        # The sandbox's own processes or memory are used up (pids_limit,
+        # memory): the command's failure, which its caller (a model) can
+        # read and act on, as Docker reports a fork that fails in its exec.
+        return ExecResult(False, 126, "", f"nsbox: cannot start {command}: {reason} (the sandbox's "
+                                          f"{'process' if err == errno.EAGAIN else 'memory'} limit may be reached)\n")
     raise NsboxError(f"the sandbox could not start {command!r}: {reason}")

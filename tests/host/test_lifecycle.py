@@ -107,6 +107,28 @@ async def test_create_destroy_loop_leaves_nothing(mode: str) -> None:
     assert {c.pid for c in me.children(recursive=True)} == before_children  # nothing unreaped
 
 
+async def test_a_cancelled_create_leaves_nothing() -> None:
+    """Cancelled at every moment of its making (here: each few tenths of a
+    millisecond), a sandbox without limits, whose process the zygote lets
+    go on by itself, had been left running, found by nothing: no live entry,
+    its layer mounted, until this process exited."""
+    async with nsbox.Sandbox():  # the zygote (and holder) outlive the loop: start them first
+        pass
+    before = host_state()
+    me = psutil.Process()
+    before_children = {c.pid for c in me.children(recursive=True)}
+    for i in range(40):
+        with anyio.move_on_after(0.0002 * (i % 10)):
+            sb = await nsbox.Sandbox.create()
+            await sb.close()
+    deadline = time.monotonic() + 10
+    while {c.pid for c in me.children(recursive=True)} != before_children and time.monotonic() < deadline:
+        await anyio.sleep(0.05)
+    left = [(c.pid, c.name()) for c in me.children(recursive=True) if c.pid not in before_children]
+    assert left == [], "cancelled creates left processes"
+    assert host_state() == before
+
+
 async def test_daemons_die_with_the_sandbox(sandbox: nsbox.Sandbox) -> None:
     await sandbox.exec(["sh", "-c", ESCAPERS])
     ns = pidns(sandbox.pid)

@@ -232,6 +232,36 @@ async def test_fork_bomb_stays_inside_its_limit(capfd: pytest.CaptureFixture[str
         assert "pids_limit is approximated by RLIMIT_NPROC" in capfd.readouterr().err
 
 
+# Forks until fork fails, every process kept.
+FILL = "import os, time\nwhile True:\n  try:\n    os.fork() or time.sleep(1000)\n  except OSError:\n    break\nprint('full', flush=True)\ntime.sleep(1000)"
+
+
+@pytest.mark.timeout(60)
+async def test_a_command_that_cannot_start_in_a_full_sandbox_is_a_failed_result() -> None:
+    """With every process slot taken (by the model's own commands), the next
+    command fails as a result the caller (a model) reads, exit status 126,
+    as Docker reports it: it had been an exception that failed the sample."""
+    async with nsbox.Sandbox(pids_limit=20) as sb:
+        filler = await sb.start_process(["python3", "-c", FILL])
+        with anyio.fail_after(20):
+            async for event in filler:
+                if b"full" in getattr(event, "data", b""):
+                    break
+        r = await sb.exec(["ls"])
+        assert (r.returncode, r.success) == (126, False), r
+        assert "nsbox: cannot start ls: Resource temporarily unavailable (the sandbox's process limit" in r.stderr
+        await filler.kill()
+        with anyio.fail_after(20):  # its children go with the sandbox's next breath
+            while not (await sb.exec(["true"])).success:
+                await sb.exec(["pkill", "-f", "import os, time"])
+                await anyio.sleep(0.1)
+
+
+def test_a_pids_limit_below_two_is_refused() -> None:
+    with pytest.raises(ValueError, match="pids_limit must be at least 2 .the sandbox's init takes one."):
+        nsbox.SandboxSpec(pids_limit=1)
+
+
 # Spins for 1 s of wall time; prints the CPU time it got.
 SPIN = "import time\nt = time.monotonic()\nwhile time.monotonic() - t < 1: pass\nprint(time.process_time())"
 
