@@ -114,7 +114,7 @@ class Bind:
 
     def __post_init__(self) -> None:
         check_target("bind", self.target)
-        # Resolved now, once: the sandbox is then made from this path with no
+        # Resolved now: the sandbox is then made from this path with no
         # symlink followed, so one swapped in since (by a sandbox writing
         # where the source lies) fails its creation instead of leading
         # elsewhere (nsbox/plan/mounts.py).
@@ -123,15 +123,29 @@ class Bind:
             raise SandboxSetupError(f"bind source {self.source} does not exist")
 
     @classmethod
-    def parse(cls, spec: str) -> "Bind":
-        """SOURCE:TARGET[:ro|:rw], as in `nsbox run -v`."""
+    def exact(cls, source: str, target: str, readonly: bool = False) -> "Bind":
+        """A Bind of `source` as it was resolved and checked before (a
+        compose or nsbox.yaml file's host path, for every sample): one that
+        resolves elsewhere now, a symlink put in it since by a sandbox
+        writing there, is refused rather than resolved again."""
+        bind = cls(source, target, readonly)
+        if bind.source != os.path.abspath(source):
+            raise SandboxSetupError(f"bind source {source} now leads to {bind.source}: a symlink was put in it "
+                                    "since it was checked, and is not followed")
+        return bind
+
+    @classmethod
+    def parse(cls, spec: str, *, exact: bool = False) -> "Bind":
+        """SOURCE:TARGET[:ro|:rw], as in `nsbox run -v`; with `exact`, a
+        SOURCE resolved before (see Bind.exact)."""
         parts = spec.split(":")
         mode = "rw"
         if len(parts) == 3 and parts[2] in ("ro", "rw"):
             mode = parts.pop()
         if len(parts) != 2 or not parts[0] or not parts[1]:
             raise ValueError(f"expected SOURCE:TARGET[:ro], got {spec!r}")
-        return cls(os.path.abspath(os.path.expanduser(parts[0])), parts[1], readonly=mode == "ro")
+        make = cls.exact if exact else cls
+        return make(os.path.abspath(os.path.expanduser(parts[0])), parts[1], readonly=mode == "ro")
 
 
 @dataclass(frozen=True)

@@ -135,4 +135,5 @@ def _bind(service: Service, project: Project, m: Mount, volume_root: Path | None
                                hint="pass volume_root to service_spec")
         source = volume_dir(service, m, index, Path(volume_root)) / (m.subpath or "")
         source.mkdir(parents=True, exist_ok=True)
-    return Bind(str(source), _target(m), readonly=m.read_only)
+    # As checked (a bind) or made (a volume) here: not resolved again.
+    return Bind.exact(str(source), _target(m), readonly=m.read_only)

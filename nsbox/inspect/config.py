@@ -148,8 +148,13 @@ class SandboxSettings(BaseModel):
         return self
 
     def spec(self, **changes: Any) -> SandboxSpec:
-        """The SandboxSpec of these settings; `changes` replace or add fields."""
-        return SandboxSpec(**{**{name: getattr(self, name) for name in SandboxSettings.model_fields}, **changes})
+        """The SandboxSpec of these settings; `changes` replace or add fields.
+        The mounts' sources were resolved (and a file's checked) when the
+        configuration was read: each sample takes them as they were then."""
+        fields = {name: getattr(self, name) for name in SandboxSettings.model_fields}
+        if "mounts" not in changes:
+            fields["mounts"] = tuple(Bind.parse(m, exact=True) for m in self.mounts)
+        return SandboxSpec(**{**fields, **changes})
 
     def __hash__(self) -> int:  # Inspect keeps configs in sets; dict fields are not hashable
         return hash(self.model_dump_json())

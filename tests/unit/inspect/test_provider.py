@@ -8,6 +8,8 @@ import pytest
 from pydantic import ValidationError
 
 from nsbox import NsboxError
+from nsbox.errors import SandboxSetupError
+from nsbox.spec import Bind
 from nsbox.inspect.provider import NsboxConfig, NsboxSandboxEnvironment, load_config
 
 
@@ -60,6 +62,25 @@ def test_a_file_is_held_to_an_eval_suites_rights(tmp_path: Path, monkeypatch: py
     (tmp_path / "cfg" / "rootfs").mkdir()
     load_config(str(cfg_file))
     assert load_config(NsboxConfig(mounts=("/root:/r",), id_mapping="host-root")).mounts == ("/root:/r",)
+
+
+def test_a_mount_a_sandbox_turned_into_a_symlink_is_not_resolved_again(tmp_path: Path) -> None:
+    """The configuration is read once, its sources resolved and checked
+    then; every sample's sandbox is made from it. One sample's sandbox, given
+    ./data writable, swaps data/sub for a symlink to /: the next sample had
+    resolved the source again, and bound the host's /."""
+    (tmp_path / "data" / "sub").mkdir(parents=True)
+    cfg_file = tmp_path / "nsbox.yaml"
+    cfg_file.write_text("mounts: ['./data:/data', './data/sub:/sub']\n")
+    cfg = load_config(str(cfg_file))
+    assert [b.source for b in cfg.spec().mounts] == [str(tmp_path / "data"), str(tmp_path / "data" / "sub")]
+    (tmp_path / "data" / "sub").rmdir()  # what the first sample's sandbox does through /data
+    (tmp_path / "data" / "sub").symlink_to("/")
+    with pytest.raises(SandboxSetupError, match="now leads to /: a symlink was put in it since it was checked"):
+        cfg.spec()
+    with pytest.raises(SandboxSetupError, match="now leads to /"):
+        Bind.exact(str(tmp_path / "data" / "sub"), "/sub")  # compose's binds are made so too
+    assert Bind(str(tmp_path / "data" / "sub"), "/sub").source == "/"  # the API's: resolved, as Docker does
 
 
 def test_invalid_configuration_names_the_field(tmp_path: Path) -> None:
