@@ -560,17 +560,25 @@ static bool will_restart(struct job *j, int code)
 }
 
 /* Starts a waiting command again, in a forked child. Its run reports to no
- * one: the host heard it start the first time, and hears its last exit. */
+ * one: the host heard it start the first time, and hears its last exit.
+ * It has a start pipe, as a first run has, so that a helper a sandbox
+ * process stops before its exec is killed (reap), not left holding copies
+ * of our descriptors. */
 static void start_again(struct job *j)
 {
     struct restart *r = j->restart;
     struct request rq = {.h = r->h};
     int fds[1 + 4] = {-1};
     memcpy(fds + 1, r->fds, (size_t)r->nfds * sizeof *fds);
-    pid_t pid = fork();
+    int start[2] = {-1, -1};
+    pid_t pid = pipe2(start, O_CLOEXEC | O_NONBLOCK) < 0 ? -1 : fork();
     if (pid == 0)
-        request_child(&rq, r->payload, fds, 1 + r->nfds, -1);
-    if (pid < 0) { /* no process to be had now (a pids limit): as a run that failed at once */
+        request_child(&rq, r->payload, fds, 1 + r->nfds, start[1]);
+    if (start[1] >= 0)
+        close(start[1]);
+    if (pid < 0) { /* no process or pipe to be had now (a pids limit): as a run that failed at once */
+        if (start[0] >= 0)
+            close(start[0]);
         clock_gettime(CLOCK_MONOTONIC, &r->started);
         will_restart(j, j->code);
         return;
@@ -578,6 +586,8 @@ static void start_again(struct job *j)
     r->restarts++;
     clock_gettime(CLOCK_MONOTONIC, &r->started);
     j->pid = pid;
+    j->start = start[0];
+    j->stopped = false;
     j->rerun = true;
 }
 
@@ -631,6 +641,8 @@ static void settle_start(struct job *j)
         return;
     close(j->start);
     j->start = -1;
+    if (j->rerun)
+        return; /* a restart's run: its exit is what counts (will_restart) */
     if (j->stopped || n == (ssize_t)sizeof f)
         drop_restart(j); /* it did not start: nothing to run again */
     if (j->chan < 0)

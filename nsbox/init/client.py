@@ -265,20 +265,28 @@ class InitClient:
                     except BlockingIOError:
                         pass
                     except OSError as e:
-                        if last or e.errno not in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN):
+                        closed = e.errno in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN)
+                        if last or not closed:
+                            if closed:  # the next request connects again
+                                self._drop(ctl)
                             raise self._send_failed(e) from None
                         break
                     async with self._room_wait:
                         await anyio.wait_writable(ctl)
             finally:
                 self._let_go()
-            with IDLE.lock:
-                if self._ctl is ctl:
-                    self._ctl = None
-                    if self._busy:
-                        self._dropped.append(ctl)  # closed once its other users let go (_let_go)
-                    else:
-                        ctl.close()
+            self._drop(ctl)
+
+    def _drop(self, ctl: socket.socket) -> None:
+        """Forgets a connection the init closed: closed now, or once its
+        other users let go of it (_let_go)."""
+        with IDLE.lock:
+            if self._ctl is ctl:
+                self._ctl = None
+                if self._busy:
+                    self._dropped.append(ctl)
+                else:
+                    ctl.close()
 
     def _send_failed(self, e: OSError) -> OSError | NsboxError:
         if e.errno in (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.EBADF):

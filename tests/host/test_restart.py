@@ -147,3 +147,47 @@ def test_policies_parse_as_dockers() -> None:
             Restart.parse(bad)
     with pytest.raises(ValueError, match="whole number"):
         Restart(limit=0)
+
+
+# Stops the first helper of the init's it sees (a forked nsbox-init, child
+# of process 1, not yet the command), as sandbox root may: it has the init's ids.
+STOPPER = r"""
+import os, signal, time
+end = time.time() + 20
+while time.time() < end:
+    for p in os.listdir("/proc"):
+        if not p.isdigit() or p == "1":
+            continue
+        try:
+            stat = open(f"/proc/{p}/stat").read()
+        except OSError:
+            continue
+        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        if name == "nsbox-init" and rest[1] == "1":
+            try:
+                os.kill(int(p), signal.SIGSTOP)
+            except OSError:
+                continue
+            print("stopped", flush=True)
+            raise SystemExit
+"""
+
+
+@pytest.mark.timeout(120)
+async def test_a_restarts_helper_a_sandbox_process_stops_is_killed() -> None:
+    """The init's helper of a restart runs as a sandbox user until its exec;
+    stopped then, it had been left so for good, holding copies of the
+    init's descriptors, and the policy had ended without a word. Now it is
+    killed, as a first run's is, and the command runs again."""
+    async with nsbox.Sandbox() as sb:
+        await sb.spawn([*COUNTING, "1"], restart="always")
+        stopper = await sb.start_process(["python3", "-c", STOPPER])
+        result = await stopper.wait()
+        if "stopped" not in result.stdout:
+            pytest.fail("the stopper saw no helper of the init's in 20 s")
+        runs = await _runs(sb)
+        with anyio.fail_after(70):  # the next wait may be up to a minute (Docker's)
+            while await _runs(sb) < runs + 1:
+                await anyio.sleep(0.1)
+        r = await sb.exec(["ps", "-eo", "stat=,comm="])
+        assert not [line for line in r.stdout.splitlines() if line.split()[0].startswith("T")], r.stdout
