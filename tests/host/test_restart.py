@@ -166,7 +166,15 @@ while time.time() < end:
         if name == "nsbox-init" and rest[1] == "1":
             try:
                 os.kill(int(p), signal.SIGSTOP)
+                for _ in range(1000):  # the stop takes effect when it next runs
+                    stat = open(f"/proc/{p}/stat").read()
+                    if stat[stat.rindex(")") + 2] in "Tt":
+                        break
+                    time.sleep(0.001)
             except OSError:
+                continue
+            if stat[stat.index("(") + 1:stat.rindex(")")] != "nsbox-init":  # it was the command by then
+                os.kill(int(p), signal.SIGCONT)
                 continue
             print("stopped", flush=True)
             raise SystemExit
