@@ -25,6 +25,18 @@ async def _runs(sb: nsbox.Sandbox) -> int:
     return int(r.stdout)
 
 
+async def _last_exit(sb: nsbox.Sandbox, cmd: list[str], restart: Restart) -> int | None:
+    """Starts `cmd` watched under `restart`; the status of the exit after
+    which it is not restarted."""
+    chan = await sb.spawn(cmd, watch=True, restart=restart)
+    assert chan is not None
+    try:
+        reply = await chan.next_reply(20)
+    finally:
+        chan.close()
+    return None if reply is None else reply.code
+
+
 async def _sleepers(sb: nsbox.Sandbox) -> list[list[str]]:
     """Session id and uid of each `sleep 1000` of the sandbox."""
     r = await sb.exec(["ps", "-eo", "sid=,uid=,args="])
@@ -44,13 +56,7 @@ async def test_on_failure_runs_until_success_and_the_host_hears_all_of_it() -> N
 
 async def test_a_limit_counts_restarts_and_the_last_exit_is_reported() -> None:
     async with nsbox.Sandbox() as sb:
-        chan = await sb.spawn([*COUNTING, "7"], watch=True, restart=Restart(on_failure=True, limit=2))
-        assert chan is not None
-        try:
-            reply = await chan.next_reply(20)
-        finally:
-            chan.close()
-        assert reply is not None and reply.code == 7
+        assert await _last_exit(sb, [*COUNTING, "7"], Restart(on_failure=True, limit=2)) == 7
         assert await _runs(sb) == 3  # the first run and two restarts
 
 
@@ -128,14 +134,8 @@ async def test_a_command_that_cannot_start_is_not_restarted() -> None:
         # A later run that cannot start (its file gone) is an exit as any
         # other, restarted on the policy's terms: here, no more than 2 times.
         await sb.exec(["cp", "/bin/true", "/tmp/cmd"])
-        chan = await sb.spawn(["sh", "-c", "rm /tmp/cmd; exec /tmp/cmd"], watch=True,
-                              restart=Restart(on_failure=True, limit=2))
-        assert chan is not None
-        try:
-            reply = await chan.next_reply(20)
-        finally:
-            chan.close()
-        assert reply is not None and reply.code == 127
+        vanishing = ["sh", "-c", "rm /tmp/cmd; exec /tmp/cmd"]
+        assert await _last_exit(sb, vanishing, Restart(on_failure=True, limit=2)) == 127
 
 
 def test_policies_parse_as_dockers() -> None:
