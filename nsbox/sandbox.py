@@ -359,7 +359,7 @@ class Sandbox:
         """Lets the sandbox outlive this process; `nsbox rm` ends it later."""
         await self.client.detach()
         self._detached = True
-        netmodes.warn_detached(self.spec)
+        netmodes.warn_detached(self.spec, self._network.own_networks() if self._network is not None else ())
         info = live.read(self.id)
         assert info is not None
         info.detached = True

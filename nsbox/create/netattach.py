@@ -39,6 +39,9 @@ from .launch import Launched
 class ServiceNetwork(netmodes.ServiceNetwork, Protocol):
     """What a member uses of the nsbox.Network it joins (nsbox/network.py)."""
 
+    name: str
+    named: bool  # it outlives the process that made it
+
     def owner_userns(self) -> int | None: ...
 
     async def reserve(self, name: str, sandbox_id: str, write_hosts: Callable[[str], Awaitable[bool]], *,
@@ -67,6 +70,10 @@ class NetAttachment:
         self._client = client
         self.attached: netmodes.Attached | None = None  # what this process serves for nat, proxy and ports
         self._etc_written = False
+
+    def own_networks(self) -> list[str]:
+        """The networks it is on that end with this process."""
+        return [net.name for net, _ in self.networks if not net.named]
 
     def check(self) -> SandboxSpec:
         """Fails in one line before anything exists (nat without a usable

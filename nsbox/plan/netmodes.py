@@ -34,6 +34,7 @@ import os
 import sys
 import threading
 from concurrent.futures import Future
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -376,12 +377,15 @@ async def attach(spec: SandboxSpec, pid: int, pidfd: int) -> Attached:
 _warned = False
 
 
-def warn_detached(spec: SandboxSpec) -> None:
-    """A detached sandbox keeps running; what this process serves does not."""
+def warn_detached(spec: SandboxSpec, own_networks: Sequence[str] = ()) -> None:
+    """A detached sandbox keeps running; what this process serves does not:
+    its nat or proxy, its published ports, and the service networks this
+    process made (`own_networks`; a named network outlives it)."""
     global _warned
-    if private(spec) and not _warned:
+    if (private(spec) or own_networks) and not _warned:
         _warned = True
         what = {"nat": "nat networking", "proxy": "the proxy"}.get(spec.network)
-        parts = [p for p in (what, "published ports" if spec.ports else None) if p]
+        nets = f"network{'s' if len(own_networks) > 1 else ''} {', '.join(own_networks)}" if own_networks else None
+        parts = [p for p in (what, "published ports" if spec.ports else None, nets) if p]
         print(f"nsbox: warning: the sandbox is detached, but its {' and '.join(parts)} "
               "end when this process exits", file=sys.stderr)

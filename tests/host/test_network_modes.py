@@ -27,6 +27,7 @@ import anyio
 import pytest
 
 import nsbox
+from nsbox import manage
 from nsbox.plan import netmodes
 from nsbox.net import usernet
 from nsbox.net.client import NetError
@@ -350,6 +351,23 @@ def test_a_detached_sandbox_warns_once(capsys: pytest.CaptureFixture[str]) -> No
     netmodes.warn_detached(nsbox.SandboxSpec(network="none"))
     err = capsys.readouterr().err
     assert err.count("warning") == 1 and "nat networking and published ports end when this process exits" in err
+
+
+async def test_detaching_a_member_of_this_processs_network_warns(capsys: pytest.CaptureFixture[str]) -> None:
+    """A service network this process made ends with it: a sandbox on it,
+    detached, keeps running without it, and says so (a named network
+    outlives the process, and a sandbox on one only is not warned about)."""
+    netmodes._warned = False
+    async with nsbox.Network("kept", internal=True) as net:
+        sb = await nsbox.Sandbox(network=net).start()
+        try:
+            info = await sb.detach()
+        except BaseException:
+            await sb.close()
+            raise
+        manage.remove(info, force=True)
+    assert "warning: the sandbox is detached, but its network kept end when this process exits" \
+        in capsys.readouterr().err
 
 
 ICMP_ECHO = """
