@@ -32,6 +32,8 @@ from inspect_ai.util import (
 )
 
 from .. import manage
+from ..errors import NsboxError
+from ..host.live import SandboxInfo
 from ..init.output_limits import exec_output_limit, human_size
 from ..network import Network
 from ..sandbox import Sandbox, confined
@@ -308,20 +310,37 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
 
     @classmethod
     async def cli_cleanup(cls, id: str | None) -> None:
+        # `inspect sandbox cleanup nsbox [ID]`: each failure is one line
+        # (not a traceback), the others go on, and the exit status says.
+        failed = False
+
+        def remove(info: SandboxInfo, line: str) -> None:
+            nonlocal failed
+            try:
+                manage.remove(info, force=True)
+                print(line)
+            except NsboxError as e:
+                failed = True
+                print(f"nsbox: {e}", file=sys.stderr)
+
         if id is not None:
-            info = manage.find(id)
-            manage.remove(info, force=True)
-            print(f"removed nsbox sandbox {info.id}")
-            return
-        # Every sandbox Inspect left behind (detached by --no-sandbox-cleanup,
-        # or orphaned), plus anything dead, then compose samples' volumes.
-        for e in manage.entries():
-            inspect_leftover = e.info.origin == "inspect" and e.state in ("detached", "orphaned")
-            if inspect_leftover or e.state == "dead":
-                manage.remove(e.info, force=True)
-                print(f"removed nsbox sandbox {e.info.id} {e.info.label}")
-        for volumes in remove_orphan_volumes():
-            print(f"removed the volumes of a compose sample: {volumes}")
+            try:
+                info = manage.find(id)
+            except NsboxError as e:
+                print(f"nsbox: {e}", file=sys.stderr)
+                raise SystemExit(1) from None
+            remove(info, f"removed nsbox sandbox {info.id}")
+        else:
+            # Every sandbox Inspect left behind (detached by --no-sandbox-cleanup,
+            # or orphaned), plus anything dead, then compose samples' volumes.
+            for e in manage.entries():
+                inspect_leftover = e.info.origin == "inspect" and e.state in ("detached", "orphaned")
+                if inspect_leftover or e.state == "dead":
+                    remove(e.info, f"removed nsbox sandbox {e.info.id} {e.info.label}")
+            for volumes in remove_orphan_volumes():
+                print(f"removed the volumes of a compose sample: {volumes}")
+        if failed:
+            raise SystemExit(1)
 
     # ---- the sandbox contract -------------------------------------------
 

@@ -233,6 +233,11 @@ def test_no_sandbox_cleanup_keeps_detached_sandboxes(tmp_path: Path, debian_root
         assert not Path(info.layer).exists()
         assert live.read(two) is not None and kept[two].init_alive
         assert anyio.run(marker, two) == "keep-two\n"
+        # An id no longer there: one line and a failed status, as for any user mistake.
+        with pytest.raises(SystemExit) as exit:
+            anyio.run(NsboxSandboxEnvironment.cli_cleanup, one)
+        assert exit.value.code == 1
+        assert capfd.readouterr().err.startswith(f"nsbox: no sandbox '{one}'")
 
         # `inspect sandbox cleanup nsbox` removes every one left.
         anyio.run(NsboxSandboxEnvironment.cli_cleanup, None)
