@@ -24,6 +24,7 @@ from pydantic import (
     PrivateAttr,
     ValidationError,
     ValidationInfo,
+    field_serializer,
     field_validator,
     model_validator,
 )
@@ -205,6 +206,14 @@ class NsboxConfig(SandboxSettings):
             except ValidationError as e:
                 raise _in_entry(e, name, entry) from None
         return config
+
+    @field_serializer("sandboxes")
+    def _entries_as_stated(self, sandboxes: dict[str, SandboxSettings] | None) -> dict[str, Any] | None:
+        # An entry is what it overrides: dumped whole, its defaults would
+        # override the top level when the dump is read back (an eval log's).
+        if sandboxes is None:
+            return None
+        return {name: entry.model_dump(mode="json", exclude_unset=True) for name, entry in sandboxes.items()}
 
     # settings(), worked out once: every sample of a task asks.
     _settings: list[tuple[str, SandboxSettings]] | None = PrivateAttr(default=None)

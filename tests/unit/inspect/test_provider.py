@@ -28,6 +28,20 @@ def test_yaml_paths_are_relative_to_the_file(tmp_path: Path, monkeypatch: pytest
     assert hash(cfg) == hash(NsboxConfig(**cfg.model_dump()))
 
 
+def test_a_dumped_config_reads_back_as_the_same_sandboxes() -> None:
+    """An entry states only what it overrides: read back from a dump (an
+    eval log's), its defaults must not override the top level."""
+    cfg = NsboxConfig(rootfs="/opt/r", network="nat", sandboxes={"default": {}, "b": {"user": "nobody"}})
+    for dump in (cfg.model_dump(), cfg.model_dump(mode="json")):
+        back = NsboxSandboxEnvironment.config_deserialize(dump)
+        assert isinstance(back, NsboxConfig)
+        assert back.settings() == cfg.settings()
+        assert [(n, s.rootfs, s.network, s.user) for n, s in back.settings()] == [
+            ("default", "/opt/r", "nat", None), ("b", "/opt/r", "nat", "nobody")]
+    # Equal only when the sandboxes are: an entry that sets a default is not one that leaves it.
+    assert NsboxConfig(network="nat", sandboxes={"a": {}}) != NsboxConfig(network="nat", sandboxes={"a": {"network": "none"}})
+
+
 @pytest.mark.parametrize("text, message", [
     ("mounts: ['/root:/r:ro']\n", "mounts: source /root is outside the project directory"),
     ("mounts: ['../data:/d']\n", "mounts: source .*/data is outside the project directory"),
