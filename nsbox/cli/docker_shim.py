@@ -352,7 +352,10 @@ def compose(rest: list[str]) -> None:
     text = json.dumps(out, indent=2) if opts.get("--format", ["yaml"])[-1] == "json" else _yaml(out)
     target = (opts.get("-o") or opts.get("--output") or [None])[-1]
     if target:
-        Path(target).write_text(text + "\n")
+        try:
+            Path(target).write_text(text + "\n")
+        except OSError as e:
+            raise NsboxError(f"cannot write {target}: {e.strerror}") from None
     else:
         print(text)
 

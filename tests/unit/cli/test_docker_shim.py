@@ -68,6 +68,11 @@ def test_compose_config_lists_images_and_services(docker: Path, tmp_path: Path) 
     assert doc["services"]["victim"]["build"]["context"] == str(tmp_path / "ctx")
     assert doc["services"]["victim"]["volumes"] == [{"type": "volume", "source": "data", "target": "/srv"}]
     assert doc["volumes"] == {"data": {"name": "ctf_data"}}
+    r = run(docker, "compose", "config", "-o", str(tmp_path / "out.yaml"), cwd=tmp_path)
+    assert r.returncode == 0 and "ctf_data" in (tmp_path / "out.yaml").read_text(), r.stderr
+    for bad, why in ((tmp_path / "missing" / "x", "No such file or directory"), (tmp_path, "Is a directory")):
+        r = run(docker, "compose", "config", "-o", str(bad), cwd=tmp_path)
+        assert (r.returncode, r.stderr) == (1, f"Error: cannot write {bad}: {why}\n")
 
 
 def test_image_inspect_answers_as_docker_does(docker: Path) -> None:
