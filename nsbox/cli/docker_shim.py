@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Callable, NoReturn
 
 import click
 
@@ -187,7 +187,7 @@ def _image_json(store: Any, ref: str) -> dict[str, Any]:
     rec = store.lookup(ref)
     doc = store.read_json(rec.id)
     cfg = ImageConfig.parse(doc)
-    names = sorted(n for n, r in store.records().items() if r.id == rec.id)
+    names = sorted(_familiar(n) for n, r in store.records().items() if r.id == rec.id)
     c = doc.get("config") or {}
     config = {"Hostname": "", "User": cfg.user or "", "ExposedPorts": {p: {} for p in cfg.exposed_ports} or None,
               "Env": [f"{k}={v}" for k, v in cfg.env.items()], "Cmd": cfg.cmd or None,
@@ -228,25 +228,58 @@ def image_inspect(rest: list[str]) -> None:
         exit_with("\n".join(f"Error: No such image: {r}" for r in missing))
 
 
+def _familiar(name: str) -> str:
+    """A stored image's name as Docker prints it (`python:3.12`, not
+    `docker.io/library/python:3.12`)."""
+    from ..storage.reference import ReferenceError, parse
+
+    try:
+        return parse(name).short()
+    except ReferenceError:
+        return name
+
+
+def _repository(name: str) -> str | None:
+    from ..storage.reference import ReferenceError, parse
+
+    try:
+        return parse(name).name
+    except ReferenceError:
+        return None
+
+
+def _wanted_names(store: Any, ref: str) -> Callable[[str], bool]:
+    """Which stored names `docker images REF` lists: every tag of REF's
+    repository when it names none, else (or for an image id) that image."""
+    from ..storage.store import ImageNotFound
+
+    if ":" not in ref.rsplit("/", 1)[-1] and "@" not in ref:
+        repository = _repository(ref)
+        if repository is not None and any(_repository(n) == repository for n in store.records()):
+            return lambda name: _repository(name) == repository
+    try:
+        exact = store.lookup(ref).name
+    except (ImageNotFound, NsboxError):
+        return lambda name: False
+    return lambda name: name == exact
+
+
 def images(rest: list[str]) -> None:
     from ..storage import Store
-    from ..storage.store import ImageNotFound
 
     opts, refs = _options(rest, {"-q", "--quiet", "-a", "--all", "--no-trunc", "--digests"},
                           {"--format", "-f", "--filter"}, ["image", "ls"])
     if "-f" in opts or "--filter" in opts:
         _unsupported(["image", "ls", "--filter"])
     store = Store()
-    want = None  # `docker images REF`: that image's name only
+    wanted = None  # `docker images REPOSITORY[:TAG]`: that image, or every tag of the repository
     if refs:
-        try:
-            want = store.lookup(refs[0]).name
-        except (ImageNotFound, NsboxError):
-            want = ""
+        wanted = _wanted_names(store, refs[0])
     rows = []
     for name, rec in sorted(store.records().items()):
-        if want is not None and name != want:
+        if wanted is not None and not wanted(name):
             continue
+        name = _familiar(name)
         repo, _, tag = name.rpartition(":") if ":" in name.rsplit("/", 1)[-1] else (name, "", "<none>")
         short = rec.id.split(":")[-1][:12]
         rows.append({"Repository": repo, "Tag": tag, "ID": rec.id if "--no-trunc" in opts else short,

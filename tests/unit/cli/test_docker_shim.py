@@ -94,6 +94,26 @@ def test_image_inspect_answers_as_docker_does(docker: Path) -> None:
     assert json.loads(r.stdout)[0]["Id"] == rec.id  # what was found is still printed, as Docker does
 
 
+def test_images_names_a_repositorys_tags_as_docker_prints_them(docker: Path) -> None:
+    import anyio
+
+    rec = Store().lookup(_base("busybox"))
+    repo = f"nsbox-shim-{os.getpid()}"
+    for tag in ("1", "2"):
+        anyio.run(lambda: Store().tag(f"docker.io/library/{repo}:{tag}", rec.digest, source="test"))
+    anyio.run(lambda: Store().tag(f"docker.io/{repo}-other:1", rec.digest, source="test"))
+    r = run(docker, "images", repo, "--format", "{{.Repository}} {{.Tag}}")
+    assert (r.returncode, r.stdout.splitlines()) == (0, [f"{repo} 1", f"{repo} 2"]), r.stderr
+    r = run(docker, "images", f"{repo}:2", "--format", "{{.Repository}}:{{.Tag}}")
+    assert r.stdout.splitlines() == [f"{repo}:2"], r.stderr
+    r = run(docker, "images", f"{repo}-absent", "-q")
+    assert (r.returncode, r.stdout) == (0, ""), r.stderr
+    r = run(docker, "image", "inspect", "--format", "{{json .RepoTags}}", f"{repo}:1")
+    tags = json.loads(r.stdout)
+    assert {f"{repo}:1", f"{repo}:2", f"{repo}-other:1"} <= set(tags), tags
+    assert not any(t.startswith("docker.io/") for t in tags), tags
+
+
 @pytest.mark.parametrize("args, what", [
     (["run", "busybox"], "docker run"),
     (["compose", "up", "-d"], "docker compose up"),
