@@ -174,11 +174,23 @@ def _usable_runtime_base(value: str | None) -> Path | None:
     return Path(value)
 
 
+def _state_dir() -> Path | None:
+    """NSBOX_STATE_DIR, when set. Absolute only: a relative one would name
+    another directory in each working directory (the `nsbox shell` line the
+    provider prints, say, would not reach the sandbox)."""
+    value = os.environ.get("NSBOX_STATE_DIR")
+    if not value:
+        return None
+    if not os.path.isabs(value):
+        raise NsboxError(f"NSBOX_STATE_DIR must be an absolute path, not {value!r}", hint=_FIX)
+    return Path(value)
+
+
 def runtime_dir() -> Path:
     """The live-sandbox list and the sandboxes' sockets: small files, best on tmpfs."""
-    override = os.environ.get("NSBOX_STATE_DIR")
+    override = _state_dir()
     if override:
-        return _checked_private_dir(Path(override) / "run")
+        return _checked_private_dir(override / "run")
     base = _usable_runtime_base(os.environ.get("XDG_RUNTIME_DIR"))
     if base is not None:
         return _checked_private_dir(base / "nsbox")
@@ -206,7 +218,7 @@ def cache_dir() -> Path:
 
 
 def _xdg_dir(kind: str, env_var: str, default: str) -> Path:
-    override = os.environ.get("NSBOX_STATE_DIR")
+    override = _state_dir()
     if override:
-        return _checked_private_dir(Path(override) / kind)
+        return _checked_private_dir(override / kind)
     return _checked_private_dir(_home_based(env_var, default) / "nsbox")

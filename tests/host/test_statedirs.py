@@ -171,3 +171,16 @@ def test_another_users_directory_refused(use_state: Callable[[Path], Path], tmp_
     finally:
         shutil.rmtree(taken, ignore_errors=True)
         link.unlink(missing_ok=True)
+
+
+def test_a_relative_state_directory_is_refused(use_state: Callable[[Path], Path], tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """NSBOX_STATE_DIR=state would name another directory in each working
+    directory: refused in one line, nothing made."""
+    monkeypatch.chdir(tmp_path)
+    use_state(Path("state"))
+    for find in FINDERS:
+        with pytest.raises(NsboxError, match="NSBOX_STATE_DIR must be an absolute path, not 'state'") as e:
+            find()
+        assert e.value.hint and "\n" not in str(e.value)
+    assert list(tmp_path.iterdir()) == []
