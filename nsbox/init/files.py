@@ -68,7 +68,10 @@ def _too_large(path: str, limit: int) -> OutputLimitExceeded:
     )
 
 
-async def read_file(client: InitClient, creds: protocol.Creds, path: str, text: bool) -> str | bytes:
+async def read_file(client: InitClient, creds: protocol.Creds, path: str, text: bool,
+                    limit: int | None = None) -> str | bytes:
+    """The file's contents, up to `limit` bytes (the read_file limit by
+    default; OutputLimitExceeded beyond it)."""
     fd, is_dir = await client.open(creds, path, os.O_RDONLY)
     try:
         if is_dir:
@@ -76,7 +79,7 @@ async def read_file(client: InitClient, creds: protocol.Creds, path: str, text: 
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise OSError(errno.EINVAL, "Not a regular file", path)
-        limit = read_file_limit()
+        limit = read_file_limit() if limit is None else limit
         if st.st_size > limit:
             raise _too_large(path, limit)
         os.set_blocking(fd, True)

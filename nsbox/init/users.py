@@ -3,14 +3,14 @@ default user and working directory of a sandbox, settled as it starts."""
 
 from __future__ import annotations
 
-import functools
+import hashlib
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Hashable, Sequence
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Hashable, Iterator, Sequence
 
 import anyio
 
-from ..errors import SandboxSetupError, UserUnsupported
+from ..errors import OutputLimitExceeded, SandboxSetupError, UserUnsupported
 
 if TYPE_CHECKING:
     from ..host.idmap import IdMap
@@ -31,18 +31,21 @@ class Identity:
 ROOT = Identity("root", 0, 0, (0,), "/root")
 
 
-def _rows(text: str, fields: int) -> list[list[str]]:
-    rows = []
+# The largest /etc/passwd or /etc/group a sandbox's users are looked up in:
+# ~15,000 entries. The files are the sandbox's to write, and every exec as
+# another user reads and scans them on the host's event loop.
+IDENTITY_FILE_MAX = 1 << 20
+
+
+def _rows(text: str, fields: int) -> Iterator[list[str]]:
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
         parts = line.split(":")
         if len(parts) >= fields:
-            rows.append(parts)
-    return rows
+            yield parts
 
 
-@functools.lru_cache(maxsize=256)  # a pure function of its texts; Identity is frozen
 def lookup(user: str, passwd: str, group: str) -> Identity | None:
     """Resolves a user name or numeric uid, optionally with ":GROUP" (a
     name or gid, as Docker's USER takes it); None if a name is unknown.
@@ -95,9 +98,21 @@ def _group_id(name: str, group: str) -> int | None:
     return None
 
 
+# lookup_in's answers, by user and a digest of the files (not the files:
+# they may be a megabyte each, and change from call to call).
+_looked_up: dict[tuple[str, bytes], Identity | None] = {}
+LOOKED_UP_MAX = 256
+
+
 def lookup_in(user: str, files: tuple[bytes, bytes]) -> Identity | None:
     """`user` in the contents of an /etc/passwd and an /etc/group."""
-    return lookup(user, files[0].decode(errors="replace"), files[1].decode(errors="replace"))
+    passwd, group = files
+    key = (user, hashlib.sha256(b"%d:" % len(passwd) + passwd + group).digest())
+    if key not in _looked_up:
+        if len(_looked_up) >= LOOKED_UP_MAX:
+            _looked_up.clear()
+        _looked_up[key] = lookup(user, passwd.decode(errors="replace"), group.decode(errors="replace"))
+    return _looked_up[key]
 
 
 def check_mapped(identity: Identity, asked: str, mapping: "IdMap") -> None:
@@ -132,11 +147,14 @@ async def identity_files(client: "InitClient") -> tuple[bytes, bytes]:
 
     async def read(path: str) -> None:
         try:
-            data = await files.read_file(client, creds(ROOT), path, text=False)
+            data = await files.read_file(client, creds(ROOT), path, text=False, limit=IDENTITY_FILE_MAX)
             assert isinstance(data, bytes)
             found[path] = data
         except FileNotFoundError:
             found[path] = b""
+        except OutputLimitExceeded:
+            found[path] = UserUnsupported(f"cannot look users up in the sandbox's {path}: it is larger than "
+                                          f"{IDENTITY_FILE_MAX >> 20} MiB")
         except Exception as e:  # raised below as itself, not in a group
             found[path] = e
 
@@ -153,19 +171,11 @@ async def identity_files(client: "InitClient") -> tuple[bytes, bytes]:
 
 class Users:
     """The users of one running sandbox, looked up in its identity files
-    (read again on each lookup; an answer is kept while they stay the same)."""
-
-    def __init__(self) -> None:
-        self._cache: dict[str, tuple[bytes, bytes, Identity | None]] = {}
+    (read again on each lookup; an answer is kept while they stay the same,
+    by lookup_in)."""
 
     async def lookup(self, client: "InitClient", user: str) -> Identity | None:
-        passwd, group = await identity_files(client)
-        cached = self._cache.get(user)
-        if cached is not None and cached[0] == passwd and cached[1] == group:
-            return cached[2]
-        identity = lookup_in(user, (passwd, group))
-        self._cache[user] = (passwd, group, identity)
-        return identity
+        return lookup_in(user, await identity_files(client))
 
 
 # What sandboxes found in their images (keyed by the image's layers, see

@@ -35,6 +35,23 @@ async def test_sandbox_root_is_the_invoking_user(sandbox: nsbox.Sandbox) -> None
     assert nested[:2] == ["0", "0"]
 
 
+async def test_users_are_looked_up_in_identity_files_of_a_bounded_size(sandbox: nsbox.Sandbox) -> None:
+    """The sandbox writes its /etc/passwd, and every exec as a named user
+    reads and scans it on the host: a file over 1 MiB is refused in one
+    line (it had held the host's event loop for seconds per exec)."""
+    filler = "".join(f"u{i}:x:{5000 + i}:{5000 + i}::/home/u{i}:/bin/sh\n" for i in range(20000))
+    assert 1 << 20 > len(filler) > 800_000
+    await sandbox.exec(["sh", "-c", "cat >> /etc/passwd && echo 'last:x:0:0::/last:/bin/sh' >> /etc/passwd"],
+                       input=filler)
+    r = await sandbox.exec(["sh", "-c", "echo $HOME"], user="last")  # found at the end of a large file
+    assert (r.returncode, r.stdout) == (0, "/last\n"), r
+    await sandbox.exec(["sh", "-c", "cat >> /etc/passwd"], input=filler)
+    with pytest.raises(UserUnsupported, match=r"cannot look users up in the sandbox's /etc/passwd: "
+                                              r"it is larger than 1 MiB"):
+        await sandbox.exec(["id"], user="last")
+    assert (await sandbox.exec(["id", "-u"])).stdout == "0\n"  # the default user needs no lookup
+
+
 async def test_users_and_root_probe(debian: nsbox.Sandbox, mode: str) -> None:
     r = await debian.exec(["sh", "-c", PROBE], user="root")
     fields = dict(line.split(":", 1) for line in r.stdout.splitlines()[:2])
