@@ -66,5 +66,6 @@ void __attribute__((noreturn)) child_open(struct request *rq);
 
 /* kill.c */
 void kill_tree(pid_t leader, int sig);
+void kill_leftovers(pid_t leader); /* SIGKILL to what a reaped leader's session and group kept */
 
 #endif

@@ -68,7 +68,7 @@ static bool signal_pinned(const struct procinfo *pi, int sig)
  * parent links, descendants that moved to a session of their own. Returns
  * how many processes were signalled.
  */
-static int signal_tree(pid_t leader, int sig)
+static int signal_tree(pid_t leader, int sig, bool leader_alive)
 {
     DIR *d = opendir("/proc");
     if (!d)
@@ -91,7 +91,7 @@ static int signal_tree(pid_t leader, int sig)
     if (!mark)
         _exit(70);
     for (size_t i = 0; i < n; i++)
-        mark[i] = ps[i].pid == leader || ps[i].sid == leader || ps[i].pgid == leader;
+        mark[i] = (leader_alive && ps[i].pid == leader) || ps[i].sid == leader || ps[i].pgid == leader;
     for (bool changed = true; changed;) {
         changed = false;
         for (size_t i = 0; i < n; i++) {
@@ -118,11 +118,19 @@ static int signal_tree(pid_t leader, int sig)
 void kill_tree(pid_t leader, int sig)
 {
     if (sig != SIGKILL) {
-        signal_tree(leader, sig);
+        signal_tree(leader, sig, true);
         return;
     }
     /* A process may fork between our scan and its death; its orphans keep
      * the session id, so rescan until a pass finds nobody. */
-    for (int round = 0; round < 50 && signal_tree(leader, SIGKILL) > 0; round++)
+    for (int round = 0; round < 50 && signal_tree(leader, SIGKILL, true) > 0; round++)
+        ;
+}
+
+void kill_leftovers(pid_t leader)
+{
+    /* The leader is reaped: its pid may name a new process now, but not a
+     * session or group while members keep it (the kernel holds the id). */
+    for (int round = 0; round < 50 && signal_tree(leader, SIGKILL, false) > 0; round++)
         ;
 }

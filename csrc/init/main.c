@@ -554,6 +554,12 @@ static bool will_restart(struct job *j, int code)
         r->due.tv_nsec -= 1000000000L;
     }
     r->delay_ms = r->delay_ms * 2 > RESTART_MAX_MS ? RESTART_MAX_MS : r->delay_ms * 2;
+    /* As a restarted container starts with no process of its last run, the
+     * run's leftovers (a server it put in the background) go with it: they
+     * would hold its ports and pile up. Its session id outlives it while
+     * they keep it, so it cannot name anyone else. */
+    if (j->pid > 0)
+        kill_leftovers(j->pid);
     j->pid = 0;
     j->code = code;
     return true;
@@ -712,8 +718,11 @@ static void serve_channel(size_t i)
         /* As with `docker kill`, SIGKILL or SIGTERM (the stop signal)
          * from the host ends a restart policy, and a command waiting to
          * restart is then done (restart_due); other signals leave it. */
-        if (sig == SIGKILL || sig == SIGTERM)
+        if ((sig == SIGKILL || sig == SIGTERM) && jobs[i].restart) {
             drop_restart(&jobs[i]);
+            if (!jobs[i].pid)
+                jobs[i].code = 128 + sig; /* killed while waiting: as if killed running */
+        }
         if (jobs[i].pid)
             kill_tree(jobs[i].pid, sig);
         return;

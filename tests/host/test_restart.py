@@ -106,6 +106,38 @@ async def test_the_host_ends_a_policy_by_killing_or_letting_go(stop: str) -> Non
         assert await _sleepers(sb) == []
 
 
+async def test_a_restart_starts_without_the_last_runs_leftovers() -> None:
+    """As a restarted container starts with no process of its last run: a
+    server the run put in the background would keep its port, and the next
+    run's would fail to bind it (Docker's restart kills them all)."""
+    async with nsbox.Sandbox() as sb:
+        process = await sb.start_process(["sh", "-c", "echo run >> /tmp/runs; sleep 1000 & exit 1"],
+                                         restart="always")
+        with anyio.fail_after(15):
+            while await _runs(sb) < 4:
+                await anyio.sleep(0.05)
+        assert len(await _sleepers(sb)) <= 1  # the current run's, if it has started
+        await process.kill()
+        assert process.returncode == 137
+        assert await _sleepers(sb) == []
+
+
+async def test_a_kill_while_a_restart_waits_is_reported_as_a_kill() -> None:
+    async with nsbox.Sandbox() as sb:
+        process = await sb.start_process([*COUNTING, "3"], restart="always")
+        with anyio.fail_after(10):
+            while await _runs(sb) < 3:  # its waits have grown past the exchange's time
+                await anyio.sleep(0.05)
+        await process.kill()
+        assert process.returncode == 137
+        process = await sb.start_process(["sh", "-c", "echo run >> /tmp/more; exit 3"], restart="always")
+        with anyio.fail_after(10):
+            while (await sb.exec(["sh", "-c", "wc -l < /tmp/more"])).stdout.strip() in ("", "0", "1", "2"):
+                await anyio.sleep(0.05)
+        process.signal(signal.SIGTERM)
+        assert (await process.wait()).returncode == 128 + signal.SIGTERM
+
+
 async def test_a_signal_that_does_not_stop_leaves_the_policy() -> None:
     async with nsbox.Sandbox() as sb:
         # SIGUSR1 ends sleep; Docker leaves the policy on such a signal too.
