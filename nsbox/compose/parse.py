@@ -232,7 +232,10 @@ class Reader:
             raise self.fail("deploy.restart_policy.max_attempts", f"expected a whole number, not {attempts!r}")
         if condition == "none":
             return None
-        return Restart(on_failure=condition == "on-failure", limit=attempts or None)
+        try:
+            return Restart(on_failure=condition == "on-failure", limit=attempts or None)
+        except ValueError as e:
+            raise self.fail("deploy.restart_policy.max_attempts", str(e)) from None
 
     def depends_on(self, value: Any) -> tuple[dict[str, Any], set[str]]:
         """The dependencies with their conditions, and those not required."""

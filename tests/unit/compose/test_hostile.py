@@ -332,6 +332,7 @@ def test_variables_that_double_are_bounded(proj: Path) -> None:
     ("pids_limit: .inf", "pids_limit: expected a finite number"),
     ("cpus: .nan", "cpus: expected a finite number"),
     ("restart: [1]", "restart: \\[1\\] is not a string"),
+    ("deploy: {restart_policy: {max_attempts: 4294967296}}", "max_attempts: a restart limit must be a whole number"),
     ("depends_on: [s]", "in a cycle: s -> s"),
     ("container_name: 'a b'", "cannot be a host name"),
     ("networks: {default: {aliases: ['evil\\n1.2.3.4 pwn']}}", "cannot be a host name"),
