@@ -37,6 +37,7 @@
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
+#include <sys/ioctl.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -661,6 +662,15 @@ static void settle_start(struct job *j)
         send_reply(j->chan, NSBOX_REPLY_STARTED, 0, 0, 0, -1);
 }
 
+/* Whether a job's helper has become its command: its exec closed the start
+ * pipe's write end, and no failure was written first. */
+static bool exec_done(int start)
+{
+    struct pollfd p = {.fd = start, .events = POLLIN};
+    int avail = 0;
+    return poll(&p, 1, 0) == 1 && (p.revents & POLLHUP) && ioctl(start, FIONREAD, &avail) == 0 && avail == 0;
+}
+
 static struct job *find_job(pid_t pid)
 {
     for (size_t i = 0; i < njobs; i++) {
@@ -684,6 +694,10 @@ static void reap(void)
         if (!j)
             continue;
         if (WIFSTOPPED(status)) {
+            /* The command may have started since the poll and stopped
+             * itself (a shell's `suspend`): not a helper to kill. */
+            if (!j->open && j->start >= 0 && exec_done(j->start))
+                settle_start(j);
             if (j->open || j->start >= 0) {
                 j->stopped = true;
                 kill(pid, SIGKILL); /* our unreaped child: its pid cannot be reused */
