@@ -40,9 +40,13 @@ async def build_image(context: str | Path, *, dockerfile: str | Path | None = No
     if not names:
         raise BuildError("a build needs a tag (-t NAME)")
     try:
-        names = [str(parse_reference(n)) for n in names]
+        refs = [parse_reference(n) for n in names]
     except ReferenceError as e:
         raise BuildError(f"invalid tag: {e.message}") from None
+    if pinned := [n for n, r in zip(names, refs) if r.digest]:
+        raise BuildError(f"invalid tag {pinned[0]!r}: a tag cannot name a digest (@sha256:...), "
+                         "which only the image pulled by it may carry", hint="tag it NAME:TAG")
+    names = [str(r) for r in refs]
     if network not in (None, "nat", "host", "none"):
         raise BuildError(f"network must be nat, host or none, not {network!r}")
     root = Path(context)

@@ -130,9 +130,13 @@ def _default_name(source: Path, tag: str = "latest") -> str:
 
 def _normal(name: str) -> str:
     try:
-        return str(parse(name))
+        ref = parse(name)
     except ReferenceError as e:
         raise NsboxError(f"--name {name!r}: {e.message}") from None
+    if ref.digest:
+        raise NsboxError(f"--name {name!r}: a name with a digest is only for the image pulled by it",
+                         hint="name it with a tag (NAME:TAG)")
+    return str(ref)
 
 
 async def import_image(store: Store, source: str | os.PathLike[str], *, name: str | None = None,
@@ -145,6 +149,7 @@ async def import_image(store: Store, source: str | os.PathLike[str], *, name: st
     if not src.exists():
         raise NsboxError(f"{src} does not exist")
     want = oci.Platform.parse(platform) if platform else oci.Platform.current()
+    named = _normal(name) if name else None  # a bad name fails before any work
     async with store.session(id_mapping, progress) as s:
         if src.is_dir():
             if (src / "oci-layout").is_file():
@@ -158,7 +163,7 @@ async def import_image(store: Store, source: str | os.PathLike[str], *, name: st
                 kind = "directory"
         else:
             digest, names, kind = await _from_file(s, src, want, tag)
-        given = [_normal(name)] if name else [_normal(n) for n in names] or [_default_name(src, tag or "latest")]
+        given = [named] if named else [n for n in map(_try_normal, names) if n] or [_default_name(src, tag or "latest")]
         image = await s.unpack_image(digest, name=given[0])
         for n in given:  # named only once complete
             await store.tag(n, digest, source=kind)
@@ -267,7 +272,7 @@ async def _from_docker(s: Session, files: _Files, tag: str | None) -> tuple[str,
     entry = entries[0]
     if tag:
         wanted = _normal(tag) if ":" in tag or "/" in tag else None
-        matches = [e for e in entries if any((_normal(t) == wanted) if wanted else t.endswith(f":{tag}")
+        matches = [e for e in entries if any((_try_normal(t) == wanted) if wanted else t.endswith(f":{tag}")
                                              for t in e.get("RepoTags") or [])]
         if not matches:
             raise NsboxError(f"the archive has no image tagged {tag}")
@@ -339,10 +344,13 @@ async def _from_layout(s: Session, files: _Files, want: oci.Platform, tag: str |
 
 
 def _try_normal(name: str) -> str | None:
+    """An archive's name for its image, normalised; None for one that is not
+    a name, or carries a digest (only a pull by that digest may)."""
     try:
-        return str(parse(name))
+        ref = parse(name)
     except ReferenceError:
         return None
+    return None if ref.digest else str(ref)
 
 
 def _valid_tag(tag: str) -> bool:

@@ -443,7 +443,7 @@ async def pull(store: Store, ref: str, *, platform: str | None = None, progress:
             async with task_group() as tg:
                 for desc, diff_id in zip(layers, cfg.diff_ids):
                     tg.start_soon(one, desc, diff_id)
-            await store.tag(str(r), digest, source="registry")
+            await store.tag(str(r), digest, source="registry", pinned=True)  # r.digest, if any, was verified
             image = store.image(digest, name=str(r), key=s.mapping.key)
     progress.finish()
     assert image is not None

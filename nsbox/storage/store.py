@@ -330,7 +330,18 @@ class Store:
         _records[self.refs_file] = (ident, records)
         return dict(records)
 
-    async def tag(self, name: str, digest: str, *, source: str) -> Record:
+    async def tag(self, name: str, digest: str, *, source: str, pinned: bool = False) -> Record:
+        """Names the image whose manifest is `digest`. A name with a digest
+        (`python@sha256:...`) is only for what was pulled by it (`pinned`:
+        the registry's answer matched it): given to a build or an archive,
+        it would serve that content to whoever pins the real image."""
+        try:
+            named_digest = parse(name).digest
+        except ReferenceError as e:
+            raise NsboxError(f"invalid image name {name!r}: {e.message}") from None
+        if named_digest is not None and not (pinned or named_digest == digest):
+            raise NsboxError(f"cannot name an image {name}: a name with a digest is only for the image pulled "
+                             "by that digest", hint="name it with a tag (NAME:TAG) instead")
         manifest = self.read_json(digest)
         config_digest = manifest["config"]["digest"]
         cfg = ImageConfig.parse(self.read_json(config_digest))

@@ -227,3 +227,25 @@ async def test_config_text_is_escaped_for_the_terminal(tmp_path: Path, monkeypat
         assert r.exit_code == 0, r.output
         assert "\x1b" not in r.output and "\r" not in r.output and "\x07" not in r.output, r.output
         assert "\\x1b]0;PWNED\\x07" in r.output, r.output
+
+
+PINNED = "docker.io/library/python@sha256:" + "a" * 64
+
+
+async def test_only_a_pull_by_digest_names_an_image_with_it(tmp_path: Path) -> None:
+    """A build or an import named `python@sha256:X` had been stored under
+    that name: whoever pinned the real image by its digest then ran it."""
+    from nsbox.dockerfile import BuildError, build_image
+
+    store = Store(tmp_path / "store")
+    with pytest.raises(NsboxError, match="a name with a digest is only for the image pulled by that digest"):
+        await store.tag(PINNED, "sha256:" + "b" * 64, source="build")
+    with pytest.raises(BuildError, match="a tag cannot name a digest"):
+        await build_image(tmp_path, tag=["ok:1", PINNED])
+    src = tmp_path / "image.tar"
+    src.write_bytes(_docker_archive(_image_members(_config())))
+    with pytest.raises(NsboxError, match="a name with a digest is only for the image pulled by it"):
+        await archive.import_image(store, src, name=PINNED)
+    _no_leftovers(store)
+    # An archive's own name with a digest is not a name it may give itself.
+    assert archive._try_normal(PINNED) is None and archive._try_normal("python:3") == "docker.io/library/python:3"
