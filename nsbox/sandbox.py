@@ -41,6 +41,7 @@ from .create import exhaustion, procedure
 from .create.launch import Launched
 from .create.netattach import NetAttachment
 from .init.output_limits import exec_output_limit
+from .init.stdin_relay import StdinRelay
 from .manage import collect_in_background
 from .spec import FIELDS, NET, Bind, Network, OutputLimitMode, PullPolicy, Restart, SandboxSpec, Tmpfs
 
@@ -479,18 +480,22 @@ class Sandbox:
         """Runs `cmd` with its output copied to host descriptors as it comes
         (what `nsbox run` does); returns the exit status.
 
-        `stdin` is passed to the command as it is unless it is a terminal:
-        a sandboxed process holding the host's terminal could type into it
-        (TIOCSTI), so a terminal stdin is replaced by /dev/null.
+        `stdin`: a terminal is replaced by /dev/null (a sandboxed process
+        holding the host's terminal could type into it, TIOCSTI); a pipe is
+        passed as it is; anything else (a file) is copied into a pipe, as
+        the sandbox could reopen the host's file through it (StdinRelay).
         """
         client = self.client
         command = self.command(cmd, await self.identity(user), cwd, env)
         timeout = self.timeout if timeout is None else timeout
-        stdin_fd = process.devnull() if stdin is None or os.isatty(stdin) else stdin
-        outcome = await process.run(
-            client, command, input=None, timeout=timeout, stdout=Forwarder(stdout), stderr=Forwarder(stderr),
-            stop_on_overflow=False, stdin_fd=stdin_fd,
-        )
+        relay = StdinRelay(None if stdin is None or os.isatty(stdin) else stdin, process.devnull())
+        try:
+            outcome = await process.run(
+                client, command, input=None, timeout=timeout, stdout=Forwarder(stdout), stderr=Forwarder(stderr),
+                stop_on_overflow=False, stdin_fd=relay.fd,
+            )
+        finally:
+            relay.close()
         result = outcome.result(command, self.id, timeout, 0, "", "")
         if outcome.failure is not None:
             os.write(stderr, result.stderr.encode())

