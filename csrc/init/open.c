@@ -108,6 +108,12 @@ void __attribute__((noreturn)) child_open(struct request *rq)
         child_fail(NSBOX_STAGE_OPEN, EINVAL);
     if ((rq->h.flags & NSBOX_F_REGULAR) && S_ISREG(st.st_mode) && on_kernel_fs(fd))
         child_fail(NSBOX_STAGE_KERNEL_FS, EPERM);
+    /* Without F_REGULAR the caller wants a device (a pty's master, whose
+     * ioctls it makes): a file a sandbox process put there, served by FUSE
+     * say, could hold those. A device node cannot come from such a mount
+     * (it is nodev), nor be made by sandbox root. */
+    if (!(rq->h.flags & NSBOX_F_REGULAR) && !S_ISCHR(st.st_mode))
+        child_fail(NSBOX_STAGE_OPEN, ENODEV);
     send_reply(chan, NSBOX_REPLY_FD, S_ISDIR(st.st_mode) ? 1 : 0, 0, 0, fd);
     _exit(0);
 }

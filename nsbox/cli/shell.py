@@ -26,7 +26,7 @@ import anyio
 from ..init import protocol
 from ..init.capture import Forwarder
 from ..init.client import Channel, Command, failed_start
-from ..errors import SandboxUnavailable
+from ..errors import NsboxError, SandboxUnavailable
 from ..init.fdwait import Poller
 from ..init.pump import drain
 from ..sandbox import Sandbox
@@ -69,13 +69,17 @@ class _WindowSize:
 async def open_pty(sb: Sandbox, identity: Identity) -> tuple[int, int]:
     """A new pty of the sandbox's devpts, owned by `identity`: (master, slave)."""
     creds = protocol.Creds(identity.uid, identity.gid, identity.groups)
-    master, _ = await sb.client.open(creds, "/dev/ptmx", os.O_RDWR | os.O_NOCTTY, regular=False)
+    try:
+        master, _ = await sb.client.open(creds, "/dev/ptmx", os.O_RDWR | os.O_NOCTTY, regular=False)
+    except OSError as e:  # the sandbox removed or replaced it: it is sandbox root's
+        raise NsboxError(f"cannot open a pseudo-terminal in sandbox {sb.id}: /dev/ptmx: {e.strerror}") from None
     try:
         fcntl.ioctl(master, TIOCSPTLCK, struct.pack("i", 0))
         slave = fcntl.ioctl(master, TIOCGPTPEER, os.O_RDWR | os.O_NOCTTY)
-    except OSError:
+    except OSError as e:
         os.close(master)
-        raise
+        raise NsboxError(f"cannot open a pseudo-terminal in sandbox {sb.id}: /dev/ptmx is not one "
+                         f"({e.strerror})") from None
     return master, slave
 
 

@@ -362,6 +362,19 @@ def test_shell_into_a_detached_sandbox() -> None:
         assert_removed(info)
 
 
+def test_shell_into_a_sandbox_whose_ptmx_was_replaced() -> None:
+    """/dev/ptmx is sandbox root's to replace: a FIFO there had ended
+    `nsbox shell` in a traceback; a file could have held its ioctls."""
+    with detached("sleep", "1000") as info:
+        for replace in ("mkfifo /dev/ptmx", "echo x > /dev/ptmx", "ln -s /dev/null /dev/ptmx"):
+            r = nsbox("exec", info.id, "--", "sh", "-c", f"rm -f /dev/ptmx && {replace}")
+            assert r.returncode == 0, r.stderr
+            r = nsbox("shell", info.id, timeout=30)
+            assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+            assert r.stderr.startswith(f"nsbox: cannot open a pseudo-terminal in sandbox {info.id}: /dev/ptmx"), r.stderr
+        assert nsbox("rm", info.id).returncode == 0
+
+
 # ---- the Inspect provider's connection() ------------------------------------
 
 
