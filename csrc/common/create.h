@@ -24,6 +24,7 @@ enum nsbox_step_kind {
     NSBOX_STEP_REMOUNT = 10,    /* mount(NULL, b, NULL, MS_REMOUNT | flags, NULL) */
     NSBOX_STEP_BECOME_ROOT = 11, /* setresgid/setresuid(0): become the namespace's root */
     NSBOX_STEP_PATH_FD = 12,    /* open a as O_PATH at descriptor NSBOX_PATH_FD_BASE + slot */
+    NSBOX_STEP_SYSCTL = 13,     /* write b to the /proc/sys file a; any failure fails the sandbox */
 };
 
 /* Host directories looked up before NSBOX_STEP_BECOME_ROOT are held open at

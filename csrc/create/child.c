@@ -224,6 +224,20 @@ static int run_step(const struct nsbox_step *s, int *slots)
         return r < 0 ? -1 : 0;
     }
 
+    case NSBOX_STEP_SYSCTL: {
+        /* A limit of this user namespace (/proc/sys/user/ names the
+         * writer's own): the commands, in a nested one, cannot raise it. */
+        int fd = open(s->a, O_WRONLY | O_CLOEXEC | O_NOFOLLOW);
+        if (fd < 0)
+            return -1;
+        size_t len = strlen(s->b);
+        int r = write(fd, s->b, len) == (ssize_t)len ? 0 : -1;
+        int err = errno;
+        close(fd);
+        errno = err;
+        return r;
+    }
+
     case NSBOX_STEP_BECOME_ROOT:
         /* Until now the child kept its creator's credentials (see
          * Plan.host_dir in nsbox/plan/plan.py): host paths were looked up

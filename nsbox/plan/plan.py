@@ -247,6 +247,11 @@ def contribute_hostname(plan: Plan, hostname: str) -> None:
     plan.add(Phase.INSIDE, steps.hostname(hostname))
 
 
+# Namespaces of each kind that a sandbox with nested_userns may hold at once.
+NAMESPACES_MAX = 1024
+NAMESPACE_KINDS = ("user", "mnt", "net", "pid", "ipc", "uts", "cgroup", "time")
+
+
 def contribute_seccomp_relaxation(plan: Plan, nested_userns: bool, unfiltered: bool = False) -> None:
     """The init's flags that relax its seccomp filter, if any. Every command
     runs under nsbox's seccomp filter (csrc/init/seccomp.c, set up by the
@@ -256,6 +261,12 @@ def contribute_seccomp_relaxation(plan: Plan, nested_userns: bool, unfiltered: b
     user namespace alone confines."""
     if nested_userns:
         plan.init_args.append("--nested-userns")
+        # What its commands may create is counted against the host user's
+        # quotas too (user.max_user_namespaces...): a bound of its own, in
+        # the sandbox's user namespace, keeps one sandbox from using them up.
+        for kind in NAMESPACE_KINDS:
+            plan.add(Phase.INSIDE, steps.sysctl(f"/proc/sys/user/max_{kind}_namespaces", str(NAMESPACES_MAX),
+                                                f"bound the {kind} namespaces the sandbox may create"))
     if unfiltered:
         plan.init_args.append("--no-seccomp")
 

@@ -33,6 +33,7 @@ class Kind(IntEnum):
     REMOUNT = 10
     BECOME_ROOT = 11
     PATH_FD = 12
+    SYSCTL = 13
 
 
 # Where PATH_FD steps park descriptors (NSBOX_PATH_FD_BASE, checked too).
@@ -121,6 +122,11 @@ def path_fd(path: str, slot: int) -> Step:
 @functools.cache
 def become_root() -> Step:
     return Step(Kind.BECOME_ROOT, "become root of the sandbox's user namespace")
+
+
+def sysctl(path: str, value: str, what: str) -> Step:
+    """Writes `value` to the /proc/sys file `path` (a failure fails the sandbox)."""
+    return Step(Kind.SYSCTL, what, a=path, b=value)
 
 
 # Ports below it need CAP_NET_BIND_SERVICE over the network namespace's owner,

@@ -150,3 +150,51 @@ async def test_sandbox_cannot_see_host_processes(sandbox: nsbox.Sandbox) -> None
     finally:
         host.kill()
         host.wait()
+
+
+# Holds user namespaces (by descriptor, their creators gone) until the kernel
+# refuses one; prints how many it holds and why the next failed.
+HOLD_USER_NAMESPACES = r"""
+import ctypes, errno, os
+libc = ctypes.CDLL(None, use_errno=True)
+held, why = [], "none"
+while len(held) < 5000:
+    go_r, go_w = os.pipe()
+    said_r, said_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        ok = libc.unshare(0x10000000) == 0  # CLONE_NEWUSER
+        os.write(said_w, b"ok" if ok else errno.errorcode[ctypes.get_errno()].encode())
+        os.read(go_r, 1)
+        os._exit(0)
+    said = os.read(said_r, 64).decode()
+    if said == "ok":
+        held.append(os.open(f"/proc/{pid}/ns/user", os.O_RDONLY))
+    os.write(go_w, b"x")
+    os.waitpid(pid, 0)
+    for fd in (go_r, go_w, said_r, said_w):
+        os.close(fd)
+    if said != "ok":
+        why = said
+        break
+print(len(held), why)
+"""
+
+
+@pytest.mark.timeout(120)
+async def test_a_nested_userns_sandbox_holds_a_bounded_number_of_namespaces() -> None:
+    """A sandbox with nested_userns had created 96,000 user namespaces,
+    counted against its host user's quota: that user's next `unshare -U`,
+    and so its next sandbox, failed. Each kind is bounded per sandbox now,
+    in its own user namespace, where its commands cannot raise the bound."""
+    from nsbox.plan.plan import NAMESPACES_MAX
+
+    async with nsbox.Sandbox(nested_userns=True) as sb:
+        r = await sb.exec(["python3", "-c", HOLD_USER_NAMESPACES], timeout=100)
+        held, why = r.stdout.split()
+        assert why == "ENOSPC" and NAMESPACES_MAX - 8 <= int(held) < NAMESPACES_MAX, r
+        # Raising it from inside changes only the commands' own namespace's.
+        r = await sb.exec(["sh", "-c", "echo 100000 > /proc/sys/user/max_user_namespaces"])
+        assert r.returncode != 0
+    async with nsbox.Sandbox() as plain:  # the host user can still make sandboxes
+        assert (await plain.exec(["true"])).returncode == 0
