@@ -13,11 +13,14 @@ the PollerPool of the process (POLLERS).
 from __future__ import annotations
 
 import asyncio
+import errno
 import math
 import os
 import select
 
 import anyio
+
+from ..errors import ResourceExhausted
 
 
 def readable_now(fd: int) -> bool:
@@ -64,6 +67,21 @@ async def readable(fd: int, timeout: float | None = None) -> bool:
         loop.remove_reader(fd)
         if timer is not None:
             timer.cancel()
+
+
+def _watches_used_up() -> ResourceExhausted:
+    """The kernel counts epoll watches per user, whoever's process holds
+    them: a sandbox's processes, as sandbox root is this user (or, as root,
+    an id all sandboxes share), can take them all."""
+    try:
+        with open("/proc/sys/fs/epoll/max_user_watches") as f:
+            limit = f" ({f.read().strip()})"
+    except OSError:
+        limit = ""
+    return ResourceExhausted(f"cannot watch a sandbox's streams: this user's epoll watches are used up{limit}",
+                             hint="close the sandboxes, or stop the processes, that hold many (a sandbox's count "
+                                  "as this user's), or raise it: `sudo sysctl -w fs.epoll.max_user_watches=N`",
+                             limit="fs.epoll.max_user_watches")
 
 
 class _LoopEpoll:
@@ -168,7 +186,12 @@ class Poller:
         if old == events or (old is None and not events):
             return
         if old is None:
-            self._epoll.register(fd, events)
+            try:
+                self._epoll.register(fd, events)
+            except OSError as e:
+                if e.errno == errno.ENOSPC:
+                    raise _watches_used_up() from None
+                raise
         elif events:
             self._epoll.modify(fd, events)
         else:

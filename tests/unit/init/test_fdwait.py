@@ -94,3 +94,31 @@ def test_a_pool_drops_what_an_earlier_event_loop_registered() -> None:
     ((loop, (entry,)),) = pool._free.items()
     assert loop is not first_loop and entry is not kept
     pool.close()
+
+
+async def test_a_full_epoll_quota_is_named_not_a_bare_enospc() -> None:
+    """epoll_ctl fails with ENOSPC once the user's fs.epoll.max_user_watches
+    are taken, which a sandbox's processes can do (they count as this user):
+    the next exec had raised a bare OSError, and creation blamed a full
+    disk. (The kernel's refusal is stood in for: reaching the real quota
+    would take it from every process of the user running the tests.)"""
+    import errno
+
+    from nsbox.errors import ResourceExhausted
+
+    class FullEpoll:
+        def register(self, fd: int, events: int) -> None:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    r, w = os.pipe()
+    poller = Poller()
+    real, poller._epoll = poller._epoll, FullEpoll()  # type: ignore[assignment]
+    try:
+        with pytest.raises(ResourceExhausted, match="this user's epoll watches are used up") as e:
+            poller.want_read(r)
+        assert e.value.limit == "fs.epoll.max_user_watches" and "sysctl" in (e.value.hint or "")
+    finally:
+        poller._epoll = real
+        poller.close()
+        os.close(r)
+        os.close(w)
