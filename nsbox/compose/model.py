@@ -26,7 +26,9 @@ class Build:
     dockerfile: Path  # absolute (relative names are relative to context)
     args: dict[str, str] = field(default_factory=dict)
     target: str | None = None
-    options: dict[str, Any] = field(default_factory=dict)  # other build keys, for a builder to judge
+    network: str | None = None  # what RUN steps get: "none", "host", or None (the builder's default, nat)
+    no_cache: bool = False
+    pull: bool = False  # pull FROM images again
 
 
 @dataclass

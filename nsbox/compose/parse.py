@@ -177,8 +177,12 @@ class Reader:
         args = {k: v if v is not None else self.environ.get(k, "")
                 for k, v in self.mapping("build.args", value.get("args")).items()}
         target = value.get("target")
-        options = {k: v for k, v in value.items() if k not in ("context", "dockerfile", "args", "target")}
-        return Build(context, dockerfile, args, None if target is None else self.string("build.target", target), options)
+        network = value.get("network")
+        network = None if network in (None, "default", "bridge") else self.string("build.network", network)
+        return Build(context, dockerfile, args, None if target is None else self.string("build.target", target),
+                     network=network if network in ("none", "host") else None,  # another: support.py warns
+                     no_cache=self.boolean("build.no_cache", value.get("no_cache", False)),
+                     pull=self.boolean("build.pull", value.get("pull", False)))
 
     def healthcheck(self, value: Any) -> Healthcheck:
         if not isinstance(value, dict):

@@ -204,6 +204,7 @@ def review_service(name: str, raw: dict[str, Any]) -> Review:
     if raw.get("runtime") not in RUNTIMES:
         r.issues.append(f"runtime: {raw['runtime']}")
     _review_network_mode(raw.get("network_mode"), r)
+    _review_build(name, raw.get("build"), r)
     _review_capabilities(name, raw, r)
     _review_security_opt(name, raw.get("security_opt") or [], r, privileged=_true(raw.get("privileged")))
     _review_deploy(raw.get("deploy") or {}, raw.get("scale"), r)
@@ -235,6 +236,38 @@ def _review_network_mode(mode: Any, r: Review) -> None:
     if mode is None or mode in ("none", "host", "bridge", "default") or str(mode).startswith("service:"):
         return
     r.issues.append(f"network_mode: {mode}")
+
+
+# build keys besides context, dockerfile, args, target, network, no_cache and pull.
+BUILD_APPROXIMATE = {
+    "labels": "not applied to the image", "tags": "the image gets the service's name only",
+    "cache_from": "nsbox's builder keeps its own cache", "cache_to": "nsbox's builder keeps its own cache",
+    "shm_size": "/dev/shm keeps nsbox's size", "ulimits": "not applied", "extra_hosts": "not applied",
+    "isolation": "Windows only", "platforms": "the image is built for this host's platform",
+    "secrets": "not given to RUN (nsbox's builder refuses RUN --mount)",
+    "ssh": "not given to RUN (nsbox's builder refuses RUN --mount)",
+    "additional_contexts": "not available to COPY --from", "privileged": "RUN steps are not privileged",
+    "entitlements": "RUN steps get none",
+}
+BUILD_KEYS = frozenset({"context", "dockerfile", "dockerfile_inline", "args", "target", "network", "no_cache",
+                        "pull", *BUILD_APPROXIMATE})
+
+
+def _review_build(name: str, build: Any, r: Review) -> None:
+    if not isinstance(build, dict):
+        return
+    for key in build:
+        if key in BUILD_APPROXIMATE:
+            r.warnings.append(f"service {name}: build.{key}: {BUILD_APPROXIMATE[key]}")
+        elif key not in BUILD_KEYS:
+            r.issues.append(f"unknown key build.{key}")
+    network = build.get("network")
+    if network == "host" and not host_network_granted():
+        r.issues.append(f"build.network: host (the host's network is yours to grant, not a compose file's: "
+                        f"set {HOST_NETWORK_ENV}=1 to allow it)")
+    elif network not in (None, "none", "host", "default", "bridge"):
+        r.warnings.append(f"service {name}: build.network {network}: RUN steps get the builder's own network "
+                          "(nat), not a network of the project")
 
 
 def _review_capabilities(name: str, raw: dict[str, Any], r: Review) -> None:

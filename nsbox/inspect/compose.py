@@ -188,11 +188,13 @@ async def _image(project: Project, service: Service, id_mapping: str) -> Image:
 
     store = Store(runner=confined)
     if service.build is not None:
-        from ..dockerfile import build
+        from ..dockerfile import build_image
 
         b = service.build
-        ref = await build(b.context, dockerfile=b.dockerfile, tag=_tag(project, service), build_args=b.args,
-                          target=b.target)
+        built = await build_image(b.context, dockerfile=b.dockerfile, tag=_tag(project, service), build_args=b.args,
+                                  target=b.target, network=b.network, no_cache=b.no_cache,
+                                  pull="always" if b.pull else "missing")
+        ref = built.name
         return await resolve(store, ref, id_mapping=id_mapping, pull="never")  # type: ignore[arg-type]
     if not service.image:  # "" when it names only variables that are unset (a sample's, say)
         raise ComposeError(f"service {service.name} has neither image nor build"

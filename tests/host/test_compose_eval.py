@@ -294,14 +294,18 @@ def _build_context(root: Path, base: str) -> Path:
 def test_build_dot_with_network_none(images: dict[str, str], tmp_path: Path, mode: str,
                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """`build: .` with args, network_mode none and a Dockerfile using
-    ARG/RUN/COPY/USER/WORKDIR, as public evals write it."""
+    ARG/RUN/COPY/USER/WORKDIR, as public evals write it; `build.network:
+    none` leaves RUN steps only a loopback (it had been dropped: nat)."""
     monkeypatch.chdir(tmp_path)
     ctx = _build_context(tmp_path / "task", images["debian"])
+    with open(ctx / "Dockerfile", "a") as f:
+        f.write("RUN grep -c : /proc/net/dev > /tmp/interfaces\n")
     (ctx / "compose.yaml").write_text(textwrap.dedent(f"""\
         services:
           default:
             build:
               context: .
+              network: none
               args:
                 BASE: {images['debian']}
                 GREETING: hi
@@ -309,10 +313,10 @@ def test_build_dot_with_network_none(images: dict[str, str], tmp_path: Path, mod
             command: tail -f /dev/null
             network_mode: none
         """))
-    steps = [("bash", {"command": "/opt/app/tool.sh"})]
+    steps = [("bash", {"command": "/opt/app/tool.sh; echo interfaces=$(cat /tmp/interfaces)"})]
     user = "agent" if mode != "single" else "root"  # single-uid mode runs the image's USER as root
     task = Task(dataset=[Sample(input="run the tool", target="")], solver=[use_tools([bash()]), generate()],
-                scorer=output_has(f"tool says hi from build as {user} in /opt/app"),
+                scorer=output_has(f"tool says hi from build as {user} in /opt/app\ninterfaces=1\n"),
                 sandbox=("nsbox", str(ctx / "compose.yaml")), name="nsbox_compose_build")
     _check(_run(task, steps, tmp_path), 1)
 

@@ -290,7 +290,8 @@ def test_service_keys_into_the_model(tmp_path, monkeypatch):
     assert s.build.context == tmp_path / "src"
     assert s.build.dockerfile == tmp_path / "src" / "docker" / "Dockerfile.dev"
     assert s.build.args == {"VERSION": "1.2", "FROM_ENV": "env"}
-    assert (s.build.target, s.build.options) == ("dev", {"cache_from": ["python:3.12"]})
+    assert (s.build.target, s.build.network) == ("dev", None)
+    assert "service app: build.cache_from: nsbox's builder keeps its own cache" in project.warnings
     assert s.command == ["python", "-c", 'print("a b")']
     assert s.entrypoint == ["/bin/entry", "--flag"]
     assert s.working_dir == "/app"
@@ -974,6 +975,32 @@ def test_fixture_build_with_network_none():
     assert (s.build.context, s.network_mode, s.working_dir, s.x_local) == (
         FIXTURES / "build_none", "none", "/workspace", True)
     assert sample_network(project) == "none" and project.warnings == []
+
+
+def test_build_keys_are_honoured_warned_about_or_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`build.network` and the other keys had been dropped without a word:
+    `network: none` built with nat."""
+    monkeypatch.delenv("NSBOX_COMPOSE_HOST_NETWORK", raising=False)
+    (tmp_path / "Dockerfile").write_text("FROM scratch\n")
+    project = load(tmp_path, """\
+        services:
+          s:
+            build: {context: ., network: none, no_cache: true, pull: true, labels: {a: b}, secrets: [x]}
+          t:
+            build: {context: ., network: default}
+          u:
+            build: {context: ., network: proj}
+        """)
+    s, t, u = (project.services[n].build for n in "stu")
+    assert (s.network, s.no_cache, s.pull) == ("none", True, True)
+    assert (t.network, t.no_cache, t.pull) == (None, False, False) and u.network is None
+    assert "service s: build.labels: not applied to the image" in project.warnings
+    assert any(w.startswith("service s: build.secrets: not given to RUN") for w in project.warnings)
+    assert any(w.startswith("service u: build.network proj: RUN steps get the builder's own") for w in project.warnings)
+    message = cannot(tmp_path, "services:\n  s:\n    build: {context: ., network: host, frob: 1}\n")
+    assert "build.network: host (the host's network is yours to grant" in message and "unknown key build.frob" in message
+    monkeypatch.setenv("NSBOX_COMPOSE_HOST_NETWORK", "1")
+    assert one(tmp_path, "build: {context: ., network: host}").build.network == "host"
 
 
 def test_fixture_image_with_platform_list_command_and_limits():
