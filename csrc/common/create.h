@@ -10,13 +10,15 @@
 /* Step kinds. Paths are host paths before NSBOX_STEP_PIVOT and sandbox paths
  * after it. */
 enum nsbox_step_kind {
-    NSBOX_STEP_MOUNT = 1,       /* mount(a, b, c, flags, d) */
+    NSBOX_STEP_MOUNT = 1,       /* mount(a, b, c, flags, d); flags: NSBOX_IN_ROOT too */
     NSBOX_STEP_TREE_CLONE = 2,  /* slots[slot] = detached copy of the mount tree at a,
                                    with attr_set / attr_clr applied (read-only etc.);
                                    flags: AT_RECURSIVE, NSBOX_TREE_NO_SYMLINKS */
-    NSBOX_STEP_TREE_ATTACH = 3, /* attach slots[slot] at b */
-    NSBOX_STEP_MKDIR = 4,       /* mkdir(b, mode); an existing directory (not a symlink) is fine */
-    NSBOX_STEP_MKFILE = 5,      /* create the empty file b where missing (a mount point for a file) */
+    NSBOX_STEP_TREE_ATTACH = 3, /* attach slots[slot] at b; flags: NSBOX_IN_ROOT */
+    NSBOX_STEP_MKDIR = 4,       /* mkdir(b, mode); an existing directory (not a symlink) is fine;
+                                   flags: NSBOX_IN_ROOT (then a symlink inside the root is followed) */
+    NSBOX_STEP_MKFILE = 5,      /* create the empty file b where missing (a mount point for a file);
+                                   flags: NSBOX_IN_ROOT */
     NSBOX_STEP_SYMLINK = 6,     /* symlink a at b; an existing link is replaced */
     NSBOX_STEP_PIVOT = 7,       /* make b the root; the old root is detached */
     NSBOX_STEP_HOSTNAME = 8,    /* sethostname(a) */
@@ -47,6 +49,12 @@ enum nsbox_step_kind {
  * since turned into a symlink (a directory of a volume it shares, swapped
  * for a link to /) fails the step instead of leading to the host. */
 #define NSBOX_TREE_NO_SYMLINKS 0x40000000
+
+/* MKDIR, MKFILE, TREE_ATTACH, MOUNT after the pivot: b is resolved inside
+ * the sandbox's root, as a container runtime resolves a mount's target: an
+ * image's symlink on the way (/var/run -> /run) is followed there, a /proc
+ * magic link is not, and a target that lands in /proc or /sys is refused. */
+#define NSBOX_IN_ROOT 0x20000000
 
 struct nsbox_step {
     int kind;

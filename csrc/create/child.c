@@ -17,8 +17,11 @@
 #include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
+#include <linux/magic.h>
+#include <stdio.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -36,6 +39,9 @@
 #endif
 #ifndef MOVE_MOUNT_F_EMPTY_PATH
 #define MOVE_MOUNT_F_EMPTY_PATH 0x00000004
+#endif
+#ifndef MOVE_MOUNT_T_EMPTY_PATH
+#define MOVE_MOUNT_T_EMPTY_PATH 0x00000040
 #endif
 
 struct nsbox_mount_attr {
@@ -69,10 +75,94 @@ static int write_sysctl(const char *path, const char *value)
     return r;
 }
 
+/*
+ * NSBOX_IN_ROOT: `path` (absolute, normal) resolved inside the root we
+ * pivoted into, as an O_PATH descriptor (with `flags`: O_DIRECTORY, or
+ * O_CREAT for a file). Symlinks resolve there (RESOLVE_IN_ROOT), /proc's
+ * magic links are not followed (they lead to our descriptors, the host's
+ * directories among them), and /proc and /sys are no place for a mount.
+ */
+static int in_root(const char *path, int flags, unsigned int mode)
+{
+    int root = open("/", O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (root < 0)
+        return -1;
+    struct open_how how = {
+        .flags = (unsigned long long)(flags | O_CLOEXEC | ((flags & O_CREAT) ? O_RDONLY : O_PATH)),
+        .mode = (flags & O_CREAT) ? mode : 0,
+        .resolve = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS,
+    };
+    int fd = (int)syscall(SYS_openat2, root, path, &how, sizeof how);
+    int err = errno;
+    close(root);
+    struct statfs sf;
+    if (fd >= 0 && fstatfs(fd, &sf) == 0 && (sf.f_type == PROC_SUPER_MAGIC || sf.f_type == SYSFS_MAGIC)) {
+        close(fd);
+        fd = -1;
+        err = EACCES;
+    }
+    errno = err;
+    return fd;
+}
+
+/* mount(2) on the target an NSBOX_IN_ROOT step resolved. */
+static int mount_in_root(const struct nsbox_step *s)
+{
+    int fd = in_root(s->b, O_DIRECTORY, 0);
+    if (fd < 0)
+        return -1;
+    char target[64];
+    snprintf(target, sizeof target, "/proc/self/fd/%d", fd);
+    int r = mount(s->a, target, s->c, s->flags & ~(unsigned long)NSBOX_IN_ROOT, s->d);
+    int err = errno;
+    close(fd);
+    errno = err;
+    return r;
+}
+
+/* MKDIR with NSBOX_IN_ROOT: made in its parent as resolved in the root; what
+ * the whole path leads to there must be a directory. */
+static int mkdir_in_root(const struct nsbox_step *s)
+{
+    const char *slash = strrchr(s->b, '/');
+    if (!slash || !slash[1]) {
+        errno = EINVAL;
+        return -1;
+    }
+    char parent[4096];
+    size_t len = slash == s->b ? 1 : (size_t)(slash - s->b);
+    if (len >= sizeof parent) {
+        errno = ENAMETOOLONG;
+        return -1;
+    }
+    memcpy(parent, s->b, len);
+    parent[len] = 0;
+    int dir = in_root(parent, O_DIRECTORY, 0);
+    if (dir < 0)
+        return -1;
+    int made = mkdirat(dir, slash + 1, s->mode) == 0;
+    int err = errno;
+    /* One made here gets its mode whatever the umask, as below. */
+    if (made && fchmodat(dir, slash + 1, s->mode, 0) < 0)
+        err = errno, made = -1;
+    close(dir);
+    if (made < 0 || (!made && err != EEXIST)) {
+        errno = err;
+        return -1;
+    }
+    int fd = in_root(s->b, O_DIRECTORY, 0);
+    if (fd < 0)
+        return -1;
+    close(fd);
+    return 0;
+}
+
 static int run_step(const struct nsbox_step *s, int *slots)
 {
     switch (s->kind) {
     case NSBOX_STEP_MOUNT:
+        if (s->flags & NSBOX_IN_ROOT)
+            return mount_in_root(s);
         return mount(s->a, s->b, s->c, s->flags, s->d);
 
     case NSBOX_STEP_TREE_CLONE: {
@@ -110,13 +200,27 @@ static int run_step(const struct nsbox_step *s, int *slots)
             errno = EBADF;
             return -1;
         }
-        if (syscall(SYS_move_mount, slots[s->slot], "", AT_FDCWD, s->b, MOVE_MOUNT_F_EMPTY_PATH) < 0)
+        if (s->flags & NSBOX_IN_ROOT) {
+            int fd = in_root(s->b, 0, 0);
+            if (fd < 0)
+                return -1;
+            long r = syscall(SYS_move_mount, slots[s->slot], "", fd, "",
+                             MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH);
+            int err = errno;
+            close(fd);
+            errno = err;
+            if (r < 0)
+                return -1;
+        } else if (syscall(SYS_move_mount, slots[s->slot], "", AT_FDCWD, s->b, MOVE_MOUNT_F_EMPTY_PATH) < 0) {
             return -1;
+        }
         close(slots[s->slot]);
         slots[s->slot] = -1;
         return 0;
 
     case NSBOX_STEP_MKDIR: {
+        if (s->flags & NSBOX_IN_ROOT)
+            return mkdir_in_root(s);
         int made = mkdir(s->b, s->mode) == 0;
         if (!made && errno != EEXIST)
             return -1;
@@ -140,7 +244,8 @@ static int run_step(const struct nsbox_step *s, int *slots)
         /* Read-only: a file that exists is only a mount point, so neither
          * copied up from an overlay's lower layer nor needs to be ours to
          * write (the host's /etc/resolv.conf, under a read-only root). */
-        int fd = open(s->b, O_RDONLY | O_CREAT | O_CLOEXEC | O_NOFOLLOW, s->mode);
+        int fd = (s->flags & NSBOX_IN_ROOT) ? in_root(s->b, O_CREAT, s->mode)
+                                            : open(s->b, O_RDONLY | O_CREAT | O_CLOEXEC | O_NOFOLLOW, s->mode);
         if (fd < 0)
             return -1;
         close(fd);

@@ -86,25 +86,27 @@ def _dev_tmp(plan: Plan, tmpfs_tmp: bool = True) -> None:
 
 
 def _mount_point(plan: Plan, target: str, directory: bool) -> str:
-    """Creates the mount point `target` (and missing parents); its normal form."""
+    """Creates the user's mount point `target` (and missing parents) where
+    it leads inside the root, as Docker does: through an image's symlinks
+    (`/var/run/x` is `/run/x` on Debian); its normal form."""
     parts = target.strip("/").split("/")
     for i in range(1, len(parts)):
-        plan.add(Phase.INSIDE, s.mkdir("/" + "/".join(parts[:i])))
+        plan.add(Phase.INSIDE, s.mkdir("/" + "/".join(parts[:i]), in_root=True))
     target = "/" + "/".join(parts)
-    plan.add(Phase.INSIDE, s.mkdir(target) if directory else s.mkfile(target))
+    plan.add(Phase.INSIDE, s.mkdir(target, in_root=True) if directory else s.mkfile(target, in_root=True))
     return target
 
 
 def _mount_tmpfs(plan: Plan, tmpfs: Tmpfs, i: int) -> None:
     target = _mount_point(plan, tmpfs.target, directory=True)
     plan.tmpfs(target, tmpfs.mode, f"mount a tmpfs on {target}", size=tmpfs.size, readonly=tmpfs.readonly,
-               noexec=tmpfs.noexec, name=f"-user{i}")
+               noexec=tmpfs.noexec, name=f"-user{i}", in_root=True)
 
 
 def _attach_bind(plan: Plan, bind: Bind, slot: int) -> None:
     """Creates the mount point and attaches the bind."""
     target = _mount_point(plan, bind.target, directory=Path(bind.source).is_dir())
-    plan.add(Phase.INSIDE, s.tree_attach(slot, target, f"attach {bind.source} at {target}"))
+    plan.add(Phase.INSIDE, s.tree_attach(slot, target, f"attach {bind.source} at {target}", in_root=True))
 
 
 def read_only(plan: Plan, rootfs: Rootfs, workdir: str | None, network: str) -> None:

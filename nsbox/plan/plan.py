@@ -117,23 +117,24 @@ class Plan:
         return f"{steps.PROC_FD}/{steps.PATH_FD_BASE + slot}"
 
     def tmpfs(self, target: str, mode: int, what: str, *, size: int | None = None, readonly: bool = False,
-              noexec: bool = False, name: str | None = None) -> None:
+              noexec: bool = False, name: str | None = None, in_root: bool = False) -> None:
         """A tmpfs on `target` inside the sandbox (/tmp, /dev/shm, /run, the
         spec's; an INSIDE step, after `target` is made), nosuid and nodev.
         Under a limit it is a directory of the capped tmpfs (self.writable),
         `name`d there (default: after `target`), taken in the MOUNT phase,
-        and `size` is the cap's; else a tmpfs of its own."""
+        and `size` is the cap's; else a tmpfs of its own. `in_root`: the
+        target is the user's, resolved in the root (steps.IN_ROOT)."""
         if self.writable is None:
             flags = ["MS_NOSUID", "MS_NODEV"] + ["MS_RDONLY"] * readonly + ["MS_NOEXEC"] * noexec
             options = f"mode={mode:o}" + ("" if size is None else f",size={size}")
-            self.add(Phase.INSIDE, steps.mount("tmpfs", target, "tmpfs", flags, options, what))
+            self.add(Phase.INSIDE, steps.mount("tmpfs", target, "tmpfs", flags, options, what, in_root=in_root))
             return
         name = name or target.replace("/", "-")
         where = f"{self.writable.path}/tmpfs{name}"
         slot = self.slot(f"tmpfs:{name}")
         self.add(Phase.MOUNT, steps.mkdir(where, mode),
                  steps.tree_clone(where, slot, what, readonly=readonly, noexec=noexec))
-        self.add(Phase.INSIDE, steps.tree_attach(slot, target, what))
+        self.add(Phase.INSIDE, steps.tree_attach(slot, target, what, in_root=in_root))
 
     def slot(self, name: str) -> int:
         """A slot number for a mount tree detached under `name` (a tree

@@ -65,9 +65,15 @@ class Step:
         return self.c if self.kind == Kind.MOUNT else None
 
 
+# A step that names its target with IN_ROOT resolves it inside the sandbox's
+# root, an image's symlinks on the way followed there (NSBOX_IN_ROOT).
+IN_ROOT = frozenset({"NSBOX_IN_ROOT"})
+
+
 def mount(source: str | None, target: str, fstype: str | None, flags: Iterable[str], data: str | None,
-          what: str) -> Step:
-    return Step(Kind.MOUNT, what, a=source, b=target, c=fstype, d=data, flags=frozenset(flags))
+          what: str, *, in_root: bool = False) -> Step:
+    return Step(Kind.MOUNT, what, a=source, b=target, c=fstype, d=data,
+                flags=frozenset(flags) | (IN_ROOT if in_root else frozenset()))
 
 
 def tree_clone(source: str, slot: int, what: str, *, recursive: bool = False, readonly: bool = False,
@@ -85,16 +91,19 @@ def tree_clone(source: str, slot: int, what: str, *, recursive: bool = False, re
     return Step(Kind.TREE_CLONE, what, a=source, slot=slot, flags=frozenset(flags), attr_set=frozenset(attrs))
 
 
-def tree_attach(slot: int, target: str, what: str) -> Step:
-    return Step(Kind.TREE_ATTACH, what, b=target, slot=slot)
+def tree_attach(slot: int, target: str, what: str, *, in_root: bool = False) -> Step:
+    return Step(Kind.TREE_ATTACH, what, b=target, slot=slot, flags=IN_ROOT if in_root else frozenset())
 
 
-def mkdir(path: str, mode: int = 0o755) -> Step:
+def mkdir(path: str, mode: int = 0o755, *, in_root: bool = False) -> Step:
+    if in_root:
+        return Step(Kind.MKDIR, f"create the directory {path} (where its symlinks lead inside the sandbox's root, "
+                                "not into /proc or /sys)", b=path, mode=mode, flags=IN_ROOT)
     return Step(Kind.MKDIR, f"create the directory {path} (it must not be a symlink or a file)", b=path, mode=mode)
 
 
-def mkfile(path: str) -> Step:
-    return Step(Kind.MKFILE, f"create mount point {path}", b=path, mode=0o644)
+def mkfile(path: str, *, in_root: bool = False) -> Step:
+    return Step(Kind.MKFILE, f"create mount point {path}", b=path, mode=0o644, flags=IN_ROOT if in_root else frozenset())
 
 
 def symlink(target: str, path: str) -> Step:

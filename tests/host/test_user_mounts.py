@@ -103,6 +103,31 @@ async def test_a_mount_point_through_a_symlink_is_refused(tmp_path: Path) -> Non
         assert str(outside) not in f.read()
 
 
+async def test_a_mount_point_follows_the_images_symlinks_inside_it(tmp_path: Path, debian_rootfs: Path) -> None:
+    """As Docker resolves a mount's target in the container's root: on
+    Debian /var/run is a link to /run, and a tmpfs or bind at /var/run/x
+    (or at /var/run itself) had failed ("it must not be a symlink")."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "f").write_text("bound\n")
+    tmp_path.chmod(0o755)
+    data.chmod(0o755)
+    async with nsbox.Sandbox(debian_rootfs, tmpfs=["/var/run/app"], mounts=[f"{data}:/var/run/data:ro"]) as sb:
+        r = await sb.exec(["sh", "-c", "readlink /var/run; stat -f -c %T /run/app; cat /run/data/f"])
+        assert r.stdout == "/run\ntmpfs\nbound\n", r
+    async with nsbox.Sandbox(debian_rootfs, tmpfs=["/var/run"]) as sb:
+        assert (await sb.exec(["stat", "-f", "-c", "%T", "/run"])).stdout == "tmpfs\n"
+    # Where a link leads into /proc or /sys, or through a magic link to one
+    # of the setup's descriptors (host directories among them): refused.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "sys").symlink_to("/proc/sys/kernel")
+    (shared / "magic").symlink_to("/proc/self/fd/3")
+    for target in ("/b/sys/x", "/b/magic/x", "/b/magic"):
+        with pytest.raises(nsbox.SandboxSetupError, match="symlinks lead inside the sandbox's root"):
+            await nsbox.Sandbox(debian_rootfs, mounts=[f"{shared}:/b"], tmpfs=[target]).start()
+
+
 async def test_a_bind_source_turned_into_a_symlink_since_is_refused(tmp_path: Path) -> None:
     """A compose sample's specs are made before its services run, and its
     services share volume directories: one service may swap a directory of
