@@ -70,6 +70,10 @@ class Output:
 
 
 _MAX_REDIRECTS = 10  # as curl and httpx
+# What all variable expansions of a build may produce together (one word:
+# words.WORD_LIMIT); far above real Dockerfiles, it bounds the config a
+# build of many `ENV X$i=$BIG` lines would make.
+EXPANSION_LIMIT = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,7 @@ class Builder:
         self._views: dict[tuple[str, ...], View] = {}
         self.result = BuildResult("", "", "")
         self._temps: list[Path] = []  # ADD downloads
+        self.expanded = 0  # characters expansions produced, against EXPANSION_LIMIT
         self.global_env = self._global_args()
 
     # ---- args and stages ---------------------------------------------
@@ -156,27 +161,31 @@ class Builder:
 
     def _expand(self, ins: Instruction, word: str, env: Mapping[str, str]) -> str:
         try:
-            return expand(word, env, self.df.escape)
+            value = expand(word, env, self.df.escape)
         except WordError as e:
             raise ins.error(e.message) from None
+        self.expanded += len(value)
+        if self.expanded > EXPANSION_LIMIT:
+            raise ins.error(f"variables expand to more than {EXPANSION_LIMIT >> 20} MiB in this build")
+        return value
 
     def needed(self, target: Stage) -> list[Stage]:
         """The target and the stages it builds on (FROM, COPY --from), in order."""
         want: set[int] = set()
-
-        def visit(stage: Stage) -> None:
+        todo = [target]  # a list, not recursion: stages may chain thousands deep
+        while todo:
+            stage = todo.pop()
             if stage.index in want:
-                return
+                continue
             want.add(stage.index)
             refs = [self._expand(stage.origin, stage.base, self.global_env)]
             refs += [self._expand(i, i.flags["from"], self.global_env) for i in stage.instructions if "from" in i.flags]
             for ref in refs:
                 dep = self.df.stage(ref)
                 if dep is not None and dep.index < stage.index:
-                    visit(dep)
+                    todo.append(dep)
                 elif dep is not None:
                     raise BuildError(f"stage {ref} is used before it is defined", where=stage.origin.where)
-        visit(target)
         return [s for s in self.df.stages if s.index in want]
 
     # ---- the build ---------------------------------------------------
@@ -208,6 +217,9 @@ class Builder:
         ins = stage.origin
         ref = self._expand(ins, stage.base, self.global_env)
         platform = self._expand(ins, stage.platform, self.global_env) if stage.platform else self.platform
+        if stage.platform and "/" not in platform and platform not in _ARCHES | {"linux"}:
+            # as Docker: a lone word must be an OS or an architecture, anything else a typo
+            raise ins.error(f"--platform={platform}: unknown architecture", "write OS/ARCH[/VARIANT], e.g. linux/arm64")
         dep = self.df.stage(ref)
         if dep is not None and dep.index in self.states:
             base = self.states[dep.index]
@@ -242,7 +254,9 @@ class Builder:
         return "single" if self.session.mapping.mode == "single" else "auto"
 
     async def _step(self, ins: Instruction, state: State, label: str) -> State:
-        state = replace(state, doc=copy_mod.deepcopy(state.doc), layers=list(state.layers),
+        # A step changes config keys, never a value in place: copying the
+        # config dict (not deeply) keeps the state before it as it was.
+        state = replace(state, doc={**state.doc, "config": dict(state.cfg)}, layers=list(state.layers),
                         history=list(state.history), args=dict(state.args))
         if ins.cmd == "ARG":
             self.out.line(label)
@@ -253,7 +267,8 @@ class Builder:
         if ins.cmd in ("RUN", "COPY", "ADD", "WORKDIR"):
             return await self._layer_step(ins, state, label)
         self.out.line(label)
-        metadata.apply(ins, state.cfg, lambda w: self._expand(ins, w, state.env()), state.cmd_set)
+        env = state.env()  # once: all of an instruction's words see the variables before it
+        metadata.apply(ins, state.cfg, lambda w: self._expand(ins, w, env), state.cmd_set)
         state.cmd_set = state.cmd_set or ins.cmd == "CMD"
         state.history.append({"created_by": ins.text, "empty_layer": True})
         state.key = chain(state.key, ins.cmd, state.cfg)
@@ -345,10 +360,12 @@ class Builder:
             view = await self._view(state.layers)
             if view.is_dir(view.resolve(workdir)):
                 return None, 0
+            if view.get(view.resolve(workdir)) is not None:  # Docker's mkdir fails there too
+                raise ins.error(f"{workdir} is not a directory in the image")
             owner = (0, 0)
             if user:
                 try:
-                    owner = _numeric(user) or copy.owner_of(ins, user, view)
+                    owner = _numeric(ins, user) or copy.owner_of(ins, user, view)
                 except BuildError:
                     pass  # a USER the image does not name yet: Docker runs it by number later too
             return await anyio.to_thread.run_sync(self._write_layer, ins, view,
@@ -380,7 +397,7 @@ class Builder:
         async def make() -> tuple[str | None, int]:
             view = await self._view(state.layers)
             if chown:
-                p.owner = _numeric(chown) or copy.owner_of(ins, chown, view)
+                p.owner = _numeric(ins, chown) or copy.owner_of(ins, chown, view)
             src_view = await self._view(src_state.layers) if src_state is not None else None
             return await anyio.to_thread.run_sync(self._write_copy, p, view, src_view, downloads)
         return key, make
@@ -454,9 +471,12 @@ class Builder:
                         await r.aclose()
                 else:
                     raise ins.error(f"downloading {url}: more than {_MAX_REDIRECTS} redirects")
-        except httpx.HTTPError as e:
+        except (httpx.HTTPError, httpx.InvalidURL, UnicodeError) as e:  # UnicodeError: a name IDNA refuses
             raise ins.error(f"downloading {url} failed: {e}") from None
-        mtime = int(email.utils.parsedate_to_datetime(modified).timestamp()) if modified else None
+        try:
+            mtime = int(email.utils.parsedate_to_datetime(modified).timestamp()) if modified else None
+        except (TypeError, ValueError, OverflowError):
+            mtime = None  # as BuildKit: a Last-Modified it cannot read is left out
         if mtime is not None:
             os.utime(path, (mtime, mtime))
         name = posixpath.basename(url.split("?", 1)[0].rstrip("/")) or "index.html"
@@ -539,8 +559,16 @@ class Builder:
             path.unlink(missing_ok=True)
 
 
-def _numeric(chown: str) -> tuple[int, int] | None:
+_ARCHES = {"386", "amd64", "arm", "arm64", "loong64", "mips", "mipsle", "mips64", "mips64le", "ppc64", "ppc64le",
+           "riscv64", "s390x", *oci._ARCH_ALIASES}
+_MAX_ID = (1 << 32) - 1  # ids are 32-bit (Docker parses them so)
+
+
+def _numeric(ins: Instruction, chown: str) -> tuple[int, int] | None:
     user, _, group = chown.partition(":")
     if user.isdigit() and (not group or group.isdigit()):
-        return int(user), int(group or user)
+        ids = int(user), int(group or user)
+        if max(ids) > _MAX_ID:
+            raise ins.error(f"{chown}: a uid or gid above {_MAX_ID}")
+        return ids
     return None

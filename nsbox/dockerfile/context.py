@@ -46,10 +46,13 @@ def read_text(path: Path, what: str) -> str:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
         raise BuildError(f"cannot read the {what} {path}: {e.strerror}") from None
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # before fdopen, which fails on a directory
             raise BuildError(f"the {what} {path} is not a regular file")
-        data = f.read(TEXT_LIMIT + 1)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(TEXT_LIMIT + 1)
+    finally:
+        os.close(fd)
     if len(data) > TEXT_LIMIT:
         raise BuildError(f"the {what} {path} is larger than {TEXT_LIMIT >> 20} MiB")
     try:
@@ -61,42 +64,126 @@ def read_text(path: Path, what: str) -> str:
     return text
 
 
-def _regex(pattern: str) -> re.Pattern[str]:
-    out, i = [], 0
-    while i < len(pattern):
-        c = pattern[i]
-        if pattern.startswith("**", i):
-            i += 2
-            if pattern.startswith("/", i):  # "**/": zero or more directories
-                i += 1
-                out.append("(?:.*/)?")
-            else:
-                out.append(".*")
-            continue
+# .dockerignore patterns are matched a path component at a time, as Go's
+# filepath.Match does, without backtracking (a regex of `*a*a*a*b` takes
+# exponential time on a name of many `a`s): `*` by a two-pointer scan, `**`
+# components by a set of positions. `**` counts as such as a whole
+# component only; inside one it is a `*`.
+ANY = "**"  # any number of components
+
+
+@dataclass(frozen=True)
+class _Class:
+    """`[...]`, `[^...]` (ranges, `\\` escapes) or `?` (no ranges, negated)."""
+
+    ranges: tuple[tuple[str, str], ...]
+    negated: bool
+
+    @classmethod
+    def parse(cls, body: str) -> _Class:
+        negated = body.startswith("^")
+        ranges, i = [], int(negated)
+        while i < len(body):
+            lo, i = _char(body, i)
+            hi = lo
+            if body.startswith("-", i) and i + 1 < len(body):
+                hi, i = _char(body, i + 1)
+            if lo > hi:
+                raise ValueError(f"bad range {lo}-{hi}")
+            ranges.append((lo, hi))
+        if not ranges:
+            raise ValueError("empty character class")
+        return cls(tuple(ranges), negated)
+
+    def matches(self, c: str) -> bool:
+        return any(lo <= c <= hi for lo, hi in self.ranges) != self.negated
+
+
+def _char(text: str, i: int) -> tuple[str, int]:
+    return (text[i + 1], i + 2) if text[i] == "\\" and i + 1 < len(text) else (text[i], i + 1)
+
+
+Token = str | _Class  # "*", a literal character, or a class
+
+
+def _tokens(component: str) -> list[Token]:
+    tokens: list[Token] = []
+    i = 0
+    while i < len(component):
+        c = component[i]
+        end = component.find("]", i + 1) if c == "[" else -1
         if c == "*":
-            out.append("[^/]*")
-        elif c == "?":
-            out.append("[^/]")
-        elif c == "[":
-            end = pattern.find("]", i + 1)
-            if end < 0:
-                out.append(re.escape(c))
-            else:
-                body = pattern[i + 1:end].replace("\\", "\\\\")
-                out.append(f"[{'^' + body[1:] if body.startswith('^') else body}]")
-                i = end
-        elif c == "\\" and i + 1 < len(pattern):
+            if tokens[-1:] != ["*"]:
+                tokens.append("*")
             i += 1
-            out.append(re.escape(pattern[i]))
+        elif c == "?":
+            tokens.append(_Class((), True))
+            i += 1
+        elif end > 0:
+            tokens.append(_Class.parse(component[i + 1:end]))
+            i = end + 1
         else:
-            out.append(re.escape(c))
-        i += 1
-    return re.compile("".join(out))
+            c, i = _char(component, i)
+            tokens.append(c if c != "*" else _Class(((c, c),), False))  # an escaped `*` is literal
+    return tokens
+
+
+def _match(tokens: list[Token], name: str) -> bool:
+    """One component: after a mismatch, only the last `*` takes one more
+    character (O(len(tokens) * len(name)))."""
+    t = n = 0
+    star, mark = -1, 0
+    while n < len(name):
+        tok = tokens[t] if t < len(tokens) else None
+        if tok == "*":
+            star, mark, t = t, n, t + 1
+        elif tok is not None and (tok == name[n] if isinstance(tok, str) else tok.matches(name[n])):
+            t, n = t + 1, n + 1
+        elif star >= 0:
+            t, mark = star + 1, mark + 1
+            n = mark
+        else:
+            return False
+    return all(tok == "*" for tok in tokens[t:])
+
+
+def _compile(pattern: str) -> list[str | list[Token]]:
+    parts: list[str | list[Token]] = [ANY if c == ANY else _tokens(c) for c in pattern.split("/")]
+    if parts[-1] == ANY:  # a trailing `**` is at least one component (`dir/**` is not dir)
+        parts.insert(-1, ["*"])
+    return parts
+
+
+def _skip_any(parts: list[str | list[Token]], states: set[int]) -> set[int]:
+    """The positions reached when `**`s match no component."""
+    out = set()
+    for s in states:
+        out.add(s)
+        while s < len(parts) and parts[s] == ANY:
+            s += 1
+            out.add(s)
+    return out
+
+
+def _match_path(parts: list[str | list[Token]], path: str) -> bool:
+    states = _skip_any(parts, {0})
+    for name in path.split("/"):
+        after = set()
+        for s in states:
+            part = parts[s] if s < len(parts) else None
+            if part == ANY:
+                after.add(s)  # one more component for it
+            elif isinstance(part, list) and _match(part, name):
+                after.add(s + 1)
+        states = _skip_any(parts, after)
+        if not states:
+            return False
+    return len(parts) in states
 
 
 @dataclass(frozen=True)
 class _Rule:
-    regex: re.Pattern[str]
+    parts: list[str | list[Token]]
     exclude: bool
 
 
@@ -112,8 +199,8 @@ class Ignore:
             pat = posixpath.normpath(pat).lstrip("/") if pat not in ("", ".") else "."
             if pat and pat != ".":
                 try:
-                    self.rules.append(_Rule(_regex(pat), exclude))
-                except re.error as e:
+                    self.rules.append(_Rule(_compile(pat), exclude))
+                except ValueError as e:
                     raise BuildError(f".dockerignore line {number}: invalid pattern {line!r} ({e})") from None
         self.has_exceptions = any(not r.exclude for r in self.rules)
 
@@ -124,7 +211,7 @@ class Ignore:
             parents.append(parents[-1].rsplit("/", 1)[0])
         result = False
         for rule in self.rules:
-            if any(rule.regex.fullmatch(p) for p in parents):
+            if any(_match_path(rule.parts, p) for p in parents):
                 result = rule.exclude
         return result
 

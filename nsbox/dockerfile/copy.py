@@ -18,6 +18,7 @@ one layer tar (layer.py).
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import lzma
 import posixpath
 import re
@@ -66,7 +67,7 @@ def plan(ins: Instruction, expand: Callable[[str], str], workdir: str, ctx: Cont
     if len(sources) > 1 and not dest_abs.endswith("/"):
         raise ins.error(f"with more than one source, the destination must be a directory ending in /: {dest}")
     if ins.cmd == "ADD":
-        p.urls = [s for s in sources if urllib.parse.urlparse(s).scheme in ("http", "https")]
+        p.urls = [s for s in sources if _scheme(ins, s) in ("http", "https")]
     if "from" not in ins.flags and ctx is not None:
         local = [s for s in sources if s not in p.urls and not (s.startswith("<<") and ins.heredocs)]
         try:
@@ -76,20 +77,30 @@ def plan(ins: Instruction, expand: Callable[[str], str], workdir: str, ctx: Cont
     return p
 
 
+def _scheme(ins: Instruction, source: str) -> str:
+    try:
+        return urllib.parse.urlparse(source).scheme
+    except ValueError as e:  # http://[::1
+        raise ins.error(f"{source}: not a URL ({e})") from None
+
+
 def _heredocs(ins: Instruction, expand: Callable[[str], str]) -> list[Heredoc]:
     """As BuildKit reads them: variables expanded unless the delimiter is
     quoted (<<"EOF", <<'EOF')."""
     marks = [w for w in ins.args if w.startswith("<<")]
-    return [h if re.search(r"[\"'\\]", mark) else replace(h, content=_expand_text(h.content, expand))
+    return [h if re.search(r"[\"'\\]", mark) else replace(h, content=_expand_text(ins, h.content, expand))
             for h, mark in zip(ins.heredocs, marks)]
 
 
-def _expand_text(text: str, expand: Callable[[str], str]) -> str:
+def _expand_text(ins: Instruction, text: str, expand: Callable[[str], str]) -> str:
     """Variables expanded, quotes kept as written (BuildKit's heredoc
     expansion): they go through `expand` as characters the text does not
-    hold, so that they neither quote nor are removed."""
-    free = (c for c in map(chr, range(0xE000, 0xF900)) if c not in text)
-    double, single = next(free), next(free)
+    hold (private-use ones), so that they neither quote nor are removed."""
+    used = set(text)
+    free = (c for c in map(chr, itertools.chain(range(0xE000, 0xF900), range(0xF0000, 0x10FFFE))) if c not in used)
+    double, single = next(free, None), next(free, None)
+    if double is None or single is None:
+        raise ins.error("the heredoc holds every private-use character: write it with a quoted delimiter (<<'EOF')")
     text = expand(text.translate({ord('"'): double, ord("'"): single}))
     return text.translate({ord(double): '"', ord(single): "'"})
 

@@ -25,6 +25,7 @@ from typing import IO
 
 from ..errors import NsboxError
 from .context import Context
+from .errors import BuildError
 from .fsview import View, norm
 
 
@@ -126,7 +127,14 @@ class LayerWriter:
         if stat.S_ISREG(st.st_mode):
             with ctx.open(rel, st) as f:
                 info.size = os.fstat(f.fileno()).st_size
-                self.add(name, info, f, owner=owner, mode=mode)
+                try:
+                    self.add(name, info, f, owner=owner, mode=mode)
+                except OSError as e:
+                    if e.errno is not None:
+                        raise
+                    # tarfile's "unexpected end of data": the file shrank
+                    # after its size went into the header (the layer is dropped)
+                    raise BuildError(f"{rel} in the build context changed while it was read (shorter now)") from None
         elif stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode):
             info.type = tarfile.DIRTYPE if stat.S_ISDIR(st.st_mode) else tarfile.SYMTYPE
             info.linkname = ctx.readlink(rel) if info.issym() else ""

@@ -20,12 +20,21 @@ _NS = {"ns": 1, "us": 1_000, "µs": 1_000, "ms": 1_000_000, "s": 1_000_000_000, 
 Expand = Callable[[str], str]
 
 
+# The Env list parsed last: every step asks for its variables, and a build
+# step replaces the list, never changes it; parsing it each time made a
+# Dockerfile of thousands of ENV lines take quadratic time.
+_parsed: list[Any] = [None, {}]
+
+
 def env_dict(cfg: dict[str, Any]) -> dict[str, str]:
-    env = {}
-    for item in cfg.get("Env") or []:
-        k, _, v = str(item).partition("=")
-        env[k] = v
-    return env
+    items = cfg.get("Env") or []
+    if items is not _parsed[0]:
+        env = {}
+        for item in items:
+            k, _, v = str(item).partition("=")
+            env[k] = v
+        _parsed[:] = [items, env]
+    return dict(_parsed[1])
 
 
 def command_form(ins: Instruction, shell: list[str]) -> list[str]:
@@ -41,9 +50,13 @@ def apply(ins: Instruction, cfg: dict[str, Any], expand: Expand, cmd_set: bool) 
     stage set CMD itself (ENTRYPOINT resets an inherited CMD)."""
     c = ins.cmd
     if c == "ENV":
-        env = env_dict(cfg)
-        env.update(key_values(ins, expand))
-        cfg["Env"] = [f"{k}={v}" for k, v in env.items()]
+        env, pairs = env_dict(cfg), dict(key_values(ins, expand))
+        if env.keys().isdisjoint(pairs):  # new names: appended (no list rebuilt per ENV)
+            cfg["Env"] = [*(cfg.get("Env") or []), *(f"{k}={v}" for k, v in pairs.items())]
+        else:
+            cfg["Env"] = [f"{k}={v}" for k, v in {**env, **pairs}.items()]
+        env.update(pairs)
+        _parsed[:] = [cfg["Env"], env]
     elif c == "LABEL":
         cfg["Labels"] = {**(cfg.get("Labels") or {}), **dict(key_values(ins, expand))}
     elif c == "MAINTAINER":

@@ -29,7 +29,10 @@ FLAGS: dict[str, set[str]] = {
 _HINTS = {"ONBUILD": "ONBUILD triggers are not supported by nsbox build",
           "--mount": "RUN --mount (cache, secret, ssh and bind mounts) is not supported by nsbox build; "
                      "COPY what the step needs instead"}
-_ESCAPE = re.compile(r"#\s*escape\s*=\s*(\S)", re.IGNORECASE)
+# Far above real Dockerfiles (hundreds of instructions at most); a build
+# step costs time in proportion to the steps before it (history, config).
+INSTRUCTION_LIMIT = 10_000
+_DIRECTIVE = re.compile(r"#\s*([a-z][a-z0-9]*)\s*=(.*)", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -91,8 +94,9 @@ def parse(text: str, path: str = "Dockerfile") -> Dockerfile:
         commands = dockerfile.parse_string(text)
     except dockerfile.GoParseError as e:
         raise BuildError(f"{e}", where=name) from None
-    m = _ESCAPE.match(text.lstrip())
-    df = Dockerfile(path, [], [], escape=m.group(1) if m else "\\")
+    if len(commands) > INSTRUCTION_LIMIT:
+        raise BuildError(f"more than {INSTRUCTION_LIMIT} instructions", where=name)
+    df = Dockerfile(path, [], [], escape=_directives(text).get("escape") or "\\")
     for c in commands:
         where = f"{name}:{c.start_line}"
         cmd = c.cmd.upper()
@@ -127,6 +131,18 @@ def parse(text: str, path: str = "Dockerfile") -> Dockerfile:
     if not df.stages:
         raise BuildError("no FROM instruction", where=name)
     return df
+
+
+def _directives(text: str) -> dict[str, str]:
+    """The parser directives (`# syntax=...`, `# escape=...`): every
+    leading line of the form `# key=value`, as BuildKit reads them."""
+    found: dict[str, str] = {}
+    for line in text.lstrip().splitlines():
+        m = _DIRECTIVE.match(line.strip())
+        if m is None:
+            break
+        found.setdefault(m.group(1).lower(), m.group(2).strip())
+    return found
 
 
 def _chomp(heredoc: object, value: tuple[str, ...]) -> str:

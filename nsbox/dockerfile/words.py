@@ -15,6 +15,13 @@ from collections.abc import Mapping
 from ..errors import NsboxError
 
 
+# Bounds far above any real Dockerfile, so that `ARG B=$A$A` repeated
+# (each doubling) or `${X:-${X:-...}}` nested thousands deep is an error,
+# not all memory or a RecursionError.
+WORD_LIMIT = 1 << 20  # characters the variables of one expansion (a word, a heredoc) give
+DEPTH_LIMIT = 100  # ${...} nested in ${...}
+
+
 class WordError(NsboxError):
     pass
 
@@ -38,6 +45,7 @@ def split_expand(text: str, env: Mapping[str, str], escape: str = "\\") -> list[
 class _Lexer:
     def __init__(self, text: str, env: Mapping[str, str], escape: str) -> None:
         self.text, self.env, self.esc, self.i = text, env, escape, 0
+        self.expanded, self.depth = 0, 0
 
     @property
     def done(self) -> bool:
@@ -97,14 +105,14 @@ class _Lexer:
             return "$"
         if self.text[self.i] != "{":
             name = self._name()
-            return self.env.get(name, "") if name else "$"
+            return self._used(self.env.get(name, "")) if name else "$"
         self.i += 1
         name = self._name()
         if self.done:
             raise WordError(f"missing '}}' in {self.text!r}")
         if self.text[self.i] == "}":
             self.i += 1
-            return self.env.get(name, "")
+            return self._used(self.env.get(name, ""))
         op = self.text[self.i]
         colon = op == ":"
         if colon:
@@ -113,16 +121,27 @@ class _Lexer:
         if op not in ("-", "+", "?"):
             raise WordError(f"unsupported modifier in ${{{name}{':' if colon else ''}{op}...}} in {self.text!r}")
         self.i += 1
+        self.depth += 1
+        if self.depth > DEPTH_LIMIT:
+            raise WordError(f"${{...}} nested more than {DEPTH_LIMIT} deep")
         arg = self.word(stop="}")
+        self.depth -= 1
         if self.done:
             raise WordError(f"missing '}}' in {self.text!r}")
         self.i += 1
         value = self.env.get(name)
         is_set = value is not None and (value != "" or not colon)
         if op == "-":
-            return value if is_set else arg  # type: ignore[return-value]
+            return self._used(value) if is_set else arg  # type: ignore[arg-type]
         if op == "+":
             return arg if is_set else ""
         if not is_set:
             raise WordError(f"{name}: {arg or 'is not set'}")
-        return value  # type: ignore[return-value]
+        return self._used(value)  # type: ignore[arg-type]
+
+    def _used(self, value: str) -> str:
+        """A variable's value, counted against WORD_LIMIT."""
+        self.expanded += len(value)
+        if self.expanded > WORD_LIMIT:
+            raise WordError(f"variables expand to more than {WORD_LIMIT >> 20} MiB")
+        return value

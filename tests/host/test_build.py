@@ -345,6 +345,21 @@ async def test_unsupported_syntax(tmp_path: Path, name: str, busybox: str, line:
     assert str(e.value).startswith(message), str(e.value)
 
 
+async def test_platform_must_be_one(tmp_path: Path, name: str, busybox: str) -> None:
+    ctx = context(tmp_path, f"FROM --platform=garbage {busybox}\n")
+    with pytest.raises(BuildError, match=r"^Dockerfile:1 \(FROM\): --platform=garbage: unknown architecture"):
+        await build(ctx, tag=name, network="none", progress=lambda _: None)
+
+
+async def test_escape_directive_after_syntax(tmp_path: Path, name: str, busybox: str) -> None:
+    """Parser directives are all the leading `# key=value` lines: the
+    escape character a second line sets applies to ENV's words."""
+    ctx = context(tmp_path, f"# syntax=docker/dockerfile:1\n# escape=`\nFROM {busybox}\nENV P=C:\\dir Q=a`$b\n")
+    result = await build_image(ctx, tag=name, network="none", progress=lambda _: None)
+    env = Store().read_json(result.id)["config"]["Env"]
+    assert "P=C:\\dir" in env and "Q=a$b" in env, env
+
+
 async def test_default_network_is_announced(tmp_path: Path, name: str, busybox: str) -> None:
     ctx = context(tmp_path, f"FROM {busybox}\nRUN ip -o link | grep -c . > /links\n")
     lines: list[str] = []

@@ -7,6 +7,7 @@ Every owner is root's in single mode (all such a sandbox can represent).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -151,3 +152,17 @@ COPY --from=made /home/u /u
     history = Store().read_json(made.id)["history"]
     assert [h.get("empty_layer", False) for h in history[-4:]] == [False, True, False, True], history
     assert result.id != made.id
+
+
+@pytest.mark.parametrize("body, message", [
+    ("WORKDIR /etc/passwd\n", "Dockerfile:2 (WORKDIR): /etc/passwd is not a directory in the image"),
+    ("COPY --chown=99999999999 Dockerfile /x\n", "Dockerfile:2 (COPY): 99999999999: a uid or gid above 4294967295"),
+    ("COPY --chown=1:4294967296 Dockerfile /x\n", "Dockerfile:2 (COPY): 1:4294967296: a uid or gid above"),
+])
+async def test_what_docker_refuses_is_an_error(tmp_path: Path, name: str, busybox: str, body: str,
+                                               message: str) -> None:
+    """These had replaced /etc/passwd by a directory and given the file to
+    uid 0; Docker refuses them."""
+    ctx = context(tmp_path, f"FROM {busybox}\n{body}")
+    with pytest.raises(BuildError, match=re.escape(message)):
+        await build(ctx, tag=name, no_cache=True, **QUIET)  # type: ignore[arg-type]

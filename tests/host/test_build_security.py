@@ -18,6 +18,7 @@ import tarfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import anyio
 import psutil
@@ -25,6 +26,7 @@ import pytest
 
 import nsbox
 from nsbox.dockerfile import BuildError, build_image
+from nsbox.dockerfile.context import Context
 from nsbox.storage import Store, oci
 
 from tests.conftest import MODE
@@ -290,9 +292,19 @@ async def test_an_excluded_directory_with_an_exception_can_be_copied(tmp_path: P
     assert sorted(m.name for m, _ in last_layer(result.digest) if m.isfile()) == ["docs/keep.md"]
 
 
+@pytest.mark.timeout(20)
+def test_dockerignore_patterns_take_no_exponential_time(tmp_path: Path) -> None:
+    """A pattern as a backtracking regex took seconds (minutes with more
+    stars) on a name of many `a`s, holding the event loop."""
+    a = "a" * 60
+    ctx = context(tmp_path, "FROM scratch\n", {".dockerignore": "*a*a*a*a*a*a*a*a*b\n**/x/**/*a*a*a*a*a*a*a*a*b\n",
+                                               a: "", f"d/x/{a}": "", f"d/x/y/{a}b": ""})
+    assert Context(ctx).listing() == [".dockerignore", "Dockerfile", a, "d", "d/x", f"d/x/{a}", "d/x/y"]
+
+
 @pytest.mark.parametrize("case", ["not utf-8", "ignore not utf-8", "loop", "ignore loop", "bad pattern", "nul",
                                   "fifo", "shebang", "not executable", "blank env", "truncated tar",
-                                  "truncated tgz"])
+                                  "truncated tgz", "dockerfile dir", "ignore dir", "-f dir"])
 async def test_bad_input_is_a_build_error(tmp_path: Path, name: str, busybox: str, case: str) -> None:
     """Each one had been a raw traceback, a silently shortened Dockerfile
     (a NUL: the parser reads up to it) or a build waiting forever (a FIFO)."""
@@ -304,7 +316,11 @@ async def test_bad_input_is_a_build_error(tmp_path: Path, name: str, busybox: st
                "fifo": "is not a regular file", "shebang": "the heredoc's #! line cannot be read",
                "not executable": "cannot run /etc/passwd", "blank env": "Dockerfile:2 (ENV): ENV names can not be blank",
                "truncated tar": "Dockerfile:2 (ADD): a.tar: the archive cannot be read",
-               "truncated tgz": "Dockerfile:2 (ADD): a.tgz: the archive cannot be read"}[case]
+               "truncated tgz": "Dockerfile:2 (ADD): a.tgz: the archive cannot be read",
+               "dockerfile dir": "Dockerfile is not a regular file",
+               "ignore dir": ".dockerignore is not a regular file",
+               "-f dir": "sub is not a regular file"}[case]
+    dockerfile = None
     if case == "not utf-8":
         df.write_bytes(f"FROM {busybox}\n".encode() + b"\xff\xfe\n")
     elif case == "ignore not utf-8":
@@ -321,6 +337,14 @@ async def test_bad_input_is_a_build_error(tmp_path: Path, name: str, busybox: st
     elif case == "fifo":
         df.unlink()
         os.mkfifo(df)
+    elif case == "dockerfile dir":
+        df.unlink()
+        df.mkdir()
+    elif case == "ignore dir":
+        ignore.mkdir()
+    elif case == "-f dir":
+        dockerfile = ctx / "sub"
+        dockerfile.mkdir()
     elif case == "shebang":
         df.write_text(f"FROM {busybox}\nRUN <<EOF\n#!/bin/sh \"\necho hi\nEOF\n")
     elif case == "not executable":
@@ -336,8 +360,101 @@ async def test_bad_input_is_a_build_error(tmp_path: Path, name: str, busybox: st
             tf.addfile(info, io.BytesIO(os.urandom(100_000)))
         (ctx / f"a.{suffix}").write_bytes(buf.getvalue()[:len(buf.getvalue()) // 2])
         df.write_text(f"FROM {busybox}\nADD a.{suffix} /x/\n")
+    fds = len(os.listdir("/proc/self/fd"))
     with anyio.fail_after(60), pytest.raises(BuildError, match=re.escape(message)):
+        await build_image(ctx, dockerfile=dockerfile, tag=name, network="none", no_cache=True, progress=lambda _: None)
+    if case.endswith(" dir"):
+        assert len(os.listdir("/proc/self/fd")) == fds  # none left open
+
+
+def _doubling(n: int) -> str:
+    """ARG A0 of 16 characters, then A1..An each twice the one before."""
+    return "ARG A0=" + "x" * 16 + "\n" + "".join(f"ARG A{i}=$A{i - 1}$A{i - 1}\n" for i in range(1, n + 1))
+
+
+@pytest.mark.parametrize("case", ["doubling", "expansion total", "instructions", "nested", "bad url", "idna url"])
+async def test_hostile_dockerfiles_are_one_line_errors(tmp_path: Path, name: str, busybox: str, case: str) -> None:
+    """Each had taken all memory (variables doubling), minutes (thousands of
+    instructions) or ended in a traceback."""
+    body, message = {
+        "doubling": (_doubling(24), "Dockerfile:19 (ARG): variables expand to more than 1 MiB"),
+        "expansion total": (_doubling(15) + "".join(f"ENV E{i}=$A15$A15\n" for i in range(80)),
+                            "(ENV): variables expand to more than 64 MiB in this build"),
+        "instructions": ("LABEL a=b\n" * 10_000, "Dockerfile: more than 10000 instructions"),
+        "nested": ("ENV A=" + "${X:-" * 3000 + "z" + "}" * 3000 + "\n",
+                   "Dockerfile:2 (ENV): ${...} nested more than 100 deep"),
+        "bad url": ("ADD http://[::1 /x\n", "Dockerfile:2 (ADD): http://[::1: not a URL"),
+        "idna url": ("ADD http://xn--/x /x\n", "Dockerfile:2 (ADD): downloading http://xn--/x failed"),
+    }[case]
+    ctx = context(tmp_path, f"FROM {busybox}\n{body}")
+    # The URL's name is refused before any lookup: no network none needed.
+    network = None if case == "idna url" else "none"
+    with anyio.fail_after(120), pytest.raises(BuildError, match=re.escape(message)):
+        await build_image(ctx, tag=name, network=network, no_cache=True, progress=lambda _: None)
+
+
+async def test_thousands_of_chained_stages_build(tmp_path: Path, name: str, busybox: str) -> None:
+    # Finding the stages the target needs had recursed once per stage.
+    stages = "".join(f"FROM s{i - 1} AS s{i}\n" for i in range(1, 1500))
+    ctx = context(tmp_path, f"FROM {busybox} AS s0\n{stages}ENV LAST=1\n")
+    result = await build_image(ctx, tag=name, network="none", progress=lambda _: None)
+    assert "LAST=1" in Store().read_json(result.id)["config"]["Env"]
+
+
+async def test_a_heredoc_holding_every_bmp_private_use_character_is_copied(tmp_path: Path, name: str,
+                                                                           busybox: str) -> None:
+    # Its expansion stands quotes in for characters the text lacks.
+    text = "".join(map(chr, range(0xE000, 0xF900))) + " \"$V\" '$V'\n"
+    ctx = context(tmp_path, f"FROM {busybox}\nARG V=v\nCOPY <<EOF /x\n{text}EOF\n")
+    result = await build_image(ctx, tag=name, network="none", progress=lambda _: None)
+    assert ("x", text.replace("$V", "v").encode()) in [(m.name, d) for m, d in last_layer(result.digest)]
+
+
+async def test_a_context_file_shrinking_during_copy_is_an_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                                name: str, busybox: str) -> None:
+    """The file is cut short on disk just as the layer writer reads it,
+    after its size went into the tar header."""
+    ctx = context(tmp_path, f"FROM {busybox}\nCOPY big /big\n", {"big": b"x" * 100_000})
+    opened, opens = Context.open, []
+
+    class Shrinking(io.BufferedReader):
+        def read(self, size: int | None = -1) -> bytes:
+            os.truncate(ctx / "big", 10)
+            return super().read(size)
+
+    def open_(self: Context, rel: str, st: os.stat_result | None = None) -> BinaryIO:
+        f = opened(self, rel, st)
+        opens.append(rel)
+        # the content hash reads it first, the layer writer second
+        return Shrinking(f.detach()) if opens.count("big") == 2 else f  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(Context, "open", open_)
+    with anyio.fail_after(60), pytest.raises(BuildError, match="^big in the build context changed while it was "
+                                                              r"read \(shorter now\)$"):
         await build_image(ctx, tag=name, network="none", no_cache=True, progress=lambda _: None)
+
+
+async def test_an_unreadable_last_modified_is_left_out(tmp_path: Path, name: str, busybox: str) -> None:
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+
+    def answer() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nLast-Modified: not a date\r\n"
+                         b"Connection: close\r\n\r\nhi\n")
+
+    ctx = context(tmp_path, f"FROM {busybox}\nADD http://127.0.0.1:{server.getsockname()[1]}/f /f\n")
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(anyio.to_thread.run_sync, answer)
+            with anyio.fail_after(60):
+                result = await build_image(ctx, tag=name, network="host", progress=lambda _: None)
+    finally:
+        server.close()
+    assert ("f", b"hi\n") in [(m.name, d) for m, d in last_layer(result.digest)]
 
 
 async def test_context_names_need_not_be_utf8(tmp_path: Path, name: str, busybox: str) -> None:
