@@ -3,6 +3,7 @@ default user and working directory of a sandbox, settled as it starts."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 from dataclasses import dataclass
@@ -150,8 +151,10 @@ async def identity_files(client: "InitClient") -> tuple[bytes, bytes]:
             data = await files.read_file(client, creds(ROOT), path, text=False, limit=IDENTITY_FILE_MAX)
             assert isinstance(data, bytes)
             found[path] = data
-        except FileNotFoundError:
-            found[path] = b""
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            found[path] = b""  # no users: Docker runs such an image as root, and finds no named user
+        except OSError as e:  # a FIFO, a socket or a device there ("Not a regular file"): the same
+            found[path] = b"" if e.errno == errno.EINVAL else e
         except OutputLimitExceeded:
             found[path] = UserUnsupported(f"cannot look users up in the sandbox's {path}: it is larger than "
                                           f"{IDENTITY_FILE_MAX >> 20} MiB")

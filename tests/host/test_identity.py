@@ -52,6 +52,17 @@ async def test_users_are_looked_up_in_identity_files_of_a_bounded_size(sandbox: 
     assert (await sandbox.exec(["id", "-u"])).stdout == "0\n"  # the default user needs no lookup
 
 
+@pytest.mark.parametrize("replace", ["mkdir /etc/passwd", "mkfifo /etc/passwd"])
+async def test_identity_files_that_are_not_files_name_no_users(sandbox: nsbox.Sandbox, replace: str) -> None:
+    """An image whose /etc/passwd is a directory or a FIFO runs as root,
+    as in Docker; a named user is not found (it had been a traceback)."""
+    await sandbox.exec(["sh", "-c", f"rm /etc/passwd && {replace}"])
+    r = await sandbox.exec(["id", "-u"], user="0")
+    assert (r.returncode, r.stdout) == (0, "0\n"), r
+    r = await sandbox.exec(["id"], user="nobody")
+    assert r.returncode == 126 and "unable to find user nobody" in r.stderr, r
+
+
 async def test_users_and_root_probe(debian: nsbox.Sandbox, mode: str) -> None:
     r = await debian.exec(["sh", "-c", PROBE], user="root")
     fields = dict(line.split(":", 1) for line in r.stdout.splitlines()[:2])
