@@ -48,6 +48,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "needs(*components): skipped where a component of tests/components.py "
                                        "is absent (failed under CI=true)")
+    config.addinivalue_line("markers", "once: no identity mode can change its outcome (it makes no sandbox): "
+                                       "tests/run.sh runs it in the root pass only, as tests/unit")
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

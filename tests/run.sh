@@ -139,12 +139,13 @@ run_mode() {
     fi
 }
 # The whole suite: tests/unit (which creates no sandbox, so the identity
-# mode cannot change its outcome) runs once, in the root pass; the other
-# passes run tests/host. Named tests run in every pass.
+# mode cannot change its outcome) and tests marked `once` (the same, in
+# tests/host) run once, in the root pass; the other passes run the rest of
+# tests/host. Named tests run in every pass.
 if [[ $# -eq 0 ]]; then
     run_mode root root
-    run_mode subuid nsbox-sub tests/host
-    run_mode single nsbox-single tests/host
+    run_mode subuid nsbox-sub tests/host -m "not once"
+    run_mode single nsbox-single tests/host -m "not once"
 else
     run_mode root root "$@"
     run_mode subuid nsbox-sub "$@"

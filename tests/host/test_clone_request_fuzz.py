@@ -462,6 +462,7 @@ def mutants(rng: random.Random, count: int) -> Iterator[bytes]:
             yield rng.randbytes(rng.randrange(HEADER.size * 2))
 
 
+@pytest.mark.once  # the parser alone, built with sanitizers: no sandbox
 @pytest.mark.timeout(60)
 def test_unpack_under_a_memory_checker(tmp_path: Path) -> None:
     if not (CSRC / "common" / "clone_request.c").is_file():

@@ -16,6 +16,8 @@ import pytest
 from tests import components
 
 pytestmark = pytest.mark.timeout(180)
+# The component logic (a sub-pytest's skips and report): the same in every identity mode.
+once = pytest.mark.once
 REPO = Path(__file__).resolve().parents[2]
 PROBE = "tests/host/test_rootfs.py::test_busybox_rootfs"
 
@@ -29,6 +31,7 @@ def pytest_run(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess[
     return r, json.loads(report.read_text()) if report.exists() else {}
 
 
+@once
 def test_an_absent_component_skips_with_its_install_command(tmp_path: Path) -> None:
     r, counts = pytest_run(tmp_path, NSBOX_TEST_PRETEND_MISSING="busybox")
     assert r.returncode == 0, r.stdout + r.stderr
@@ -38,6 +41,7 @@ def test_an_absent_component_skips_with_its_install_command(tmp_path: Path) -> N
     assert counts == {"busybox": 1}
 
 
+@once
 def test_under_ci_an_absent_component_fails(tmp_path: Path) -> None:
     r, counts = pytest_run(tmp_path, NSBOX_TEST_PRETEND_MISSING="busybox", CI="true")
     assert r.returncode == 1, r.stdout + r.stderr
@@ -46,6 +50,7 @@ def test_under_ci_an_absent_component_fails(tmp_path: Path) -> None:
     assert counts == {}
 
 
+@once
 def test_a_present_component_runs_the_test(tmp_path: Path) -> None:
     components.require("busybox")
     r, counts = pytest_run(tmp_path)
@@ -53,6 +58,7 @@ def test_a_present_component_runs_the_test(tmp_path: Path) -> None:
     assert counts == {}
 
 
+@once
 def test_names_and_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(KeyError, match="unknown test component 'skopeo2'"):
         components.here("skopeo2")

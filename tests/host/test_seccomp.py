@@ -393,6 +393,7 @@ def _dump(arch: str, tmp: Path, mode: str) -> Bpf:
     return Bpf(r.stdout)
 
 
+@pytest.mark.once  # the filter's program, compiled and dumped: no sandbox
 @pytest.mark.parametrize("arch", ["x86_64", "aarch64"])
 def test_filter_program_per_architecture(arch: str, tmp_path: Path) -> None:
     nr = {name: syscall_number(arch, name) for name in
