@@ -59,16 +59,17 @@ async def test_a_directory_given_as_stdin_shows_nothing_of_the_host(tmp_path: Pa
     (tmp_path / "marker").write_text(secret)
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
     try:
         async with nsbox.Sandbox() as sb:
             code = await sb.run_forwarded(["sh", "-c", "readlink /proc/self/fd/0; cat /proc/self/fd/0/marker"],
-                                          stdin=fd, stdout=out_w, stderr=out_w)
+                                          stdin=fd, stdout=out_w, stderr=err_w)
     finally:
-        os.close(fd)
-        os.close(out_w)
-    with os.fdopen(out_r) as f:
-        out = f.read()
-    assert code != 0 and out.startswith("pipe:") and secret not in out, out
+        for end in (fd, out_w, err_w):
+            os.close(end)
+    with os.fdopen(out_r) as f, os.fdopen(err_r) as e:
+        out, err = f.read(), e.read()
+    assert code != 0 and out.startswith("pipe:") and secret not in out + err, (out, err)
 
 
 def test_run_forwards_large_output_whole() -> None:
