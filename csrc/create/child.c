@@ -88,7 +88,8 @@ static int in_root(const char *path, int flags, unsigned int mode)
     if (root < 0)
         return -1;
     struct open_how how = {
-        .flags = (unsigned long long)(flags | O_CLOEXEC | ((flags & O_CREAT) ? O_RDONLY : O_PATH)),
+        /* O_NONBLOCK: a FIFO there must not hold us (O_CREAT opens for reading). */
+        .flags = (unsigned long long)(flags | O_CLOEXEC | ((flags & O_CREAT) ? O_RDONLY | O_NONBLOCK : O_PATH)),
         .mode = (flags & O_CREAT) ? mode : 0,
         .resolve = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS,
     };
@@ -105,10 +106,25 @@ static int in_root(const char *path, int flags, unsigned int mode)
     return fd;
 }
 
+/* The target of an NSBOX_IN_ROOT mount: refused if it is the root itself
+ * (a link to "/"), which a mount would cover, the rest of the setup with it. */
+static int mount_target(const char *path, int flags)
+{
+    int fd = in_root(path, flags, 0);
+    struct stat st, root;
+    if (fd >= 0 && fstat(fd, &st) == 0 && stat("/", &root) == 0 && st.st_dev == root.st_dev &&
+        st.st_ino == root.st_ino) {
+        close(fd);
+        errno = EBUSY;
+        return -1;
+    }
+    return fd;
+}
+
 /* mount(2) on the target an NSBOX_IN_ROOT step resolved. */
 static int mount_in_root(const struct nsbox_step *s)
 {
-    int fd = in_root(s->b, O_DIRECTORY, 0);
+    int fd = mount_target(s->b, O_DIRECTORY);
     if (fd < 0)
         return -1;
     char target[64];
@@ -124,6 +140,8 @@ static int mount_in_root(const struct nsbox_step *s)
  * the whole path leads to there must be a directory. */
 static int mkdir_in_root(const struct nsbox_step *s)
 {
+    if (strcmp(s->b, "/") == 0)
+        return 0; /* the root: there */
     const char *slash = strrchr(s->b, '/');
     if (!slash || !slash[1]) {
         errno = EINVAL;
@@ -142,9 +160,16 @@ static int mkdir_in_root(const struct nsbox_step *s)
         return -1;
     int made = mkdirat(dir, slash + 1, s->mode) == 0;
     int err = errno;
-    /* One made here gets its mode whatever the umask, as below. */
-    if (made && fchmodat(dir, slash + 1, s->mode, 0) < 0)
-        err = errno, made = -1;
+    /* One made here gets its mode whatever the umask, as below; through a
+     * descriptor, not its name, which a sandbox sharing a volume could
+     * have swapped for a link since. */
+    if (made) {
+        int fd = openat(dir, slash + 1, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+        if (fd < 0 || fchmod(fd, s->mode) < 0)
+            err = errno, made = -1;
+        if (fd >= 0)
+            close(fd);
+    }
     close(dir);
     if (made < 0 || (!made && err != EEXIST)) {
         errno = err;
@@ -201,7 +226,7 @@ static int run_step(const struct nsbox_step *s, int *slots)
             return -1;
         }
         if (s->flags & NSBOX_IN_ROOT) {
-            int fd = in_root(s->b, 0, 0);
+            int fd = mount_target(s->b, 0);
             if (fd < 0)
                 return -1;
             long r = syscall(SYS_move_mount, slots[s->slot], "", fd, "",
@@ -244,8 +269,9 @@ static int run_step(const struct nsbox_step *s, int *slots)
         /* Read-only: a file that exists is only a mount point, so neither
          * copied up from an overlay's lower layer nor needs to be ours to
          * write (the host's /etc/resolv.conf, under a read-only root). */
-        int fd = (s->flags & NSBOX_IN_ROOT) ? in_root(s->b, O_CREAT, s->mode)
-                                            : open(s->b, O_RDONLY | O_CREAT | O_CLOEXEC | O_NOFOLLOW, s->mode);
+        int fd = (s->flags & NSBOX_IN_ROOT)
+                     ? in_root(s->b, O_CREAT, s->mode)
+                     : open(s->b, O_RDONLY | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, s->mode);
         if (fd < 0)
             return -1;
         close(fd);

@@ -89,6 +89,8 @@ def _mount_point(plan: Plan, target: str, directory: bool) -> str:
     """Creates the user's mount point `target` (and missing parents) where
     it leads inside the root, as Docker does: through an image's symlinks
     (`/var/run/x` is `/run/x` on Debian); its normal form."""
+    if target.strip("/") == "":
+        return "/"  # the root (a working directory of "/"): there
     parts = target.strip("/").split("/")
     for i in range(1, len(parts)):
         plan.add(Phase.INSIDE, s.mkdir("/" + "/".join(parts[:i]), in_root=True))

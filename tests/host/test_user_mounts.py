@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import anyio
 import pytest
 
 import nsbox
@@ -126,6 +127,20 @@ async def test_a_mount_point_follows_the_images_symlinks_inside_it(tmp_path: Pat
     for target in ("/b/sys/x", "/b/magic/x", "/b/magic"):
         with pytest.raises(nsbox.SandboxSetupError, match="symlinks lead inside the sandbox's root"):
             await nsbox.Sandbox(debian_rootfs, mounts=[f"{shared}:/b"], tmpfs=[target]).start()
+    # A link to the root itself: a mount there would cover the whole setup.
+    (shared / "root").symlink_to("/")
+    with pytest.raises(nsbox.SandboxSetupError, match="mount a tmpfs on /b/root: Device or resource busy"):
+        await nsbox.Sandbox(debian_rootfs, mounts=[f"{shared}:/b"], tmpfs=["/b/root"]).start()
+    # A FIFO as a file's mount point is mounted over, not waited on.
+    os.mkfifo(shared / "fifo")
+    (tmp_path / "file").write_text("over the fifo\n")
+    (tmp_path / "file").chmod(0o644)
+    with anyio.fail_after(20):
+        async with nsbox.Sandbox(debian_rootfs, mounts=[f"{shared}:/b", f"{tmp_path / 'file'}:/b/fifo:ro"]) as sb:
+            assert (await sb.exec(["cat", "/b/fifo"])).stdout == "over the fifo\n"
+    # A read-only root whose working directory is "/" (an image without WORKDIR).
+    async with nsbox.Sandbox(debian_rootfs, read_only=True, workdir="/") as sb:
+        assert (await sb.exec(["pwd"])).stdout == "/\n"
 
 
 async def test_a_bind_source_turned_into_a_symlink_since_is_refused(tmp_path: Path) -> None:
