@@ -35,31 +35,41 @@ class StdinRelay:
             self.fd, self._write, self._stop = devnull if source is None else source, -1, (-1, -1)
             return
         self.fd, self._write = os.pipe2(os.O_CLOEXEC)
+        os.set_blocking(self._write, False)  # a write waits in poll, where a stop is heard too
         self._stop = os.pipe2(os.O_CLOEXEC)
         self._thread = threading.Thread(target=self._copy, args=(source,), daemon=True, name="nsbox-stdin")
         self._thread.start()
 
     def _copy(self, source: int) -> None:
-        poller = select.poll()
-        poller.register(source, select.POLLIN)
-        poller.register(self._stop[0], select.POLLIN)
+        reading = select.poll()
+        reading.register(source, select.POLLIN)
+        reading.register(self._stop[0], select.POLLIN)
+        writing = select.poll()
+        writing.register(self._write, select.POLLOUT)
+        writing.register(self._stop[0], select.POLLIN)
         try:
             while True:
-                ready = {fd for fd, _ in poller.poll()}
-                if self._stop[0] in ready:
+                if self._stop[0] in {fd for fd, _ in reading.poll()}:
                     return
-                data = os.read(source, CHUNK)
+                data = memoryview(os.read(source, CHUNK))
                 if not data:
                     return
-                os.write(self._write, data)  # blocks while the command reads; EPIPE once it is gone
-        except OSError:
+                while data:  # as the command reads; a sandbox process may hold the pipe and never read
+                    if self._stop[0] in {fd for fd, _ in writing.poll()}:
+                        return
+                    try:
+                        data = data[os.write(self._write, data):]
+                    except BlockingIOError:
+                        continue
+        except OSError:  # EPIPE: no one reads it any more
             return
         finally:
             os.close(self._write)  # the command sees EOF
 
     def close(self) -> None:
         """The command has exited: a copy still waiting on the source or on
-        the pipe ends (closing the read end breaks a blocked write)."""
+        the pipe ends at once, even where a process the command left holds
+        the pipe (the stop pipe wakes both waits)."""
         if self._thread is None:
             return
         os.close(self.fd)

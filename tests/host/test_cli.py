@@ -72,6 +72,29 @@ async def test_a_directory_given_as_stdin_shows_nothing_of_the_host(tmp_path: Pa
     assert code != 0 and out.startswith("pipe:") and secret not in out + err, (out, err)
 
 
+async def test_a_file_stdin_held_by_a_leftover_process_does_not_hold_the_host(tmp_path: Path) -> None:
+    """The copy into the pipe waited in a blocking write, and the end of
+    the command joined it: a process the command left holding the pipe,
+    not reading, froze the host's event loop until it exited."""
+    import nsbox
+
+    big = tmp_path / "big"
+    big.write_bytes(os.urandom(2 << 20))  # more than a pipe holds
+    fd = os.open(big, os.O_RDONLY)
+    out = os.open(os.devnull, os.O_WRONLY)
+    try:
+        async with nsbox.Sandbox() as sb:
+            started = time.monotonic()
+            code = await sb.run_forwarded(
+                ["sh", "-c", "exec 3<&0; (sleep 60 <&3 >/dev/null 2>&1 &); echo started"], stdin=fd, stdout=out)
+            # A hang, not a speed: the leftover holds the pipe for 60 s (a
+            # blocked event loop cannot time itself out: measured after).
+            assert code == 0 and time.monotonic() - started < 30
+    finally:
+        os.close(fd)
+        os.close(out)
+
+
 def test_run_forwards_large_output_whole() -> None:
     # A first read that fills the read buffer makes nsbox grow the pipe:
     # with output forwarded (not captured) that path must work too.
