@@ -250,6 +250,11 @@ async def ensure_workdir(client: "InitClient", workdir: str, identity: Identity,
             raise SandboxSetupError(f"the working directory {workdir} is not a directory")
         if seen is not None:
             _remember(_image_workdirs, seen, True)
+    except PermissionError:
+        raise SandboxSetupError(f"the working directory {workdir} is not open to {identity.name} (uid {identity.uid})",
+                                hint="a root filesystem unpacked by another user (host root, say) has files no id "
+                                     "of the sandbox owns: unpack it as yourself, or import it "
+                                     "(`nsbox image import`)") from None
     except FileNotFoundError:
         commands = [["mkdir", "-p", "--", workdir]]
         if identity.uid != 0:

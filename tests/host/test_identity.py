@@ -7,6 +7,7 @@ user running this pytest (tests/run.sh runs all three).
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -61,6 +62,18 @@ async def test_identity_files_that_are_not_files_name_no_users(sandbox: nsbox.Sa
     assert (r.returncode, r.stdout) == (0, "0\n"), r
     r = await sandbox.exec(["id"], user="nobody")
     assert r.returncode == 126 and "unable to find user nobody" in r.stderr, r
+
+
+async def test_a_working_directory_its_user_cannot_enter_is_one_line(debian_rootfs: Path, mode: str) -> None:
+    """As `docker run -u nobody -w /root` fails: it had been a bare
+    PermissionError traceback."""
+    box = nsbox.Sandbox(debian_rootfs, user="nobody", workdir="/root")
+    if mode == "single":  # only root is mapped: nobody is refused before
+        with pytest.raises(UserUnsupported):
+            await box.start()
+        return
+    with pytest.raises(nsbox.SandboxSetupError, match=r"the working directory /root is not open to nobody"):
+        await box.start()
 
 
 async def test_users_and_root_probe(debian: nsbox.Sandbox, mode: str) -> None:
