@@ -18,6 +18,8 @@ import os
 import signal
 from typing import Callable, Protocol
 
+import anyio.lowlevel
+
 from .capture import READ_CHUNK
 from .client import Channel
 from .fdwait import Poller, PollerPool
@@ -108,13 +110,17 @@ class Pump:
                     deadline = now + KILL_WAIT
                     continue
                 ready = await poller.wait(None if deadline == math.inf else deadline - now)
+                busy = False  # a stream had more than its budget: others get the loop before the next read
                 for fd in ready:
                     if fd in streams:
                         sink = streams[fd]
+                        before = sink.total
                         if drain(fd, sink):
                             poller.forget(fd)
                             del streams[fd]
                             os.close(fd)
+                        else:
+                            busy = busy or sink.total - before >= getattr(sink, "drain_budget", DRAIN_BUDGET)
                         if stop_on_overflow and sink.truncated and not self.overflowed:  # type: ignore[attr-defined]
                             # Stop reading, kill, and wait (bounded) for the exit,
                             # so that the command is gone when the caller sees the error.
@@ -144,6 +150,10 @@ class Pump:
                             stdin = -1
                 if on_news is not None:
                     on_news()
+                if busy:
+                    # The poller answers at once while output waits: a command
+                    # that writes without end would have had the loop to itself.
+                    await anyio.lowlevel.checkpoint()
         finally:
             poller.close()
 
@@ -175,9 +185,11 @@ class Pump:
 
 
 def drain(fd: int, sink: OutputSink) -> bool:
-    """Reads what is available, up to DRAIN_BUDGET; True at EOF."""
+    """Reads what is available, up to DRAIN_BUDGET (or the sink's own
+    `drain_budget`); True at EOF."""
     taken = 0
-    while taken < DRAIN_BUDGET:
+    budget = getattr(sink, "drain_budget", DRAIN_BUDGET)
+    while taken < budget:
         try:
             n = sink.read_from(fd)
         except BlockingIOError:

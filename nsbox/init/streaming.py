@@ -41,7 +41,7 @@ from . import fdwait
 from .capture import READ_CHUNK, OutputQueue
 from .client import START_TIMEOUT, Channel, Command, ExecResult, InitClient, failed_start
 from ..errors import NsboxError, SandboxUnavailable
-from .pump import KILL_WAIT, Pump
+from .pump import DRAIN_BUDGET, KILL_WAIT, Pump
 
 Stream = Literal["stdout", "stderr"]
 
@@ -101,6 +101,14 @@ class _Interleaved:
     @property
     def total(self) -> int:
         return self.queue.total
+
+    @property
+    def drain_budget(self) -> int:
+        """What the pump reads at a wake: once the consumer has fallen a
+        whole queue behind, one chunk, so that commands whose output no one
+        reads (a chatty server under exec_remote) are drained at the event
+        loop's pace, not with its time: 16 `yes` had left it 34 turns in 3 s."""
+        return READ_CHUNK if self.queue.size >= self.queue.limit else DRAIN_BUDGET
 
     def read_from(self, fd: int) -> int:
         data = os.read(fd, READ_CHUNK)

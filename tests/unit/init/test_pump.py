@@ -211,3 +211,56 @@ def test_read_status_keeps_the_exit_and_the_first_failure() -> None:
         assert chan.returncode == 127
     finally:
         chan.close()
+
+
+async def test_a_stream_over_its_budget_lets_the_loop_run_other_tasks() -> None:
+    """The poller answers at once while output waits, so a pump fed
+    without end never gave the loop back: 16 unread `yes` under
+    exec_remote had left the host's event loop 34 turns in 3 s. Once a
+    stream has had its budget, the pump lets others run before it reads on."""
+
+    class Sink:
+        drain_budget = 65536  # as a stream whose consumer is a whole queue behind
+
+        def __init__(self) -> None:
+            self.total = 0
+
+        def read_from(self, fd: int) -> int:
+            n = len(os.read(fd, 65536))
+            self.total += n
+            return n
+
+    reader, writer = socket.socketpair()
+    for s, opt in ((reader, socket.SO_RCVBUF), (writer, socket.SO_SNDBUF)):
+        s.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
+    writer.setblocking(False)
+    queued = 0
+    try:
+        while True:
+            queued += writer.send(bytes(1 << 16))
+    except BlockingIOError:
+        pass
+    assert queued > 4 * Sink.drain_budget  # all of it ready before the pump starts
+    reader.setblocking(False)
+    sink = Sink()
+    init, chan = socket.socketpair()
+    pump = Pump({reader.detach(): sink})
+    pump.chan = Channel(chan)
+    seen_at: list[int] = []
+
+    async def other_task() -> None:
+        seen_at.append(sink.total)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pump.run)
+            tg.start_soon(other_task)
+            with anyio.fail_after(10):
+                while sink.total < queued:
+                    await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()
+    finally:
+        pump.close()
+        init.close()
+        writer.close()
+    assert seen_at and seen_at[0] < queued, (seen_at, queued)
