@@ -298,8 +298,9 @@ def test_build_dot_with_network_none(images: dict[str, str], tmp_path: Path, mod
     none` leaves RUN steps only a loopback (it had been dropped: nat)."""
     monkeypatch.chdir(tmp_path)
     ctx = _build_context(tmp_path / "task", images["debian"])
-    with open(ctx / "Dockerfile", "a") as f:
-        f.write("RUN grep -c : /proc/net/dev > /tmp/interfaces\n")
+    dockerfile = (ctx / "Dockerfile").read_text()  # before USER: single-uid mode builds as root only
+    (ctx / "Dockerfile").write_text(dockerfile.replace("USER agent\n", "RUN grep -c : /proc/net/dev > /tmp/interfaces\n"
+                                                                      "USER agent\n"))
     (ctx / "compose.yaml").write_text(textwrap.dedent(f"""\
         services:
           default:
