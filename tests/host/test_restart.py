@@ -101,7 +101,7 @@ async def test_the_host_ends_a_policy_by_killing_or_letting_go(stop: str) -> Non
             assert (await process.wait()).returncode == 128 + signal.SIGTERM
         else:
             process._chan.close()  # the host's end is gone: as a dropped connection
-        await anyio.sleep(1.0)  # ten times the first wait
+        await anyio.sleep(0.6)  # six times the first wait: a restart would have come
         assert await _runs(sb) == 1
         assert await _sleepers(sb) == []
 
