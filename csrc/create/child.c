@@ -18,6 +18,7 @@
 #include <sys/mount.h>
 #include <sys/prctl.h>
 #include <linux/magic.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -59,14 +60,14 @@ static void report(int fd, int step, int err)
     (void)r;
 }
 
-/* Writes a sysctl of the sandbox's own namespaces; a /proc/sys made
- * read-only outside (a procfs bound from a container's) leaves the
- * kernel's default. */
-static int write_sysctl(const char *path, const char *value)
+/* Writes a sysctl of the sandbox's own namespaces. With `read_only_ok`, a
+ * /proc/sys made read-only outside (a procfs bound from a container's)
+ * leaves the kernel's default. */
+static int write_sysctl(const char *path, const char *value, bool read_only_ok)
 {
     int fd = open(path, O_WRONLY | O_CLOEXEC | O_NOFOLLOW);
     if (fd < 0)
-        return errno == EROFS ? 0 : -1;
+        return read_only_ok && errno == EROFS ? 0 : -1;
     size_t len = strlen(value);
     int r = write(fd, value, len) == (ssize_t)len ? 0 : -1;
     int err = errno;
@@ -158,20 +159,24 @@ static int mkdir_in_root(const struct nsbox_step *s)
     int dir = in_root(parent, O_DIRECTORY, 0);
     if (dir < 0)
         return -1;
-    int made = mkdirat(dir, slash + 1, s->mode) == 0;
-    int err = errno;
-    /* One made here gets its mode whatever the umask, as below; through a
-     * descriptor, not its name, which a sandbox sharing a volume could
-     * have swapped for a link since. */
-    if (made) {
+    int r = 0;
+    if (mkdirat(dir, slash + 1, s->mode) == 0) {
+        /* One made here gets its mode whatever the umask, as below; through
+         * a descriptor, not its name, which a sandbox sharing a volume could
+         * have swapped for a link since. */
         int fd = openat(dir, slash + 1, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-        if (fd < 0 || fchmod(fd, s->mode) < 0)
-            err = errno, made = -1;
-        if (fd >= 0)
+        r = fd < 0 || fchmod(fd, s->mode) < 0 ? -1 : 0;
+        if (fd >= 0) {
+            int err = errno;
             close(fd);
+            errno = err;
+        }
+    } else if (errno != EEXIST) {
+        r = -1;
     }
+    int err = errno;
     close(dir);
-    if (made < 0 || (!made && err != EEXIST)) {
+    if (r < 0) {
         errno = err;
         return -1;
     }
@@ -329,11 +334,11 @@ static int run_step(const struct nsbox_step *s, int *slots)
          * sandbox's alone. Only its owner (us, root of the user namespace
          * that owns it) may say so; sandbox processes live in a nested
          * user namespace. */
-        r = write_sysctl(s->a, "0");
+        r = write_sysctl(s->a, "0", true);
         /* And, as Docker sets it, every group may send ICMP echo without a
          * raw socket (ping): net.ipv4.ping_group_range, b, set to c. */
         if (r == 0 && s->b && s->c)
-            r = write_sysctl(s->b, s->c);
+            r = write_sysctl(s->b, s->c, true);
         return r;
     }
 
@@ -355,19 +360,10 @@ static int run_step(const struct nsbox_step *s, int *slots)
         return r < 0 ? -1 : 0;
     }
 
-    case NSBOX_STEP_SYSCTL: {
+    case NSBOX_STEP_SYSCTL:
         /* A limit of this user namespace (/proc/sys/user/ names the
          * writer's own): the commands, in a nested one, cannot raise it. */
-        int fd = open(s->a, O_WRONLY | O_CLOEXEC | O_NOFOLLOW);
-        if (fd < 0)
-            return -1;
-        size_t len = strlen(s->b);
-        int r = write(fd, s->b, len) == (ssize_t)len ? 0 : -1;
-        int err = errno;
-        close(fd);
-        errno = err;
-        return r;
-    }
+        return write_sysctl(s->a, s->b, false);
 
     case NSBOX_STEP_BECOME_ROOT:
         /* Until now the child kept its creator's credentials (see
