@@ -120,7 +120,7 @@ class Pump:
                             del streams[fd]
                             os.close(fd)
                         else:
-                            busy = busy or sink.total - before >= getattr(sink, "drain_budget", DRAIN_BUDGET)
+                            busy = busy or sink.total - before >= budget(sink)
                         if stop_on_overflow and sink.truncated and not self.overflowed:  # type: ignore[attr-defined]
                             # Stop reading, kill, and wait (bounded) for the exit,
                             # so that the command is gone when the caller sees the error.
@@ -184,12 +184,17 @@ class Pump:
                 pass
 
 
+def budget(sink: OutputSink) -> int:
+    """What drain() reads at most at once: the sink's own `drain_budget`, if
+    it has one, else DRAIN_BUDGET."""
+    return getattr(sink, "drain_budget", DRAIN_BUDGET)
+
+
 def drain(fd: int, sink: OutputSink) -> bool:
-    """Reads what is available, up to DRAIN_BUDGET (or the sink's own
-    `drain_budget`); True at EOF."""
+    """Reads what is available, up to the sink's budget(); True at EOF."""
     taken = 0
-    budget = getattr(sink, "drain_budget", DRAIN_BUDGET)
-    while taken < budget:
+    most = budget(sink)
+    while taken < most:
         try:
             n = sink.read_from(fd)
         except BlockingIOError:
