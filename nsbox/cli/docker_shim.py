@@ -23,13 +23,16 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, NoReturn
+from typing import TYPE_CHECKING, Any, Callable, NoReturn
 
 import click
 
 from .. import __version__
 from ..errors import NsboxError
 from .common import exit_with, fail
+
+if TYPE_CHECKING:
+    from ..storage.reference import Reference
 
 MARK = "# nsbox docker shim"
 API_VERSION = "1.43"  # what `docker version` reports, for clients that check
@@ -228,24 +231,26 @@ def image_inspect(rest: list[str]) -> None:
         exit_with("\n".join(f"Error: No such image: {r}" for r in missing))
 
 
+def _reference(name: str) -> "Reference | None":
+    """`name` parsed, None if it is not a reference."""
+    from ..storage.reference import ReferenceError, parse
+
+    try:
+        return parse(name)
+    except ReferenceError:
+        return None
+
+
 def _familiar(name: str) -> str:
     """A stored image's name as Docker prints it (`python:3.12`, not
     `docker.io/library/python:3.12`)."""
-    from ..storage.reference import ReferenceError, parse
-
-    try:
-        return parse(name).short()
-    except ReferenceError:
-        return name
+    ref = _reference(name)
+    return name if ref is None else ref.short()
 
 
 def _repository(name: str) -> str | None:
-    from ..storage.reference import ReferenceError, parse
-
-    try:
-        return parse(name).name
-    except ReferenceError:
-        return None
+    ref = _reference(name)
+    return None if ref is None else ref.name
 
 
 def _wanted_names(store: Any, ref: str) -> Callable[[str], bool]:
