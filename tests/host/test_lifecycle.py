@@ -78,14 +78,22 @@ def host_state() -> tuple[set[str], set[str], str]:
     return layers, set(os.listdir(dirs.runtime_dir())), Path("/proc/self/mountinfo").read_text()
 
 
-async def test_create_destroy_loop_leaves_nothing(mode: str) -> None:
-    async with nsbox.Sandbox():  # the zygote (and holder) outlive the loop: start them first
+def children() -> set[int]:
+    return {c.pid for c in psutil.Process().children(recursive=True)}
+
+
+async def before_a_loop() -> tuple[tuple[set[str], set[str], str], set[int]]:
+    """host_state() and this process's children, once the zygote (and the
+    holder), which outlive a loop of sandboxes, have started."""
+    async with nsbox.Sandbox():
         pass
+    return host_state(), children()
+
+
+async def test_create_destroy_loop_leaves_nothing(mode: str) -> None:
     # Untouched layers may be kept for reuse (at most REUSE_MAX of them);
     # nothing else may remain.
-    before = host_state()
-    me = psutil.Process()
-    before_children = {c.pid for c in me.children(recursive=True)}
+    before, before_children = await before_a_loop()
     for i in range(15):
         sb = await nsbox.Sandbox.create()
         await sb.exec(["sh", "-c", ESCAPERS])
@@ -104,7 +112,7 @@ async def test_create_destroy_loop_leaves_nothing(mode: str) -> None:
     assert not pool.exists() or len(os.listdir(pool)) <= layer_store.REUSE_MAX
     trash = layers / layer_store.TRASH
     assert not trash.exists() or os.listdir(trash) == []
-    assert {c.pid for c in me.children(recursive=True)} == before_children  # nothing unreaped
+    assert children() == before_children  # nothing unreaped
 
 
 async def test_a_cancelled_create_leaves_nothing() -> None:
@@ -112,19 +120,15 @@ async def test_a_cancelled_create_leaves_nothing() -> None:
     millisecond), a sandbox without limits, whose process the zygote lets
     go on by itself, had been left running, found by nothing: no live entry,
     its layer mounted, until this process exited."""
-    async with nsbox.Sandbox():  # the zygote (and holder) outlive the loop: start them first
-        pass
-    before = host_state()
-    me = psutil.Process()
-    before_children = {c.pid for c in me.children(recursive=True)}
+    before, before_children = await before_a_loop()
     for i in range(40):
         with anyio.move_on_after(0.0002 * (i % 10)):
             sb = await nsbox.Sandbox.create()
             await sb.close()
     deadline = time.monotonic() + 10
-    while {c.pid for c in me.children(recursive=True)} != before_children and time.monotonic() < deadline:
+    while children() != before_children and time.monotonic() < deadline:
         await anyio.sleep(0.05)
-    left = [(c.pid, c.name()) for c in me.children(recursive=True) if c.pid not in before_children]
+    left = [(c.pid, c.name()) for c in psutil.Process().children(recursive=True) if c.pid not in before_children]
     assert left == [], "cancelled creates left processes"
     assert host_state() == before
 
