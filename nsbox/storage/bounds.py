@@ -76,6 +76,7 @@ class Budget:
         self.size = 0
         self.files = 0
         self.published: list[Path] = []  # layers unpacked for it by this pull or import
+        self.refused: TooLarge | None = None  # once refused, no layer of it is put in place
 
     def for_layer(self) -> tuple[int, int]:
         """(bytes, files) the next layer may unpack to."""

@@ -520,7 +520,12 @@ class Session:
 
     def _publish(self, tmp: Path, final: Path, report: ApplyReport, budget: Budget) -> None:
         """Renames a verified unpack into place (replacing what is there
-        unverified: a crash's leftover or not ours), then marks it."""
+        unverified: a crash's leftover or not ours), then marks it. Not
+        once the image is refused: a layer unpacked side by side with the
+        one refused may finish after the refusal took the others away."""
+        if budget.refused is not None:
+            _remove(tmp, self.mapping)
+            raise budget.refused
         # The marker is written first: a full disk then fails before
         # anything is in place, and leaves neither half behind.
         marker = self.store._marker_file(report)
@@ -550,6 +555,7 @@ class Session:
     def _refused(self, budget: Budget, error: TooLarge) -> TooLarge:
         """A refused image keeps nothing: the layers this pull or import
         unpacked for it go too (no name refers to them yet)."""
+        budget.refused = error
         for layer in budget.published:
             self.store._unpublish(layer, self.mapping)
         budget.published.clear()

@@ -18,6 +18,7 @@ import tarfile
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from nsbox.errors import NsboxError
@@ -234,6 +235,43 @@ async def test_gzip_bomb_refused(tmp_path: Path, store: Store, monkeypatch: pyte
     _limited(monkeypatch, "layer-size=80M")
     image = await import_image(store, layout.path, name="bomb:1")
     assert os.stat(image.layers[-1] / "bomb").st_size == 64 << 20
+
+
+async def test_a_layer_done_as_its_image_is_refused_is_not_kept(tmp_path: Path, store: Store,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layers unpack side by side: one that finishes unpacking just as another
+    is refused used to be put in place after the refusal had removed what
+    the image had published, and stayed."""
+    from nsbox.storage.apply import Unpacker
+    from nsbox.storage.store import Session
+
+    raw = tar_bytes(lambda t: add(t, "bomb", bytes(8 << 20)))
+    layout = Layout(tmp_path / "layout")
+    _image(layout, [busybox_layer(), raw])
+    _limited(monkeypatch, "layer-size=4M")
+    unpacked, refused = anyio.Event(), anyio.Event()
+    real_refused, real_apply = Session._refused, Unpacker.apply
+    bomb = "sha256:" + hashlib.sha256(gzip.compress(raw, mtime=0)).hexdigest()
+
+    def _refused(self: Session, *args: Any) -> Any:
+        refused.set()
+        return real_refused(self, *args)
+
+    async def apply(self: Unpacker, blob: str, *args: Any, **kwargs: Any) -> Any:
+        if blob == bomb:  # refused once the other layer is unpacked
+            await unpacked.wait()
+            return await real_apply(self, blob, *args, **kwargs)
+        report = await real_apply(self, blob, *args, **kwargs)
+        unpacked.set()
+        with anyio.CancelScope(shield=True):  # and that one returns only then
+            await refused.wait()
+        return report
+
+    monkeypatch.setattr(Session, "_refused", _refused)
+    monkeypatch.setattr(Unpacker, "apply", apply)
+    with pytest.raises(NsboxError, match=f"layer {bomb[:19]} unpacks to more than 4 MiB"):
+        await import_image(store, layout.path, name="late:1")
+    _nothing_published(store)
 
 
 @pytest.mark.parametrize("shape", ["flat", "deep"])
