@@ -1,16 +1,14 @@
 """`nsbox image ...`: pull, import, ls, inspect, rm, prune.
 
-The main CLI adds it with `main.add_command(image)`. `in_use_hook`, when
-set, lists the layer directories live sandboxes use, which prune keeps.
+The main CLI adds it with `main.add_command(image)`.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import click
@@ -22,7 +20,6 @@ from ..storage.store import Store
 from .common import fail, run_async
 
 T = TypeVar("T")
-in_use_hook: Callable[[], Iterable[os.PathLike[str] | str]] | None = None
 
 
 def _run(fn: Callable[..., Awaitable[T]], *args: Any) -> T:
@@ -153,7 +150,7 @@ def rm_cmd(refs: tuple[str, ...]) -> None:
         for ref in refs:
             for name in await store.remove(ref):
                 click.echo(f"untagged {name}")
-        r = await store.prune(in_use_hook)
+        r = await store.prune()
         click.echo(f"deleted {r.layers} layers and {r.blobs} blobs, {_size(r.bytes)}")
     _run(go)
 
@@ -162,6 +159,6 @@ def rm_cmd(refs: tuple[str, ...]) -> None:
 def prune_cmd() -> None:
     """Delete layers and blobs that no named image and no live sandbox uses."""
     async def go() -> None:
-        r = await Store().prune(in_use_hook)
+        r = await Store().prune()
         click.echo(f"deleted {r.layers} layers and {r.blobs} blobs, {_size(r.bytes)}")
     _run(go)

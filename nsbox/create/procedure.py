@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Protocol, Sequence
 
 from ..errors import SandboxSetupError, note_once
-from ..host import dirs, idmap, layers, live
+from ..host import dirs, idmap, layers, live, stacked
 from ..host.idmap import IdMap
 from ..init import users
 from ..init.client import InitClient
@@ -143,9 +143,14 @@ def register(sb: Member, network: str) -> None:
         init_pid=sb.pid, init_start=sb._launched.start_time(), rootfs=str(sb.rootfs),
         layer=os.fspath(sb._layer), hostname=sb.hostname, user=sb.user, workdir=sb.workdir,
         idmap=sb.idmap.to_dict(), origin=sb.origin, label=sb.label,
-        lowers=[os.fspath(p) for p in (sb.image.layers if sb.image else ())],
         network=network,
     ))
+    if layers := _store_layers(sb):  # a prune from any shell keeps them
+        stacked.record(sb.id, sb.pid, sb._launched.start_time(), layers)
+
+
+def _store_layers(sb: Member) -> tuple[Path, ...]:
+    return sb.rootfs.layers if isinstance(sb.rootfs, rootfs_mod.ImageRootfs) else ()
 
 
 def take_client(sb: Member) -> InitClient | None:
@@ -190,3 +195,4 @@ async def teardown(sb: Member, client: InitClient | None, wait: float) -> None:
     if sb._rundir is not None:
         live.remove_dir(sb._rundir)
         sb._rundir = None
+        stacked.forget(sb.id, _store_layers(sb))

@@ -74,7 +74,6 @@ class SandboxInfo:
     label: str = ""  # free text for people, e.g. the Inspect sample
     created: float = field(default_factory=time.time)
     detached: bool = False
-    lowers: list[str] = field(default_factory=list)  # image layers it stacks (prune keeps them)
     network: str = "none"  # its network mode (a sandbox joining it gets the same)
 
     @property
@@ -84,6 +83,9 @@ class SandboxInfo:
     @property
     def init_alive(self) -> bool:
         return process_alive(self.init_pid, self.init_start)
+
+
+_FIELDS = {f.name for f in fields(SandboxInfo)}
 
 
 def sandbox_dir(sandbox_id: str) -> Path:
@@ -121,7 +123,7 @@ def write(info: SandboxInfo) -> None:
 def read(sandbox_id: str) -> SandboxInfo | None:
     try:
         data = json.loads((sandbox_dir(sandbox_id) / INFO).read_text())
-        return SandboxInfo(**data)
+        return SandboxInfo(**{k: v for k, v in data.items() if k in _FIELDS})  # another version's too
     except (OSError, ValueError, TypeError):
         return None
 

@@ -9,6 +9,7 @@ Under $XDG_DATA_HOME/nsbox/images:
     layers/KEY/.staging-*   unpacking in progress (bound into the unpack sandbox)
     tmp/                    downloads in progress (same filesystem: rename publishes)
     locks/                  flock files
+    in-use/ID.json          the layers live sandbox ID stacks (host/stacked.py)
     refs.json               name -> {digest (manifest), id (config), ...}
     store.lock              shared by every pull/import, exclusive for prune and rm
 
@@ -35,7 +36,7 @@ import secrets
 import stat
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -54,6 +55,8 @@ from .confined import Confined, Runner
 from .bounds import Budget, TooLarge
 from .progress import Progress
 from .reference import ReferenceError, parse
+from ..host import stacked
+from .uses import Counted, acquire
 
 IMAGE_ID = re.compile(r"(?:sha256:)?([0-9a-f]{4,64})")
 COPY_CHUNK = 1 << 20
@@ -149,15 +152,7 @@ class Store:
         path = self.root / "store.lock" if name == "store" else self.locks / f"{name}.lock"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            op = (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB
-            delay = 0.005
-            while True:
-                try:
-                    fcntl.flock(fd, op)
-                    break
-                except BlockingIOError:
-                    await anyio.sleep(delay)
-                    delay = min(delay * 2, 0.1)
+            await acquire(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
             yield
         finally:
             os.close(fd)
@@ -300,10 +295,12 @@ class Store:
             staging.mkdir(mode=0o700)
             if mapping.host_root != (os.geteuid(), os.getegid()):
                 os.chown(staging, *mapping.host_root)  # sandbox root writes there
+            counted = Counted(self.locks)
             try:
                 async with Unpacker(self.blobs, staging, mapping, self.confined, id_mapping) as unpacker:
-                    yield Session(self, mapping, staging, unpacker, progress or Progress())
+                    yield Session(self, mapping, staging, unpacker, progress or Progress(), counted)
             finally:
+                counted.close()
                 _remove(staging, mapping)
 
     def confined(self, binds: Sequence[Bind], *, id_mapping: idmap.Requested, label: str = "") -> Confined:
@@ -431,20 +428,27 @@ class Store:
 
     # ---- prune -------------------------------------------------------
 
-    async def prune(self, in_use: Callable[[], Iterable[os.PathLike[str] | str]] | None = None) -> PruneReport:
+    def named_layers(self) -> set[str]:
+        """The diff_ids (hex) of the layers of named images."""
+        diffs: set[str] = set()
+        for rec in self.records().values():
+            with contextlib.suppress(NsboxError, KeyError, ValueError):
+                diffs |= {d.split(":")[1] for d in ImageConfig.parse(self.read_json(rec.id)).diff_ids}
+        return diffs
+
+    async def prune(self) -> PruneReport:
         """Deletes blobs and unpacked layers no named image uses, and layer
-        directories no live sandbox uses (`in_use` lists those in use),
-        plus what interrupted pulls left."""
+        directories no live sandbox stacks (host/stacked.py), plus what interrupted
+        pulls left."""
         report = PruneReport()
         async with self.lock("store"):
             keep_blobs: set[str] = set()
-            keep_diffs: set[str] = set()
             for rec in self.records().values():
                 with contextlib.suppress(NsboxError, KeyError, ValueError):
                     manifest = self.read_json(rec.digest)
                     keep_blobs |= {rec.digest, rec.id, *(d["digest"] for d in manifest.get("layers", []))}
-                    keep_diffs |= {d.split(":")[1] for d in ImageConfig.parse(self.read_json(rec.id)).diff_ids}
-            busy = {os.path.realpath(p) for p in (in_use() if in_use else ())}
+            keep_diffs = self.named_layers()
+            busy = stacked.layers_in_use(self.root)
             for algo_dir in self.blobs.iterdir():
                 for blob in algo_dir.iterdir():
                     if f"{algo_dir.name}:{blob.name}" not in keep_blobs:
@@ -468,8 +472,11 @@ class Store:
                         marker.unlink()
                 with contextlib.suppress(OSError):
                     key_dir.rmdir()
+            # Not refs.lock: `image rm` takes it outside the store lock, and
+            # two holders of two files of that name would not exclude each other.
             for leftover in (*self.tmp.iterdir(), *self.locks.iterdir()):
-                leftover.unlink()
+                if leftover != self.locks / "refs.lock":
+                    leftover.unlink()
         return report
 
 
@@ -477,12 +484,13 @@ class Session:
     """One pull or import: unpacks layers, shares work through per-layer locks."""
 
     def __init__(self, store: Store, mapping: idmap.IdMap, staging: Path, unpacker: Unpacker,
-                 progress: Progress) -> None:
+                 progress: Progress, counted: Counted) -> None:
         self.store = store
         self.mapping = mapping
         self.staging = staging
         self.unpacker = unpacker
         self.progress = progress
+        self.counted = counted  # held until the session ends, its images named
 
     async def layer(self, blob: str, diff_id: str | None, budget: Budget | None = None,
                     feed: Feed | None = None) -> tuple[str, Path]:
@@ -496,6 +504,7 @@ class Session:
         budget = budget or Budget(blob[:19])
         if diff_id:
             final = self.store.layer_dir(diff_id, key)
+            await self.counted.hold(final, budget)
             if (info := self.store.verified(diff_id, key)) is None:
                 async with self.store.lock(f"layer-{key}-{final.name}"):
                     if (info := self.store.verified(diff_id, key)) is None:
@@ -510,6 +519,11 @@ class Session:
             return diff_id, final
         report, tmp = await self._unpack(blob, budget, feed)
         final = self.store.layer_dir(report.diff_id, key)
+        try:
+            await self.counted.hold(final, budget)
+        except BaseException:
+            _remove(tmp, self.mapping)
+            raise
         async with self.store.lock(f"layer-{key}-{final.name}"):
             if (info := self.store.verified(report.diff_id, key)) is not None:
                 _remove(tmp, self.mapping)
@@ -553,11 +567,16 @@ class Session:
             raise self._refused(budget, error)
 
     def _refused(self, budget: Budget, error: TooLarge) -> TooLarge:
-        """A refused image keeps nothing: the layers this pull or import
-        unpacked for it go too (no name refers to them yet)."""
+        """A refused image keeps nothing of its own: the layers this pull
+        or import unpacked for it go too, but for those another image or a
+        sandbox has come to use since (uses.py, host/stacked.py)."""
         budget.refused = error
+        named = self.store.named_layers() if budget.published else set()
+        in_use = stacked.layers_in_use(self.store.root) if budget.published else set()
         for layer in budget.published:
-            self.store._unpublish(layer, self.mapping)
+            with self.counted.alone(layer, budget) as alone:
+                if alone and layer.name not in named and os.path.realpath(layer) not in in_use:
+                    self.store._unpublish(layer, self.mapping)
         budget.published.clear()
         return error
 
@@ -591,7 +610,9 @@ class Session:
                 tg.start_soon(self.layer, d["digest"], diff, budget)
 
         image = self.store.image(digest, name=name, key=self.mapping.key)
-        assert image is not None
+        if image is None:  # an image rm and prune elsewhere, between the two
+            raise NsboxError(f"image {name or digest}: its layers were removed while it was being unpacked",
+                             hint="pull or import it again")
         return image
 
 

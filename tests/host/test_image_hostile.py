@@ -24,7 +24,7 @@ import pytest
 from nsbox.errors import NsboxError
 from nsbox.storage.archive import import_image
 from nsbox.storage.resolve import resolve
-from nsbox.storage.store import Store
+from nsbox.storage.store import Session, Store
 
 from tests.conftest import MODE
 from tests.imagekit import Layout, Registry, add, busybox_layer, push, registry, run_image, store, tar_bytes  # noqa: F401
@@ -243,7 +243,6 @@ async def test_a_layer_done_as_its_image_is_refused_is_not_kept(tmp_path: Path, 
     is refused used to be put in place after the refusal had removed what
     the image had published, and stayed."""
     from nsbox.storage.apply import Unpacker
-    from nsbox.storage.store import Session
 
     raw = tar_bytes(lambda t: add(t, "bomb", bytes(8 << 20)))
     layout = Layout(tmp_path / "layout")
@@ -272,6 +271,61 @@ async def test_a_layer_done_as_its_image_is_refused_is_not_kept(tmp_path: Path, 
     with pytest.raises(NsboxError, match=f"layer {bomb[:19]} unpacks to more than 4 MiB"):
         await import_image(store, layout.path, name="late:1")
     _nothing_published(store)
+
+
+@pytest.mark.parametrize("other", ["named", "being-named"])
+async def test_a_refused_image_leaves_the_layers_another_image_uses(tmp_path: Path, store: Store, other: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hostile image shares a layer with a good one, imported meanwhile:
+    its refusal took the layer from under the good image (and from under
+    its sandboxes), named or about to be."""
+    from nsbox.storage.apply import Unpacker
+
+    raw = tar_bytes(lambda t: add(t, "bomb", bytes(8 << 20)))
+    bomb = "sha256:" + hashlib.sha256(gzip.compress(raw, mtime=0)).hexdigest()
+    hostile, good = Layout(tmp_path / "hostile"), Layout(tmp_path / "good")
+    _image(hostile, [busybox_layer(), raw])
+    _image(good, [busybox_layer()])
+    shared = "sha256:" + hashlib.sha256(busybox_layer()).hexdigest()
+    _limited(monkeypatch, "layer-size=4M")
+    counted, refused = anyio.Event(), anyio.Event()
+    real_apply, real_tag, real_refused = Unpacker.apply, Store.tag, Session._refused
+
+    async def apply(self: Unpacker, blob: str, *args: Any, **kwargs: Any) -> Any:
+        if blob == bomb:  # refused once the good image has the shared layer
+            await counted.wait()
+        return await real_apply(self, blob, *args, **kwargs)
+
+    async def tag(self: Store, name: str, *args: Any, **kwargs: Any) -> Any:
+        if name.endswith("good:1") and other == "being-named":
+            counted.set()
+            await refused.wait()
+        return await real_tag(self, name, *args, **kwargs)
+
+    def _refused(self: Session, *args: Any) -> Any:
+        error = real_refused(self, *args)
+        refused.set()
+        return error
+
+    monkeypatch.setattr(Unpacker, "apply", apply)
+    monkeypatch.setattr(Store, "tag", tag)
+    monkeypatch.setattr(Session, "_refused", _refused)
+    failures: list[Exception] = []
+    async with anyio.create_task_group() as tg:
+        async def import_hostile() -> None:
+            try:
+                await import_image(store, hostile.path, name="hostile:1")
+            except NsboxError as e:
+                failures.append(e)
+
+        tg.start_soon(import_hostile)
+        while store.verified(shared, MODE.key) is None:  # the hostile import unpacked it
+            await anyio.sleep(0.01)
+        image = await import_image(store, good.path, name="good:1")
+        counted.set()
+    assert len(failures) == 1 and "more than 4 MiB" in str(failures[0])
+    assert store.image(image.digest, name=image.name, key=MODE.key) is not None
+    assert (image.layers[0] / "bin/busybox").is_file()
 
 
 @pytest.mark.parametrize("shape", ["flat", "deep"])

@@ -329,7 +329,10 @@ async def test_concurrent_pulls_share_work(registry: Registry, store: Store, tmp
 
 
 async def test_prune_keeps_named_and_in_use(registry: Registry, busybox_oci: Path, store: Store,
-                                            tmp_path: Path) -> None:
+                                            tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a live sandbox stacks is kept, whatever the runtime directory
+    of the prune: it is recorded in the store (it was in the runtime
+    directory's list, which XDG_RUNTIME_DIR changes from shell to shell)."""
     push(f"oci:{busybox_oci}:app", registry, "test/app:1")
     app = await pull(store, f"{registry.host}/test/app:1")
     layout, _ = _unique_image(tmp_path, "prunable")
@@ -337,13 +340,20 @@ async def test_prune_keeps_named_and_in_use(registry: Registry, busybox_oci: Pat
     gone = await pull(store, f"{registry.host}/test/prunable:1")
     assert (await store.prune()).layers == 0  # everything is named
     assert await store.remove(f"{registry.host}/test/prunable:1") == [f"{registry.host}/test/prunable:1"]
-    assert await store.remove(app.id[7:19]) == [f"{registry.host}/test/app:1"]  # by id
-    report = await store.prune(lambda: [app.layers[1]])  # a live sandbox still uses the top layer
-    assert report.layers == 2 and report.blobs >= 5
-    assert not gone.layers[0].exists() and not app.layers[0].exists() and app.layers[1].is_dir()
+    async with run_image(app) as sb:
+        assert await store.remove(app.id[7:19]) == [f"{registry.host}/test/app:1"]  # by id
+        (tmp_path / "other-runtime").mkdir(mode=0o700)
+        with monkeypatch.context() as m:
+            m.setenv("NSBOX_STATE_DIR", os.fspath(tmp_path / "other-runtime"))
+            report = await store.prune()
+        assert report.layers == 1 and report.blobs >= 5
+        assert not gone.layers[0].exists() and all(p.is_dir() for p in app.layers)
+        r = await sb.exec(["ls", "/bin/busybox"])
+        assert r.success, r.stderr
     report = await store.prune()
-    assert report.layers == 1 and not app.layers[1].exists()
+    assert report.layers == 2 and not any(p.exists() for p in app.layers)
     assert [p.name for p in store.blobs.joinpath("sha256").iterdir()] == []
+    assert not list((store.root / "in-use").iterdir())
 
 
 async def test_a_prune_during_a_pull_keeps_what_the_pull_stored(registry: Registry, busybox_oci: Path, store: Store,

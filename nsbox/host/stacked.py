@@ -1,0 +1,83 @@
+"""The image-store layers that live sandboxes stack, recorded in the store.
+
+A sandbox on an image has <store>/in-use/<sandbox id>.json: its init's pid
+and start time, and the layers (<store>/layers/KEY/HEX, storage/store.py).
+The live registry (live.py) is under the runtime directory, which differs
+from shell to shell when XDG_RUNTIME_DIR does; the store's own directory is
+where every prune, and every refused pull, looks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from .live import process_alive
+
+IN_USE = "in-use"
+
+
+def record(sandbox_id: str, init_pid: int, init_start: int | None, layers: Iterable[Path]) -> None:
+    """Records a live sandbox's layers in their stores (written, then renamed)."""
+    for root, paths in _by_store(layers).items():
+        d = root / IN_USE
+        try:
+            d.mkdir(mode=0o700, exist_ok=True)
+        except OSError as e:
+            if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                continue  # a store this user cannot change: nor can its prune
+            raise
+        data = json.dumps({"init_pid": init_pid, "init_start": init_start, "layers": paths}).encode()
+        tmp = d / f".{sandbox_id}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+        os.replace(tmp, d / f"{sandbox_id}.json")
+
+
+def forget(sandbox_id: str, layers: Iterable[Path]) -> None:
+    for root in _by_store(layers):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(root / IN_USE / f"{sandbox_id}.json")
+
+
+def layers_in_use(root: Path) -> set[str]:
+    """The layers (real paths) that live sandboxes stack. The records of
+    sandboxes whose init is gone are removed, and any that cannot be read
+    (written whole and renamed, such a record was not written here)."""
+    used: set[str] = set()
+    try:
+        records = [e for e in os.scandir(root / IN_USE) if not e.name.startswith(".")]
+    except FileNotFoundError:
+        return used
+    for entry in records:
+        try:
+            with open(entry.path, "rb") as f:
+                rec = json.load(f)
+            alive = process_alive(int(rec["init_pid"]), rec["init_start"])
+            paths = [os.path.realpath(str(p)) for p in rec["layers"]]
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError, KeyError, TypeError):
+            alive, paths = False, []
+        if alive:
+            used.update(paths)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+    return used
+
+
+def _by_store(layers: Iterable[Path]) -> dict[Path, list[str]]:
+    """Layers grouped by store: a layer is <root>/layers/KEY/HEX (store.py)."""
+    out: dict[Path, list[str]] = {}
+    for layer in map(Path, layers):
+        if len(layer.parents) > 2 and layer.parents[1].name == "layers":
+            out.setdefault(layer.parents[2], []).append(os.fspath(layer))
+    return out
