@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import errno
 import fcntl
+import json
 import os
 import select
 import signal
@@ -182,6 +183,7 @@ def _listdir(path: Path) -> list[Path]:
 class GcReport:
     sandboxes: list[str] = field(default_factory=list)  # ids of the sandboxes removed
     layers: list[Path] = field(default_factory=list)  # stray layers removed
+    volumes: list[Path] = field(default_factory=list)  # compose samples' volumes no one uses
     failures: list[str] = field(default_factory=list)  # one line each: what could not be removed, and why
 
 
@@ -212,6 +214,12 @@ def gc(mapping: IdMap) -> GcReport:
             report.layers.append(layer)
         except Exception as e:
             report.failures.append(f"cannot remove layer {layer}: {describe(e)}")
+    for volumes in orphan_volumes():
+        try:
+            remove_volumes(volumes, mapping)
+            report.volumes.append(volumes)
+        except Exception as e:
+            report.failures.append(f"cannot remove volumes {volumes}: {describe(e)}")
     return report
 
 
@@ -241,7 +249,71 @@ def collect_dead() -> list[str]:
             pass  # another process holds it, or it cannot be removed: `nsbox gc` says why
         finally:
             os.close(fd)
+    if not _stop_collecting.is_set():
+        remove_orphan_volumes()  # a killed eval's compose volumes
     return removed
+
+
+# ---- compose samples' named volumes -----------------------------------
+#
+# <data>/volumes/<project>-<hex>/ holds one sample's named volumes, and
+# <project>-<hex>.sandboxes says who uses them: the process that made them
+# (written before the directory), then the sample's sandboxes (kept ones,
+# --no-sandbox-cleanup, outlive that process). Once neither is alive, the
+# volumes are garbage: a killed eval's are removed by the next collection.
+
+def volume_base() -> Path:
+    """Where samples' named volumes live: on disk, as Docker's do."""
+    return dirs.data_dir() / "volumes"
+
+
+def _users_file(volumes: Path) -> Path:
+    return volumes.with_name(volumes.name + ".sandboxes")
+
+
+def record_volume_users(volumes: Path, sandbox_ids: list[str]) -> None:
+    """Says who uses `volumes`: this process, and `sandbox_ids`."""
+    own = {"owner": [os.getpid(), live.own_start_time()], "sandboxes": sandbox_ids}
+    tmp = volumes.with_name(f".{volumes.name}.tmp")
+    tmp.write_text(json.dumps(own))
+    os.replace(tmp, _users_file(volumes))
+
+
+def remove_volumes(volumes: Path, mapping: IdMap) -> None:
+    if volumes.exists():
+        remove_layer(volumes, mapping)
+    _users_file(volumes).unlink(missing_ok=True)
+
+
+def orphan_volumes() -> list[Path]:
+    """The samples' volumes that neither their maker nor any of their
+    sandboxes uses any more."""
+    base = volume_base()
+    gone = []
+    for users in base.glob("*.sandboxes") if base.is_dir() else ():
+        try:
+            rec = json.loads(users.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(rec, list):  # an older version's: the sandboxes alone
+            rec = {"owner": [0, None], "sandboxes": rec}
+        try:
+            owner_alive = live.process_alive(int(rec["owner"][0]), rec["owner"][1])
+            ids = [str(i) for i in rec["sandboxes"]]
+        except (KeyError, TypeError, ValueError, IndexError):
+            continue
+        if owner_alive or any((info := live.read(i)) is not None and info.init_alive for i in ids):
+            continue
+        gone.append(users.with_name(users.name.removesuffix(".sandboxes")))
+    return gone
+
+
+def remove_orphan_volumes(mapping: IdMap | None = None) -> list[Path]:
+    """Deletes orphan_volumes(); returns what it deleted."""
+    gone = orphan_volumes()
+    for volumes in gone:
+        remove_volumes(volumes, mapping or detect_idmap())
+    return gone
 
 
 _collector: tuple[int, threading.Thread] | None = None  # (pid, thread): once per process

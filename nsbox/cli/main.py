@@ -16,7 +16,6 @@ from ..errors import CommandTimeout, NsboxError
 from ..sandbox import Sandbox
 from .doctor import doctor
 from ..spec import FIELDS, PULL_POLICIES, Bind, SandboxSpec
-from . import image as image_cli
 from .image import image as image_group
 from .build import build as build_command
 from .network import network as network_group
@@ -361,22 +360,24 @@ def rm(sandbox_ids: tuple[str, ...], all_: bool, force: bool) -> None:
 @click.option("-n", "--dry-run", is_flag=True, help="Only show what would be removed.")
 def gc(dry_run: bool) -> None:
     """Remove leftovers: sandboxes whose owner died without detaching them,
-    and writable layers no sandbox uses."""
+    writable layers no sandbox uses, and compose samples' volumes no one uses."""
     failures: list[str] = []
     if dry_run:
         infos, layers = manage.garbage()
-        ids = [i.id for i in infos]
+        ids, volumes = [i.id for i in infos], manage.orphan_volumes()
     else:
         report = manage.gc(idmap.detect())
-        ids, layers, failures = report.sandboxes, report.layers, report.failures
+        ids, layers, volumes, failures = report.sandboxes, report.layers, report.volumes, report.failures
     verb = "would remove" if dry_run else "removed"
     for i in ids:
         click.echo(f"{verb} sandbox {i}")
     for layer in layers:
         click.echo(f"{verb} layer {layer}")
+    for v in volumes:
+        click.echo(f"{verb} volumes {v}")
     for failure in failures:
         click.echo(f"nsbox: {failure}", err=True)
-    if not ids and not layers and not failures:
+    if not ids and not layers and not volumes and not failures:
         click.echo("nothing to remove")
     sys.exit(1 if failures else 0)
 
@@ -386,5 +387,3 @@ main.add_command(doctor)
 main.add_command(build_command)  # nsbox/cli/build.py
 main.add_command(network_group)  # nsbox/cli/network.py
 main.add_command(docker_shim_group)  # nsbox/cli/docker_shim.py
-# `nsbox image prune` keeps the layers live sandboxes stack.
-image_cli.in_use_hook = lambda: [layer for info in live.entries() if info.init_alive for layer in info.lowers]

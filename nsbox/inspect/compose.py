@@ -21,7 +21,6 @@ once per task whichever variable set names it.
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import sys
@@ -29,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..host import dirs, idmap, live
+from ..host import idmap
 from ..compose import (
     ComposeError,
     Project,
@@ -46,7 +45,7 @@ from ..compose.load import is_compose_document
 from ..compose.mapping import pull_policy
 from ..compose.support import BRIDGE, service_networks
 from ..host.layers import give
-from ..create.unshare import remove_layer
+from ..manage import record_volume_users, remove_volumes, volume_base
 from ..compose.services import Healthcheck, ServiceSpec, Services, compose_deadline
 from ..storage import Store
 from ..storage.progress import Progress
@@ -215,7 +214,7 @@ class Sample:
     async def close(self) -> None:
         await self.services.close()
         if self.volumes is not None:
-            _remove_volumes(self.volumes, self.mapping)
+            remove_volumes(self.volumes, self.mapping)
 
 
 async def start_sample(task: ComposeTask, label: str, *, output_limit_mode: str = "truncate") -> tuple[Sample, dict[str, Any]]:
@@ -263,12 +262,12 @@ async def start_sample(task: ComposeTask, label: str, *, output_limit_mode: str 
             raise
     except BaseException:
         if volumes is not None:
-            _remove_volumes(volumes, mapping)
+            remove_volumes(volumes, mapping)
         raise
     if volumes is not None:
-        # Who uses them: kept services (--no-sandbox-cleanup) outlive this
-        # process; remove_orphan_volumes() deletes them once those are gone.
-        _marker(volumes).write_text(json.dumps([sb.id for sb in sandboxes.values()]))
+        # Kept services (--no-sandbox-cleanup) outlive this process; the
+        # volumes go once they are gone (manage.py).
+        record_volume_users(volumes, [sb.id for sb in sandboxes.values()])
     return sample, sandboxes
 
 
@@ -280,39 +279,6 @@ def _mode(network: str, service: Service) -> str:
     return "host" if service.network_mode == "host" else "none"
 
 
-def _marker(volumes: Path) -> Path:
-    return volumes.with_name(volumes.name + ".sandboxes")
-
-
-def _remove_volumes(volumes: Path, mapping: idmap.IdMap) -> None:
-    if volumes.exists():
-        remove_layer(volumes, mapping)
-    _marker(volumes).unlink(missing_ok=True)
-
-
-def remove_orphan_volumes() -> list[Path]:
-    """Deletes the named volumes of samples none of whose sandboxes runs
-    any more (left by --no-sandbox-cleanup); returns what it deleted."""
-    base = _volume_base()
-    gone = []
-    for marker in base.glob("*.sandboxes") if base.is_dir() else ():
-        try:
-            ids = json.loads(marker.read_text())
-        except (OSError, ValueError):
-            continue
-        if any((info := live.read(i)) is not None and info.init_alive for i in ids):
-            continue
-        volumes = marker.with_name(marker.name.removesuffix(".sandboxes"))
-        _remove_volumes(volumes, idmap.detect())
-        gone.append(volumes)
-    return gone
-
-
-def _volume_base() -> Path:
-    """Where samples' named volumes live: on disk, as Docker's do."""
-    return dirs.data_dir() / "volumes"
-
-
 def _uses_named_volumes(project: Project) -> bool:
     return any(m.type == "volume" for s in project.services.values() for m in s.volumes)
 
@@ -321,9 +287,10 @@ def _volume_root(project: Project, mapping: idmap.IdMap) -> Path:
     """A fresh directory for this sample's named volumes, owned by sandbox
     root (a volume starts empty and belongs to root, as in Docker, until
     the image's files are copied in)."""
-    base = _volume_base()
+    base = volume_base()
     base.mkdir(mode=0o700, parents=True, exist_ok=True)
     root = base / f"{project.name}-{secrets.token_hex(6)}"
+    record_volume_users(root, [])  # first: a process killed from here on leaves garbage gc finds
     root.mkdir(mode=0o755)
     for name in project.volumes:
         (root / name).mkdir(mode=0o755)

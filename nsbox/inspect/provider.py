@@ -47,7 +47,6 @@ from .compose import (
     images_depend,
     is_docker_config,
     prepare,
-    remove_orphan_volumes,
     sample_variables,
     start_sample,
 )
@@ -337,7 +336,7 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
                 inspect_leftover = e.info.origin == "inspect" and e.state in ("detached", "orphaned")
                 if inspect_leftover or e.state == "dead":
                     remove(e.info, f"removed nsbox sandbox {e.info.id} {e.info.label}")
-            for volumes in remove_orphan_volumes():
+            for volumes in manage.remove_orphan_volumes():
                 print(f"removed the volumes of a compose sample: {volumes}")
         if failed:
             raise SystemExit(1)

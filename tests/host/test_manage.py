@@ -202,6 +202,55 @@ def test_gc_removes_what_a_killed_owner_left(tmp_path: Path, monkeypatch: pytest
         assert info.id not in r.stdout
 
 
+VOLUMES_MAKER = """\
+import sys
+from nsbox import manage
+root = manage.volume_base() / sys.argv[1]
+root.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+manage.record_volume_users(root, [])  # as a compose sample makes its volumes
+(root / "data").mkdir(parents=True)
+(root / "data" / "f").write_bytes(bytes(1 << 20))
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_killed_samples_volumes_are_collected(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compose sample's named volumes, left by a process killed while it
+    started the sample or ran it, are garbage for `nsbox gc` and for the
+    next start's collection; those of a live process are not."""
+    monkeypatch.setenv("NSBOX_STATE_DIR", str(tmp_path / "state"))
+    makers = {}
+    for name in ("killed-1", "killed-2", "alive"):
+        makers[name] = subprocess.Popen([sys.executable, "-c", VOLUMES_MAKER, name], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True)
+    try:
+        for p in makers.values():
+            assert p.stdout is not None and p.stdout.readline() == "ready\n"
+        for name in ("killed-1", "killed-2"):
+            makers[name].kill()
+            makers[name].wait()
+        base = manage.volume_base()
+        assert sorted(manage.orphan_volumes()) == [base / "killed-1", base / "killed-2"]
+        r = nsbox("gc", "-n")
+        assert f"would remove volumes {base / 'killed-1'}" in r.stdout.splitlines(), r.stdout
+        assert (base / "killed-1" / "data" / "f").is_file()
+        r = nsbox("gc")
+        assert r.returncode == 0, r.stderr
+        assert f"removed volumes {base / 'killed-1'}" in r.stdout.splitlines(), r.stdout
+        assert sorted(p.name for p in base.iterdir()) == ["alive", "alive.sandboxes"]
+        # The collection a process's first sandbox starts does the same.
+        makers["alive"].kill()
+        makers["alive"].wait()
+        manage.collect_dead()
+        assert list(base.iterdir()) == []
+    finally:
+        for p in makers.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 # ---- nsbox shell on a real terminal ----------------------------------------
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Z0-9]|\r")
