@@ -48,7 +48,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "needs(*components): skipped where a component of tests/components.py "
                                        "is absent (failed under CI=true)")
-    config.addinivalue_line("markers", "once: no identity mode can change its outcome (it makes no sandbox): "
+    config.addinivalue_line("markers", "once: no identity mode can change its outcome (it makes no sandbox, or "
+                                       "tests only what the init does once set up, the same code in every mode): "
                                        "tests/run.sh runs it in the root pass only, as tests/unit")
 
 

@@ -500,7 +500,7 @@ async def test_a_slow_service_is_never_seen_before_its_healthcheck(images: dict[
     name = "nsbox_compose_slow"
     await NsboxSandboxEnvironment.task_init(name, str(compose))
     try:
-        for i in range(8):
+        for i in range(5):
             envs = await NsboxSandboxEnvironment.sample_init(name, str(compose), {"__sample_id__": str(i)})
             try:
                 r = await envs["default"].exec(["bash", "-c", FETCH_WEB])

@@ -247,6 +247,7 @@ async def test_a_killed_exec_helper_is_reported_not_taken_for_the_command(sandbo
 FUSE_HOLD = Path(__file__).resolve().parents[1] / "fuse_hold.c"
 
 
+@pytest.mark.once  # the init's wait for its helper (11 s): the same code in every mode
 @pytest.mark.timeout(120)
 async def test_a_helper_stuck_in_the_kernel_does_not_stall_pid1(tmp_path: Path) -> None:
     # A helper that shares the init's memory can get stuck where SIGKILL
