@@ -259,7 +259,7 @@ def collect_dead() -> list[str]:
 # <data>/volumes/<project>-<hex>/ holds one sample's named volumes, and
 # <project>-<hex>.sandboxes says who uses them: the process that made them
 # (written before the directory), then the sample's sandboxes (kept ones,
-# --no-sandbox-cleanup, outlive that process). Once neither is alive, the
+# --no-sandbox-cleanup, outlive that process). Once they are gone, the
 # volumes are garbage: a killed eval's are removed by the next collection.
 
 def volume_base() -> Path:
@@ -302,7 +302,9 @@ def orphan_volumes() -> list[Path]:
             ids = [str(i) for i in rec["sandboxes"]]
         except (KeyError, TypeError, ValueError, IndexError):
             continue
-        if owner_alive or any((info := live.read(i)) is not None and info.init_alive for i in ids):
+        # Until the sample's sandboxes are recorded, its maker uses them; then
+        # they do (kept ones outlive the maker; its close removes the rest).
+        if any((info := live.read(i)) is not None and info.init_alive for i in ids) if ids else owner_alive:
             continue
         gone.append(users.with_name(users.name.removesuffix(".sandboxes")))
     return gone

@@ -215,10 +215,12 @@ sys.stdin.read()
 """
 
 
+@pytest.mark.once  # files and processes of this user: no sandbox
 def test_a_killed_samples_volumes_are_collected(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A compose sample's named volumes, left by a process killed while it
     started the sample or ran it, are garbage for `nsbox gc` and for the
-    next start's collection; those of a live process are not."""
+    next start's collection, as are those whose sandboxes are all gone;
+    those of a live process starting its sample are not."""
     monkeypatch.setenv("NSBOX_STATE_DIR", str(tmp_path / "state"))
     makers = {}
     for name in ("killed-1", "killed-2", "alive"):
@@ -231,7 +233,10 @@ def test_a_killed_samples_volumes_are_collected(tmp_path: Path, monkeypatch: pyt
             makers[name].kill()
             makers[name].wait()
         base = manage.volume_base()
-        assert sorted(manage.orphan_volumes()) == [base / "killed-1", base / "killed-2"]
+        # A sample whose sandboxes are recorded is theirs, its maker alive or not.
+        manage.record_volume_users(base / "ended", ["gone-sandbox"])
+        (base / "ended").mkdir()
+        assert sorted(manage.orphan_volumes()) == [base / "ended", base / "killed-1", base / "killed-2"]
         r = nsbox("gc", "-n")
         assert f"would remove volumes {base / 'killed-1'}" in r.stdout.splitlines(), r.stdout
         assert (base / "killed-1" / "data" / "f").is_file()
