@@ -16,10 +16,12 @@ import shlex
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..spec import Restart, Tmpfs, normalize_gpus, parse_size
+from ..net.hosts import host_address
+from ..spec import HOST_GATEWAY, Restart, Tmpfs, normalize_gpus, parse_size
 from .errors import ComposeError
 from .hostpaths import HostPaths
 from .model import CONDITIONS, Build, Healthcheck, Mount, Service
+from .support import HOST_LOOPBACK_ENV, host_loopback_granted
 
 _TRUE = {"y", "yes", "true", "on"}
 _FALSE = {"n", "no", "false", "off"}
@@ -417,15 +419,22 @@ class Reader:
         return out
 
     def extra_hosts(self, value: Any) -> dict[str, str]:
-        """["name:ip", "name=ip"] or {name: ip}; "host-gateway" stays as it
-        is: the sandbox's spec opens the host's loopback for it (and only
-        for it: nat does not otherwise)."""
+        """["name:ip", "name=ip"] or {name: ip}. "host-gateway" is the host's
+        own address, as under Docker; with the operator's grant it stays as
+        it is, and the sandbox's spec opens the host's loopback for it."""
         items = value.items() if isinstance(value, dict) else (
             (text.partition("=")[0], text.partition("=")[2]) if "=" in text else
             (text.partition(":")[0], text.partition(":")[2]) for text in self.string_list("extra_hosts", value))
         out = {}
         for name, address in items:
             address = str(address).strip("[]")
+            if address == HOST_GATEWAY and not host_loopback_granted():
+                address = host_address() or ""
+                if not address:
+                    self.issues.append(f"extra_hosts {name}:host-gateway (this host has no address but its "
+                                       f"loopback, whose services are yours to grant, not a compose file's: "
+                                       f"set {HOST_LOOPBACK_ENV}=1 to allow it)")
+                    continue
             out[str(name)] = address
         return out
 

@@ -25,7 +25,7 @@ import os
 from typing import Any, Literal
 
 from ..net.hosts import check_name
-from ..spec import MAX_PORTS, SandboxSpec, Tmpfs
+from ..spec import HOST_GATEWAY, MAX_PORTS, SandboxSpec, Tmpfs
 from .errors import ComposeError
 from .model import Project, Service
 
@@ -204,6 +204,7 @@ def review_service(name: str, raw: dict[str, Any]) -> Review:
     if raw.get("runtime") not in RUNTIMES:
         r.issues.append(f"runtime: {raw['runtime']}")
     _review_network_mode(raw.get("network_mode"), r)
+    _review_host_loopback(raw.get("x-nsbox"), r)
     _review_build(name, raw.get("build"), r)
     _review_capabilities(name, raw, r)
     _review_security_opt(name, raw.get("security_opt") or [], r, privileged=_true(raw.get("privileged")))
@@ -226,6 +227,25 @@ HOST_NETWORK_ENV = "NSBOX_COMPOSE_HOST_NETWORK"
 
 def host_network_granted() -> bool:
     return os.environ.get(HOST_NETWORK_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+# So is the host's loopback, which `extra_hosts: NAME:host-gateway` opened:
+# without the grant that name is the host's own address, as under Docker
+# (its services on that address or every address, not its 127.0.0.1 ones).
+HOST_LOOPBACK_ENV = "NSBOX_COMPOSE_HOST_LOOPBACK"
+
+
+def host_loopback_granted() -> bool:
+    return os.environ.get(HOST_LOOPBACK_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def _review_host_loopback(x_nsbox: Any, r: Review) -> None:
+    if not isinstance(x_nsbox, dict) or host_loopback_granted():
+        return
+    hosts = x_nsbox.get("hosts")
+    if _true(x_nsbox.get("host_loopback")) or (isinstance(hosts, dict) and HOST_GATEWAY in map(str, hosts.values())):
+        r.issues.append(f"x-nsbox: the host's loopback (its 127.0.0.1 services are yours to grant, not a compose "
+                        f"file's: set {HOST_LOOPBACK_ENV}=1 to allow it)")
 
 
 def _review_network_mode(mode: Any, r: Review) -> None:

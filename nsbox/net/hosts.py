@@ -11,11 +11,29 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import socket
 from typing import Iterable, Sequence
 
 HOST_NAME = "host.nsbox.internal"
 # A name in /etc/hosts: letters, digits, '-', '_' and '.' (RFC 952/1123 plus '_').
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,252}")
+
+
+def host_address() -> str | None:
+    """The host's own address on the way out (its eth0's, say), or None
+    where it has none but loopback. What Docker's host-gateway reaches:
+    the host's services on that address or on every address, not those
+    on its loopback. A UDP connect only picks the route: nothing is sent."""
+    for family, probe in ((socket.AF_INET, "192.0.2.1"), (socket.AF_INET6, "2001:db8::1")):
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect((probe, 9))
+                address = ipaddress.ip_address(s.getsockname()[0])
+        except OSError:
+            continue
+        if not (address.is_loopback or address.is_unspecified or address.is_link_local):
+            return str(address)
+    return None
 
 
 def check_name(name: str) -> str:

@@ -420,14 +420,15 @@ def test_no_sandbox_cleanup_keeps_every_service(images: dict[str, str], tmp_path
 
 
 async def test_default_network_has_outbound_access_and_names(images: dict[str, str], tmp_path: Path,
-                                                             http_server: int) -> None:
+                                                             http_server: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """On compose's default network each service has outbound access (its
     own user-mode network): here the host's loopback as host.nsbox.internal
-    (mapped by extra_hosts host-gateway too, as Docker users write it), and
-    its services reach each other by name."""
+    (mapped by extra_hosts host-gateway too, as Docker users write it, with
+    the operator's grant), and its services reach each other by name."""
     from nsbox.inspect.compose import prepare, start_sample
 
     components.require("tun", "usernet")  # nat's refusal is tested elsewhere
+    monkeypatch.setenv("NSBOX_COMPOSE_HOST_LOOPBACK", "1")
     (tmp_path / "compose.yaml").write_text(textwrap.dedent(f"""\
         services:
           default:

@@ -4,6 +4,7 @@ Pure unit tests: no sandbox is created."""
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import textwrap
 from pathlib import Path
@@ -1106,15 +1107,44 @@ def test_missing_compose_file(tmp_path):
         load_project(tmp_path)
 
 
-def test_extra_hosts_forms(tmp_path: Path) -> None:
+def test_extra_hosts_forms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from nsbox.net.usernet import GATEWAY
 
     (tmp_path / "compose.yaml").write_text(
         "services:\n  a:\n    image: x\n    extra_hosts: ['db:10.1.2.3', 'gw=host-gateway', 'v6:[::1]']\n"
         "  b:\n    image: x\n    extra_hosts: {cache: 10.9.9.9}\n")
+    monkeypatch.setenv("NSBOX_COMPOSE_HOST_LOOPBACK", "1")
     p = load_project(tmp_path / "compose.yaml")
     assert p.services["a"].extra_hosts == {"db": "10.1.2.3", "gw": "host-gateway", "v6": "::1"}
     a = service_spec(p.services["a"], p, image="x", network="nat")
     assert netmodes.host_loopback(a) and netmodes.extra_hosts(a)["gw"] == GATEWAY
     spec = service_spec(p.services["b"], p, image="x", network="none")
     assert spec.hosts == {"cache": "10.9.9.9"}
+
+
+def test_host_gateway_is_the_hosts_address_unless_its_loopback_is_granted(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compose file's host-gateway opened the host's loopback, whose
+    services (databases, other sandboxes' ports, a registry) are the
+    operator's to grant: as under Docker, it is the host's own address."""
+    from nsbox.compose import support
+    from nsbox.net import hosts
+
+    monkeypatch.delenv("NSBOX_COMPOSE_HOST_LOOPBACK", raising=False)
+    (tmp_path / "compose.yaml").write_text("services:\n  a:\n    image: x\n"
+                                           "    extra_hosts: ['host.docker.internal:host-gateway']\n")
+    address = hosts.host_address()
+    assert address is not None and not ipaddress.ip_address(address).is_loopback
+    p = load_project(tmp_path / "compose.yaml")
+    assert p.services["a"].extra_hosts == {"host.docker.internal": address}
+    assert not netmodes.host_loopback(service_spec(p.services["a"], p, image="x", network="nat"))
+    monkeypatch.setattr("nsbox.compose.parse.host_address", lambda: None)  # a host with loopback alone
+    with pytest.raises(ComposeError, match="no address but its loopback.*NSBOX_COMPOSE_HOST_LOOPBACK=1"):
+        load_project(tmp_path / "compose.yaml")
+    for x_nsbox in ("{host_loopback: true}", "{hosts: {gw: host-gateway}}"):
+        (tmp_path / "compose.yaml").write_text(f"services:\n  a:\n    image: x\n    x-nsbox: {x_nsbox}\n")
+        with pytest.raises(ComposeError, match="the host's loopback.*NSBOX_COMPOSE_HOST_LOOPBACK=1"):
+            load_project(tmp_path / "compose.yaml")
+        monkeypatch.setenv(support.HOST_LOOPBACK_ENV, "1")
+        load_project(tmp_path / "compose.yaml")
+        monkeypatch.delenv(support.HOST_LOOPBACK_ENV)
