@@ -272,8 +272,11 @@ def _users_file(volumes: Path) -> Path:
 
 
 def record_volume_users(volumes: Path, sandbox_ids: list[str]) -> None:
-    """Says who uses `volumes`: this process, and `sandbox_ids`."""
-    own = {"owner": [os.getpid(), live.own_start_time()], "sandboxes": sandbox_ids}
+    """Says who uses `volumes`: this process, and its sandboxes
+    `sandbox_ids`, by their inits (pid and start time: the live registry
+    is under the runtime directory, which another shell may not share)."""
+    inits = [(i, info.init_pid, info.init_start) for i in sandbox_ids if (info := live.read(i)) is not None]
+    own = {"owner": [os.getpid(), live.own_start_time()], "sandboxes": inits}
     tmp = volumes.with_name(f".{volumes.name}.tmp")
     tmp.write_text(json.dumps(own))
     os.replace(tmp, _users_file(volumes))
@@ -295,16 +298,17 @@ def orphan_volumes() -> list[Path]:
             rec = json.loads(users.read_text())
         except (OSError, ValueError):
             continue
-        if isinstance(rec, list):  # an older version's: the sandboxes alone
-            rec = {"owner": [0, None], "sandboxes": rec}
+        if isinstance(rec, list):  # an older version's: the sandboxes' ids alone
+            rec = {"owner": [0, None], "sandboxes": [[i, info.init_pid, info.init_start] for i in rec
+                                                     if (info := live.read(str(i))) is not None]}
         try:
             owner_alive = live.process_alive(int(rec["owner"][0]), rec["owner"][1])
-            ids = [str(i) for i in rec["sandboxes"]]
-        except (KeyError, TypeError, ValueError, IndexError):
+            inits_alive = [live.process_alive(int(pid), start) for _, pid, start in rec["sandboxes"]]
+        except (KeyError, TypeError, ValueError):
             continue
         # Until the sample's sandboxes are recorded, its maker uses them; then
         # they do (kept ones outlive the maker; its close removes the rest).
-        if any((info := live.read(i)) is not None and info.init_alive for i in ids) if ids else owner_alive:
+        if any(inits_alive) if inits_alive else owner_alive:
             continue
         gone.append(users.with_name(users.name.removesuffix(".sandboxes")))
     return gone

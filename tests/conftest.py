@@ -49,7 +49,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "needs(*components): skipped where a component of tests/components.py "
                                        "is absent (failed under CI=true)")
     config.addinivalue_line("markers", "once: no identity mode can change its outcome (it makes no sandbox, or "
-                                       "tests only what the init does once set up, the same code in every mode): "
+                                       "what it tests runs the same in every mode: the init once set up, the "
+                                       "host's collection of leftovers): "
                                        "tests/run.sh runs it in the root pass only, as tests/unit")
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from nsbox import manage
+from nsbox.host import live
 from tests.conftest import MODE
 from .test_build import _base
 from .test_compose_eval import _check, _run, _task, output_has
@@ -141,7 +142,8 @@ async def test_named_and_anonymous_volumes_hold_the_images_files(context: Path, 
         assert (volume / "f").stat().st_uid == _host_uid(1000 if MODE.mode != "single" else 0)
         # Who uses them, for a collection after this process is killed.
         users = json.loads(Path(f"{sample.volumes}.sandboxes").read_text())
-        assert users["owner"][0] == os.getpid() and sorted(users["sandboxes"]) == sorted(b.id for b in boxes.values())
+        assert users["owner"][0] == os.getpid()
+        assert sorted(users["sandboxes"]) == sorted([b.id, b.pid, live.read(b.id).init_start] for b in boxes.values())
         assert sample.volumes not in manage.orphan_volumes()
     finally:
         await sample.close()
