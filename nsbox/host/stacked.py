@@ -25,20 +25,22 @@ def record(sandbox_id: str, init_pid: int, init_start: int | None, layers: Itera
     """Records a live sandbox's layers in their stores (written, then renamed)."""
     for root, paths in _by_store(layers).items():
         d = root / IN_USE
-        try:
-            d.mkdir(mode=0o700, exist_ok=True)
-        except OSError as e:
-            if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-                continue  # a store this user cannot change: nor can its prune
-            raise
         data = json.dumps({"init_pid": init_pid, "init_start": init_start, "layers": paths}).encode()
         tmp = d / f".{sandbox_id}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
-            os.write(fd, data)
-        finally:
-            os.close(fd)
-        os.replace(tmp, d / f"{sandbox_id}.json")
+            d.mkdir(mode=0o700, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+            os.replace(tmp, d / f"{sandbox_id}.json")
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise
+            # A store this user cannot change: nor can its prune.
 
 
 def forget(sandbox_id: str, layers: Iterable[Path]) -> None:

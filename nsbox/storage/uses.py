@@ -54,6 +54,10 @@ class Counted:
         except BaseException:
             os.close(fd)
             raise
+        if layer in self.held:  # another task of this session got there while we waited
+            os.close(fd)
+            self.held[layer][1].add(id(image))
+            return
         self.held[layer] = (fd, {id(image)})
 
     @contextlib.contextmanager
