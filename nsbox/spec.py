@@ -453,7 +453,7 @@ class SandboxSpec:
                 raise ValueError(f"pids_limit must be at most {_PIDS_MAX} (the kernel's most processes), "
                                  f"not {self.pids_limit!r}")
             object.__setattr__(self, "pids_limit", int(self.pids_limit))
-        for name in ("strict_limits", "read_only"):
+        for name in ("strict_limits", "read_only", "host_loopback", "nested_userns", "privileged"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, not {getattr(self, name)!r}")
         if self.cpus is not None:

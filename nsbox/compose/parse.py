@@ -431,7 +431,7 @@ class Reader:
             if address == HOST_GATEWAY and not host_loopback_granted():
                 address = host_address() or ""
                 if not address:
-                    self.issues.append(f"extra_hosts {name}:host-gateway (this host has no address but its "
+                    self.issues.append(f"extra_hosts {name}:host-gateway (this host has no IPv4 address but its "
                                        f"loopback, whose services are yours to grant, not a compose file's: "
                                        f"set {HOST_LOOPBACK_ENV}=1 to allow it)")
                     continue

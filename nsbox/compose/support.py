@@ -240,10 +240,11 @@ def host_loopback_granted() -> bool:
 
 
 def _review_host_loopback(x_nsbox: Any, r: Review) -> None:
+    # Any value but false asks (a wrong one is the spec's error), and
+    # host-gateway anywhere in `hosts`, whatever shape holds it.
     if not isinstance(x_nsbox, dict) or host_loopback_granted():
         return
-    hosts = x_nsbox.get("hosts")
-    if _true(x_nsbox.get("host_loopback")) or (isinstance(hosts, dict) and HOST_GATEWAY in map(str, hosts.values())):
+    if x_nsbox.get("host_loopback") not in (None, False) or _mentions(x_nsbox.get("hosts"), HOST_GATEWAY):
         r.issues.append(f"x-nsbox: the host's loopback (its 127.0.0.1 services are yours to grant, not a compose "
                         f"file's: set {HOST_LOOPBACK_ENV}=1 to allow it)")
 
@@ -271,6 +272,14 @@ BUILD_APPROXIMATE = {
 }
 BUILD_KEYS = frozenset({"context", "dockerfile", "dockerfile_inline", "args", "target", "network", "no_cache",
                         "pull", *BUILD_APPROXIMATE})
+
+
+def _mentions(value: Any, text: str) -> bool:
+    if isinstance(value, dict):
+        return any(_mentions(k, text) or _mentions(v, text) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return any(_mentions(v, text) for v in value)
+    return str(value).strip() == text
 
 
 def _review_build(name: str, build: Any, r: Review) -> None:

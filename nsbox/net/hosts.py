@@ -9,31 +9,51 @@ when members join or leave.
 
 from __future__ import annotations
 
+import fcntl
 import ipaddress
 import re
 import socket
+import struct
 from typing import Iterable, Sequence
 
 HOST_NAME = "host.nsbox.internal"
+SIOCGIFADDR = 0x8915  # <linux/sockios.h>
 # A name in /etc/hosts: letters, digits, '-', '_' and '.' (RFC 952/1123 plus '_').
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,252}")
 
 
 def host_address() -> str | None:
-    """The host's own address on the way out (its eth0's, say), or None
-    where it has none but loopback. What Docker's host-gateway reaches:
-    the host's services on that address or on every address, not those
-    on its loopback. A UDP connect only picks the route: nothing is sent."""
-    for family, probe in ((socket.AF_INET, "192.0.2.1"), (socket.AF_INET6, "2001:db8::1")):
-        try:
-            with socket.socket(family, socket.SOCK_DGRAM) as s:
-                s.connect((probe, 9))
-                address = ipaddress.ip_address(s.getsockname()[0])
-        except OSError:
-            continue
+    """The host's own IPv4 address (nat is IPv4 only), or None where it has
+    none but loopback and link-local ones. What Docker's host-gateway
+    reaches: the host's services on that address or on every address, not
+    those on its loopback. The route out's source first (a UDP connect only
+    picks the route: nothing is sent), else the first interface's."""
+    candidates = []
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("192.0.2.1", 9))
+            candidates.append(s.getsockname()[0])
+    except OSError:
+        pass  # no route out
+    candidates += _interface_addresses()
+    for text in candidates:
+        address = ipaddress.IPv4Address(text)
         if not (address.is_loopback or address.is_unspecified or address.is_link_local):
-            return str(address)
+            return text
     return None
+
+
+def _interface_addresses() -> list[str]:
+    """Each interface's IPv4 address (SIOCGIFADDR), in index order."""
+    out = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue  # no IPv4 address
+            out.append(socket.inet_ntoa(raw[20:24]))
+    return out
 
 
 def check_name(name: str) -> str:

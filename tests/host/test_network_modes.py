@@ -387,3 +387,26 @@ async def test_every_user_may_ping_as_in_docker(mode: str) -> None:
         for user in ("root", "nobody") if mode != "single" else ("root",):
             r = await sb.exec(["python3", "-c", ICMP_ECHO], user=user)
             assert r.stdout == "type 0\n", (user, r)  # an echo reply
+
+
+HOST_ADDRESS = """\
+set -e
+ip link add v0 type veth peer name v1
+ip addr add 10.5.5.5/24 dev v0
+ip link set v0 up
+{python} -c 'from nsbox.net.hosts import host_address; print(host_address())'
+ip addr flush dev v0
+ip addr add 169.254.3.3/16 dev v0
+{python} -c 'from nsbox.net.hosts import host_address; print(host_address())'
+"""
+
+
+@pytest.mark.once  # a network namespace of the test's own: no sandbox
+def test_host_gateway_address_without_a_route_out() -> None:
+    """A compose file's host-gateway is the host's own address: found on an
+    interface where no route leads out (the UDP probe finds none), and
+    none where the host has only loopback and link-local addresses."""
+    r = subprocess.run(["unshare", "-rn", "sh", "-c", HOST_ADDRESS.format(python=sys.executable)],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["10.5.5.5", "None"]

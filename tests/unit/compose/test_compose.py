@@ -1141,10 +1141,16 @@ def test_host_gateway_is_the_hosts_address_unless_its_loopback_is_granted(tmp_pa
     monkeypatch.setattr("nsbox.compose.parse.host_address", lambda: None)  # a host with loopback alone
     with pytest.raises(ComposeError, match="no address but its loopback.*NSBOX_COMPOSE_HOST_LOOPBACK=1"):
         load_project(tmp_path / "compose.yaml")
-    for x_nsbox in ("{host_loopback: true}", "{hosts: {gw: host-gateway}}"):
+    for x_nsbox in ("{host_loopback: true}", "{host_loopback: 1}", "{host_loopback: 'false'}",
+                    "{hosts: {gw: host-gateway}}", "{hosts: [[gw, host-gateway]]}"):
         (tmp_path / "compose.yaml").write_text(f"services:\n  a:\n    image: x\n    x-nsbox: {x_nsbox}\n")
         with pytest.raises(ComposeError, match="the host's loopback.*NSBOX_COMPOSE_HOST_LOOPBACK=1"):
             load_project(tmp_path / "compose.yaml")
         monkeypatch.setenv(support.HOST_LOOPBACK_ENV, "1")
-        load_project(tmp_path / "compose.yaml")
+        p = load_project(tmp_path / "compose.yaml")
+        if "true" in x_nsbox or "hosts" in x_nsbox:
+            assert netmodes.host_loopback(service_spec(p.services["a"], p, image="x", network="nat"))
+        else:  # granted, and still not a boolean ('false' had granted it): the spec says so
+            with pytest.raises(ComposeError, match="host_loopback must be true or false"):
+                service_spec(p.services["a"], p, image="x", network="nat")
         monkeypatch.delenv(support.HOST_LOOPBACK_ENV)
