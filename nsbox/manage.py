@@ -153,6 +153,7 @@ def garbage() -> tuple[list[SandboxInfo], list[Path]]:
     recorded = live.entries()
     infos = [i for i in recorded if state_of(i) in ("dead", "orphaned")]
     known = {Path(i.layer) for i in recorded}
+    running = running_inits()  # those a shell with another runtime directory made too
     layers_dir = dirs.data_dir() / "sandboxes"
     orphans = []
     now = time.time()
@@ -167,9 +168,27 @@ def garbage() -> tuple[list[SandboxInfo], list[Path]]:
             age = now - layer.lstat().st_mtime
         except FileNotFoundError:
             continue  # removed meanwhile
-        if layer not in known and age > ORPHAN_LAYER_AGE:
+        if layer not in known and layer.name not in running and age > ORPHAN_LAYER_AGE:
             orphans.append(layer)
     return infos, orphans
+
+
+def running_inits() -> set[str]:
+    """The ids of the sandboxes whose init runs, as their command lines say
+    (`nsbox-init ID`), whichever runtime directory lists them. A process
+    inside a sandbox may take such a name: it can only keep a layer."""
+    ids = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read(64).split(b"\0")
+        except OSError:
+            continue  # gone, or not ours to read
+        if len(argv) > 1 and argv[0] == b"nsbox-init":
+            ids.add(argv[1].decode(errors="replace"))
+    return ids
 
 
 def _listdir(path: Path) -> list[Path]:

@@ -203,6 +203,20 @@ def test_gc_removes_what_a_killed_owner_left(tmp_path: Path, monkeypatch: pytest
         assert info.id not in r.stdout
 
 
+async def test_gc_keeps_the_layer_of_a_sandbox_another_shell_lists(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The live list is under the runtime directory, which another shell's
+    XDG_RUNTIME_DIR may put elsewhere: gc from there took a running
+    sandbox's writable layer, a minute old, for an orphan."""
+    async with Sandbox() as sb:
+        assert sb._layer is not None
+        with monkeypatch.context() as m:
+            m.setattr(live, "entries", lambda: [])  # another shell's list
+            m.setattr(manage, "ORPHAN_LAYER_AGE", 0.0)
+            assert sb._layer not in manage.garbage()[1]
+            assert sb.id in manage.running_inits()
+        assert (await sb.exec(["true"])).success
+
+
 VOLUMES_MAKER = """\
 import sys
 from nsbox import manage
