@@ -143,6 +143,7 @@ def _set_soft_nofile(pid: int, soft: int) -> None:
                     "owner of the sandbox's user namespace)")
 
 
+@pytest.mark.once  # the init's own answer once set up, the same code in every mode (8 s)
 async def test_an_init_out_of_descriptors_turns_clients_away_without_spinning() -> None:
     async with nsbox.Sandbox() as sb:
         pid = sb.pid

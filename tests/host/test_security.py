@@ -167,7 +167,7 @@ async def test_stopped_helpers_are_noticed_not_waited_for(sandbox: nsbox.Sandbox
     with anyio.fail_after(100):
         for _ in range(15):
             for op in (lambda: sb.read_file("/tmp/f"), lambda: sb.write_file("/tmp/g", "x"),
-                       lambda: sb.exec(["true"], timeout=2), lambda: sb.exec(["id", "-u"], user="root", timeout=2)):
+                       lambda: sb.exec(["true"], timeout=1), lambda: sb.exec(["id", "-u"], user="root", timeout=1)):
                 try:
                     await op()
                     outcomes["ok"] += 1
