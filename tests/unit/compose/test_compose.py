@@ -1139,7 +1139,7 @@ def test_host_gateway_is_the_hosts_address_unless_its_loopback_is_granted(tmp_pa
     assert p.services["a"].extra_hosts == {"host.docker.internal": address}
     assert not netmodes.host_loopback(service_spec(p.services["a"], p, image="x", network="nat"))
     monkeypatch.setattr("nsbox.compose.parse.host_address", lambda: None)  # a host with loopback alone
-    with pytest.raises(ComposeError, match="no address but its loopback.*NSBOX_COMPOSE_HOST_LOOPBACK=1"):
+    with pytest.raises(ComposeError, match="no IPv4 address but its loopback.*NSBOX_COMPOSE_HOST_LOOPBACK=1"):
         load_project(tmp_path / "compose.yaml")
     for x_nsbox in ("{host_loopback: true}", "{host_loopback: 1}", "{host_loopback: 'false'}",
                     "{hosts: {gw: host-gateway}}", "{hosts: [[gw, host-gateway]]}"):
