@@ -402,6 +402,7 @@ ip addr add 169.254.3.3/16 dev v0
 
 
 @pytest.mark.once  # a network namespace of the test's own: no sandbox
+@pytest.mark.needs("iproute2")
 def test_host_gateway_address_without_a_route_out() -> None:
     """A compose file's host-gateway is the host's own address: found on an
     interface where no route leads out (the UDP probe finds none), and
