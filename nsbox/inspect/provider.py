@@ -196,10 +196,21 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
                               platform=spec.platform, progress=Progress(sys.stderr, label=spec.image))
                 cls._pulled.add((spec.image, spec.platform))
         # Start and stop one sandbox now, so that a host that cannot run
-        # them fails the task with a clear message before any sample starts.
-        _, spec = cfg.settings()[0]
-        async with cls._make(cfg, spec, f"{task_name}: startup check"):
-            pass
+        # them fails the task with a clear message before any sample starts
+        # (on a service network of its own where the first sandbox has one).
+        name, spec = cfg.settings()[0]
+        networks: dict[str, Network] = {}
+        try:
+            if spec.network.startswith(NET):
+                spec = spec.model_copy(update={
+                    "network": (await _sample_network(cfg, spec.network, networks)).spec_value,
+                    **_known_by(name, spec)})
+            async with cls._make(cfg, spec, f"{task_name}: startup check"):
+                pass
+        finally:
+            with anyio.CancelScope(shield=True):
+                for net in networks.values():
+                    await net.close()
 
     @classmethod
     def _make(cls, cfg: NsboxConfig, settings: SandboxSettings, label: str) -> Sandbox:

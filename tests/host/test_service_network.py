@@ -182,6 +182,7 @@ async def test_nsbox_yaml_sandboxes_share_a_network_per_sample(tmp_path) -> None
     config.write_text("sandboxes:\n  default: {network: 'net:lan'}\n"
                       "  db: {network: 'net:lan', network_aliases: [postgres]}\n"
                       "networks:\n  lan: {internal: true}\n")
+    await Env.task_init("nets", str(config))  # its startup check had asked for a host network named lan
     one = await Env.sample_init("nets", str(config), {"__sample_id__": "1"})
     two = await Env.sample_init("nets", str(config), {"__sample_id__": "2"})
     try:
