@@ -126,12 +126,19 @@ class Network:
             raise NetError("a service network needs an owner user namespace unless nsbox runs as root")
         self._via = via or helper()
         self.mapping = mapping
-        if self.subnet is None:
+        allocated = self.subnet is None
+        if allocated:
             self.subnet, self._own_subnet = _allocate_subnet(), True
         fds = [owner.fd] if owner is not None else []
-        _, got = await self._via.request("network", fds, user_fd=0 if fds else None, bridge=BRIDGE,
-                                         subnet=str(self.subnet), internal=self.internal,
-                                         host_access=self.host_access, mapping=mapping, path=path)
+        try:
+            _, got = await self._via.request("network", fds, user_fd=0 if fds else None, bridge=BRIDGE,
+                                             subnet=str(self.subnet), internal=self.internal,
+                                             host_access=self.host_access, mapping=mapping, path=path)
+        except BaseException:  # failed or cancelled: the subnet is free again
+            if allocated:
+                self._release_subnet()
+                self.subnet = None
+            raise
         self._netns = got[0]
         self._worker = NetHelper(socket.socket(fileno=got[1]))
         return self
@@ -292,8 +299,13 @@ class Network:
         if self._netns >= 0:
             os.close(self._netns)
             self._netns = -1
+        self._release_subnet()
+
+    def _release_subnet(self) -> None:
+        """Once: a second close must not free a number another network took since."""
         if self._own_subnet and self.subnet is not None:
             _subnets_in_use.discard(int(self.subnet.network_address.packed[2]))
+            self._own_subnet = False
 
 
 def _allocate_subnet() -> ipaddress.IPv4Network:

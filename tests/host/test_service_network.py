@@ -221,3 +221,27 @@ async def test_nsbox_yaml_hostname_on_a_service_network(tmp_path) -> None:  # ty
         assert (await envs["default"].exec(["hostname"])).stdout == "default\n"
     finally:
         await Env.sample_cleanup("nets", str(config), envs, False)
+
+
+async def test_a_cancelled_network_start_frees_its_subnet() -> None:
+    """A process has 254 subnets for its networks: each start cancelled
+    (a sample cancelled while it started) had kept one for good, until
+    every later network failed with "no free subnet"."""
+    from nsbox.net import bridge
+
+    before = set(bridge._subnets_in_use)
+    await (await nsbox.Network("warm").start()).close()  # the helper's start is not a network's
+    t = time.monotonic()
+    await (await nsbox.Network("timing").start()).close()
+    took = time.monotonic() - t
+    cancelled = 0
+    for i in range(10):
+        net = None
+        with anyio.move_on_after(took * (0.1 + 0.08 * i)):
+            net = await nsbox.Network(f"cancelled{i}").start()
+        if net is None:
+            cancelled += 1
+        else:
+            await net.close()
+    assert cancelled > 0
+    assert bridge._subnets_in_use == before
