@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import anyio
+
 from ..host import idmap
 from ..compose import (
     ComposeError,
@@ -214,7 +216,15 @@ class Sample:
     async def close(self) -> None:
         await self.services.close()
         if self.volumes is not None:
-            remove_volumes(self.volumes, self.mapping)
+            await _remove_volumes(self.volumes, self.mapping)
+
+
+async def _remove_volumes(volumes: Path, mapping: idmap.IdMap) -> None:
+    """On a thread: what the sample wrote there (any number of files) must
+    not hold the event loop, which every other sample shares; to the end,
+    even when cancelled."""
+    with anyio.CancelScope(shield=True):
+        await anyio.to_thread.run_sync(remove_volumes, volumes, mapping)
 
 
 async def start_sample(task: ComposeTask, label: str, *, output_limit_mode: str = "truncate") -> tuple[Sample, dict[str, Any]]:
@@ -262,7 +272,7 @@ async def start_sample(task: ComposeTask, label: str, *, output_limit_mode: str 
             raise
     except BaseException:
         if volumes is not None:
-            remove_volumes(volumes, mapping)
+            await _remove_volumes(volumes, mapping)
         raise
     if volumes is not None:
         # Kept services (--no-sandbox-cleanup) outlive this process; the

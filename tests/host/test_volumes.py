@@ -116,8 +116,19 @@ async def test_a_symlink_mount_point_is_resolved_in_the_image(context: Path, tmp
     remove_layer(volume, MODE)
 
 
-async def test_named_and_anonymous_volumes_hold_the_images_files(context: Path, tmp_path: Path) -> None:
+async def test_named_and_anonymous_volumes_hold_the_images_files(context: Path, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from nsbox.inspect import compose
     from nsbox.inspect.compose import prepare, start_sample
+
+    # Volumes are removed off the event loop: what a sample wrote there,
+    # any number of files, held every other sample's loop (1.8 s for 100,000).
+    removed_on: list[threading.Thread] = []
+    real_remove = compose.remove_volumes
+    monkeypatch.setattr(compose, "remove_volumes",
+                        lambda *a: (removed_on.append(threading.current_thread()), real_remove(*a))[1])
 
     (tmp_path / "compose.yaml").write_text(_compose(context))
     task = await prepare(str(tmp_path / "compose.yaml"))
@@ -148,6 +159,7 @@ async def test_named_and_anonymous_volumes_hold_the_images_files(context: Path, 
     finally:
         await sample.close()
     assert not Path(sample.volumes).exists() and not Path(f"{sample.volumes}.sandboxes").exists()  # type: ignore[arg-type]
+    assert removed_on and threading.main_thread() not in removed_on
 
 
 def test_an_eval_sees_the_seeded_volume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
