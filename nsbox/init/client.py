@@ -412,6 +412,11 @@ class InitClient:
                         if not data:
                             raise self._gone()
                         return data
+            except BaseException:
+                # Cancelled or timed out, its answer may still come: the next
+                # request, on a new connection, must not read it as its own.
+                self._drop(ctl)
+                raise
             finally:
                 self._let_go()
 

@@ -602,3 +602,20 @@ def test_a_child_forked_mid_request_uses_sandboxes_on_its_own_connections() -> N
     r = subprocess.run([sys.executable, "-c", FORK_WHILE_HELD], capture_output=True, text=True, timeout=50)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "CHILD child" in r.stdout and "PARENT parent" in r.stdout, r.stdout + r.stderr[-2000:]
+
+
+async def test_a_cancelled_status_leaves_no_answer_for_the_next_request() -> None:
+    """A status request cancelled after it was sent left its answer on the
+    control connection: every later status read the one before it."""
+    async with nsbox.Sandbox() as sb:
+        await sb.exec(["true"])
+        for turns in range(1, 6):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(sb.status)
+                for _ in range(turns):  # cancelled at another point of its exchange each time
+                    await anyio.sleep(0)
+                tg.cancel_scope.cancel()
+            before = (await sb.status())["execs"]
+            await sb.exec(["true"])
+            await sb.exec(["true"])
+            assert (await sb.status())["execs"] == before + 2
