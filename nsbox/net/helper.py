@@ -368,6 +368,8 @@ def serve(chan: socket.socket) -> None:
             return  # the nsbox process is gone
         try:
             handle(chan, data, fds)
+        except (ConnectionResetError, BrokenPipeError):
+            return  # the nsbox process went while we answered (a Ctrl-C): nothing to say
         finally:
             for fd in fds:
                 os.close(fd)

@@ -245,3 +245,24 @@ async def test_a_cancelled_network_start_frees_its_subnet() -> None:
             await net.close()
     assert cancelled > 0
     assert bridge._subnets_in_use == before
+
+
+CANCELLED_STARTS = """\
+import anyio, nsbox
+async def main():
+    await (await nsbox.Network("warm").start()).close()
+    for i in range(3):
+        with anyio.move_on_after(0.003):
+            await nsbox.Network(f"cancelled{i}").start()
+anyio.run(main)
+"""
+
+
+@pytest.mark.once  # the network helper's own exit: no sandbox
+def test_the_network_helper_says_nothing_when_its_process_exits_mid_request() -> None:
+    """A process that exits while a network request is in flight (a
+    Ctrl-C while a sample starts) left the helper a reply to send into a
+    closed socket: its traceback on the user's terminal."""
+    # The helper shares the stderr pipe: run() reads it until the helper is gone too.
+    r = subprocess.run([sys.executable, "-c", CANCELLED_STARTS], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
