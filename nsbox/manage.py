@@ -296,9 +296,7 @@ def record_volume_users(volumes: Path, sandbox_ids: list[str]) -> None:
     is under the runtime directory, which another shell may not share)."""
     inits = [(i, info.init_pid, info.init_start) for i in sandbox_ids if (info := live.read(i)) is not None]
     own = {"owner": [os.getpid(), live.own_start_time()], "sandboxes": inits}
-    tmp = volumes.with_name(f".{volumes.name}.tmp")
-    tmp.write_text(json.dumps(own))
-    os.replace(tmp, _users_file(volumes))
+    dirs.write_whole(os.fspath(_users_file(volumes)), json.dumps(own).encode())
 
 
 def remove_volumes(volumes: Path, mapping: IdMap) -> None:

@@ -25,6 +25,7 @@ someone else.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import stat
@@ -222,3 +223,20 @@ def _xdg_dir(kind: str, env_var: str, default: str) -> Path:
     if override:
         return _checked_private_dir(override / kind)
     return _checked_private_dir(_home_based(env_var, default) / "nsbox")
+
+
+def write_whole(path: str, data: bytes) -> None:
+    """Writes a state file so that a reader finds the old one or the new one,
+    never a part: into PATH.tmp beside it, then renamed over it."""
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

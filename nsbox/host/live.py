@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from .dirs import runtime_dir
+from .dirs import runtime_dir, write_whole
 
 INFO = "info.json"
 SOCKET = "ctl.sock"
@@ -107,17 +107,10 @@ def remove_dir(d: Path) -> None:
 
 
 def write(info: SandboxInfo) -> None:
-    """Records `info` atomically (write to a temporary file, then rename)."""
-    d = os.fspath(sandbox_dir(info.id))
+    """Records `info` atomically (write_whole)."""
     # No indent: the C encoder (an indent takes the pure-Python one, ~0.1 ms).
     data = json.dumps({f.name: getattr(info, f.name) for f in fields(info)}).encode()
-    tmp = os.path.join(d, INFO + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)
-    os.replace(tmp, os.path.join(d, INFO))
+    write_whole(os.path.join(sandbox_dir(info.id), INFO), data)
 
 
 def read(sandbox_id: str) -> SandboxInfo | None:

@@ -16,28 +16,21 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from .dirs import write_whole
 from .live import process_alive
 
 IN_USE = "in-use"
 
 
 def record(sandbox_id: str, init_pid: int, init_start: int | None, layers: Iterable[Path]) -> None:
-    """Records a live sandbox's layers in their stores (written, then renamed)."""
+    """Records a live sandbox's layers in their stores (written whole)."""
     for root, paths in _by_store(layers).items():
         d = root / IN_USE
         data = json.dumps({"init_pid": init_pid, "init_start": init_start, "layers": paths}).encode()
-        tmp = d / f".{sandbox_id}.tmp"
         try:
             d.mkdir(mode=0o700, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            try:
-                os.write(fd, data)
-            finally:
-                os.close(fd)
-            os.replace(tmp, d / f"{sandbox_id}.json")
+            write_whole(os.path.join(d, f"{sandbox_id}.json"), data)
         except OSError as e:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
             if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
                 raise
             # A store this user cannot change: nor can its prune.
@@ -55,7 +48,7 @@ def layers_in_use(root: Path) -> set[str]:
     (written whole and renamed, such a record was not written here)."""
     used: set[str] = set()
     try:
-        records = [e for e in os.scandir(root / IN_USE) if not e.name.startswith(".")]
+        records = [e for e in os.scandir(root / IN_USE) if e.name.endswith(".json")]  # not one being written
     except FileNotFoundError:
         return used
     for entry in records:
