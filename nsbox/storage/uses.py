@@ -45,20 +45,18 @@ class Counted:
     async def hold(self, layer: Path, image: object) -> None:
         """Holds `layer` for `image`. Waits while a refusal elsewhere takes
         it back: the caller looks for the layer after this."""
-        if layer in self.held:
-            self.held[layer][1].add(id(image))
-            return
-        fd = os.open(self._path(layer), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            await acquire(fd, fcntl.LOCK_SH)
-        except BaseException:
-            os.close(fd)
-            raise
-        if layer in self.held:  # another task of this session got there while we waited
-            os.close(fd)
-            self.held[layer][1].add(id(image))
-            return
-        self.held[layer] = (fd, {id(image)})
+        if layer not in self.held:
+            fd = os.open(self._path(layer), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                await acquire(fd, fcntl.LOCK_SH)
+            except BaseException:
+                os.close(fd)
+                raise
+            if layer in self.held:  # another task of this session got there while we waited
+                os.close(fd)
+            else:
+                self.held[layer] = (fd, set())
+        self.held[layer][1].add(id(image))
 
     @contextlib.contextmanager
     def alone(self, layer: Path, image: object) -> Iterator[bool]:
