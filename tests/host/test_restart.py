@@ -182,34 +182,35 @@ def test_policies_parse_as_dockers() -> None:
 
 
 # Stops the first helper of the init's it sees (a forked nsbox-init, child
-# of process 1, not yet the command), as sandbox root may: it has the init's ids.
+# of process 1, not yet the command), as sandbox root may: it has the init's
+# ids. The helper lives for a few microseconds before its exec, so rather
+# than scan /proc it signals the next pid the namespace will hand out (only
+# the init forks while it waits): a fresh child stops before it first runs.
 STOPPER = r"""
 import os, signal, time
-end = time.time() + 20
+def stat(p):
+    s = open(f"/proc/{p}/stat").read()
+    return s[s.index("(") + 1:s.rindex(")")], s[s.rindex(")") + 2:].split()
+end = time.time() + 30
 while time.time() < end:
-    for p in os.listdir("/proc"):
-        if not p.isdigit() or p == "1":
-            continue
-        try:
-            stat = open(f"/proc/{p}/stat").read()
-        except OSError:
-            continue
-        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
-        if name == "nsbox-init" and rest[1] == "1":
-            try:
-                os.kill(int(p), signal.SIGSTOP)
-                for _ in range(1000):  # the stop takes effect when it next runs
-                    stat = open(f"/proc/{p}/stat").read()
-                    if stat[stat.rindex(")") + 2] in "Tt":
-                        break
-                    time.sleep(0.001)
-            except OSError:
-                continue
-            if stat[stat.index("(") + 1:stat.rindex(")")] != "nsbox-init":  # it was the command by then
-                os.kill(int(p), signal.SIGCONT)
-                continue
-            print("stopped", flush=True)
-            raise SystemExit
+    p = int(open("/proc/sys/kernel/ns_last_pid").read()) + 1
+    try:
+        os.kill(p, signal.SIGSTOP)
+    except ProcessLookupError:
+        continue
+    try:
+        for _ in range(1000):  # the stop takes effect when it next runs
+            name, rest = stat(p)
+            if rest[0] in "Tt":
+                break
+            time.sleep(0.001)
+    except OSError:
+        continue
+    if name != "nsbox-init" or rest[1] != "1":  # the command by then
+        os.kill(p, signal.SIGCONT)
+        continue
+    print("stopped", flush=True)
+    raise SystemExit
 """
 
 
@@ -224,7 +225,7 @@ async def test_a_restarts_helper_a_sandbox_process_stops_is_killed() -> None:
         stopper = await sb.start_process(["python3", "-c", STOPPER])
         result = await stopper.wait()
         if "stopped" not in result.stdout:
-            pytest.fail("the stopper saw no helper of the init's in 20 s")
+            pytest.fail("the stopper saw no helper of the init's in 30 s")
         runs = await _runs(sb)
         with anyio.fail_after(70):  # the next wait may be up to a minute (Docker's)
             while await _runs(sb) < runs + 1:
