@@ -39,7 +39,6 @@ from ..sandbox import confined
 from ..storage.tarball import import_tarball
 from ..compose.hostpaths import HostPaths
 from ..compose.support import HOST_NETWORK_ENV, host_network_granted
-from .compose import is_docker_config
 
 CONFIG_FILES = ["nsbox.yaml", "nsbox.yml"]
 
@@ -287,15 +286,17 @@ def _error(title: str, loc: tuple[str, ...], value: Any, message: str) -> Valida
 
 def config_key(config: SandboxEnvironmentConfigType | None) -> Any:
     """What identifies a configuration across task_init, the samples and
-    task_cleanup (models are compared by content)."""
+    task_cleanup: what Inspect hands each of them. Models are compared by
+    content; a file by its name, not by what it holds, so that a file
+    edited during the eval still names the sandboxes made under it."""
     if isinstance(config, BaseModel) and not isinstance(config, NsboxConfig):
         return (type(config).__name__, config.model_dump_json())
-    return load_config(config) if not is_docker_config(config) else config
+    return config
 
 
 # Configurations loaded, by what names them: None, or a file as it is now.
-# Every sample of a task loads its configuration (sample_init, and
-# sample_cleanup through config_key): reading and validating it again cost
+# Every sample of a task loads its configuration (sample_init): reading
+# and validating it again cost
 # ~0.15 ms of CPU a sample.
 _LOADED: dict[tuple[Any, ...], NsboxConfig] = {}
 

@@ -227,7 +227,7 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
         if is_docker_config(config):
             assert config is not None
             return await cls._compose_sample_init(task_name, config, sample, sample_variables(config, metadata))
-        cfg = load_config(config)
+        cfg, live_key = load_config(config), config_key(config)
         created: dict[str, NsboxSandboxEnvironment] = {}
         networks: dict[str, Network] = {}  # this sample's service networks, by the config's name
         try:
@@ -244,10 +244,10 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
                 await sb.start()
                 created[name] = cls(sb, cfg)
                 created[name]._networks = list(networks.values())
-                cls._live.setdefault(cfg, set()).add(created[name])
+                cls._live.setdefault(live_key, set()).add(created[name])
         except BaseException:
             with anyio.CancelScope(shield=True):
-                await cls._close_all(cfg, list(created.values()))
+                await cls._close_all(live_key, list(created.values()))
                 for net in networks.values():
                     await net.close()
             raise

@@ -59,21 +59,27 @@ async def test_tarball_rootfs_and_named_sandboxes(tmp_path: Path) -> None:
     assert image.stat().st_mtime_ns == stamp
 
 
-@pytest.mark.parametrize("given", ["object", "touched file"])
+@pytest.mark.parametrize("given", ["object", "touched file", "edited file"])
 async def test_task_cleanup_finds_the_sandboxes_of_its_samples(tmp_path: Path, given: str) -> None:
     """task_cleanup(cleanup=False), as `--no-sandbox-cleanup`, detaches what
     the task's samples left, given the configuration as an object or as a
-    file touched during the task (the configuration it was looked up by
-    had told itself from the one the samples used, once that one had
-    worked out its settings: nothing was detached)."""
+    file touched or edited during the task (the sandboxes were listed
+    under the settings read from the file: once the file said something
+    else, nothing was detached, and a sample's cleanup left its sandboxes
+    listed for the life of the process)."""
     path = tmp_path / "nsbox.yaml"
     path.write_text("network: none\n")
     config: NsboxConfig | str = NsboxConfig(network="none") if given == "object" else str(path)
     envs = await NsboxSandboxEnvironment.sample_init("kept", config, {"__sample_id__": "1"})
     sb = envs["default"].sandbox
     try:
-        if given != "object":
+        if given == "touched file":
             os.utime(path, ns=(1, 1))  # the file changed as far as the cache knows; the same settings
+        elif given == "edited file":
+            other = await NsboxSandboxEnvironment.sample_init("kept", config, {"__sample_id__": "2"})
+            path.write_text("network: none\nhostname: edited\n")
+            await NsboxSandboxEnvironment.sample_cleanup("kept", config, other, False)
+            assert not any(e in live for live in NsboxSandboxEnvironment._live.values() for e in other.values())
         await NsboxSandboxEnvironment.task_cleanup("kept", config, cleanup=False)
         assert sb._detached and sb.running
         assert not any(sb is env.sandbox for live in NsboxSandboxEnvironment._live.values() for env in live)
