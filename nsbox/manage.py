@@ -130,7 +130,7 @@ def remove(info: SandboxInfo, *, force: bool = False) -> None:
         # The entry stays, so that `nsbox ps` shows it and gc tries again.
         raise NsboxError(f"cannot remove layer {layer} of sandbox {info.id}: {describe(e)}") from e
     run = live.sandbox_dir(info.id)
-    for name in (live.INFO, live.SOCKET, live.INFO + ".tmp"):
+    for name in (live.INFO, live.SOCKET, live.INFO + dirs.PARTIAL):
         try:
             os.unlink(run / name)
         except FileNotFoundError:
@@ -239,6 +239,7 @@ def gc(mapping: IdMap) -> GcReport:
             report.volumes.append(volumes)
         except Exception as e:
             report.failures.append(f"cannot remove volumes {volumes}: {describe(e)}")
+    _remove_partial_records()
     return report
 
 
@@ -336,7 +337,15 @@ def remove_orphan_volumes(mapping: IdMap | None = None) -> list[Path]:
     gone = orphan_volumes()
     for volumes in gone:
         remove_volumes(volumes, mapping or detect_idmap())
+    _remove_partial_records()
     return gone
+
+
+def _remove_partial_records() -> None:
+    """The parts of volume records whose writer was killed."""
+    base = volume_base()
+    for partial in base.glob("*.sandboxes" + dirs.PARTIAL) if base.is_dir() else ():
+        dirs.remove_stale_partial(os.fspath(partial))
 
 
 _collector: tuple[int, threading.Thread] | None = None  # (pid, thread): once per process

@@ -225,10 +225,16 @@ def _xdg_dir(kind: str, env_var: str, default: str) -> Path:
     return _checked_private_dir(_home_based(env_var, default) / "nsbox")
 
 
+PARTIAL = ".tmp"
+# write_whole's temporary file lives for microseconds: one this old (in
+# seconds) was left by a process killed while writing.
+PARTIAL_STALE_S = 60
+
+
 def write_whole(path: str, data: bytes) -> None:
     """Writes a state file so that a reader finds the old one or the new one,
     never a part: into PATH.tmp beside it, then renamed over it."""
-    tmp = path + ".tmp"
+    tmp = path + PARTIAL
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
         try:
@@ -240,3 +246,11 @@ def write_whole(path: str, data: bytes) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def remove_stale_partial(path: str) -> None:
+    """Removes write_whole's temporary file `path` if its writer was killed
+    (see PARTIAL_STALE_S); one being written is left alone."""
+    with contextlib.suppress(OSError):
+        if time.time() - os.lstat(path).st_mtime > PARTIAL_STALE_S:
+            os.unlink(path)

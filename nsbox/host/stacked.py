@@ -16,7 +16,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from .dirs import write_whole
+from .dirs import PARTIAL, remove_stale_partial, write_whole
 from .live import process_alive
 
 IN_USE = "in-use"
@@ -45,12 +45,17 @@ def forget(sandbox_id: str, layers: Iterable[Path]) -> None:
 def layers_in_use(root: Path) -> set[str]:
     """The layers (real paths) that live sandboxes stack. The records of
     sandboxes whose init is gone are removed, and any that cannot be read
-    (written whole and renamed, such a record was not written here)."""
+    (written whole and renamed, such a record was not written here), and
+    the part of one whose writer was killed."""
     used: set[str] = set()
     try:
-        records = [e for e in os.scandir(root / IN_USE) if e.name.endswith(".json")]  # not one being written
+        entries = list(os.scandir(root / IN_USE))
     except FileNotFoundError:
         return used
+    records = [e for e in entries if e.name.endswith(".json")]  # not one being written
+    for entry in entries:
+        if entry.name.endswith(PARTIAL):
+            remove_stale_partial(entry.path)
     for entry in records:
         try:
             with open(entry.path, "rb") as f:

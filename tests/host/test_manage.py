@@ -248,14 +248,20 @@ def test_a_killed_samples_volumes_are_collected(tmp_path: Path, monkeypatch: pyt
             makers[name].kill()
             makers[name].wait()
         base = manage.volume_base()
+        # Parts of records (dirs.write_whole): one a killed writer left, one being written.
+        stale, writing = base / "killed-0.sandboxes.tmp", base / "writing.sandboxes.tmp"
+        for part in (stale, writing):
+            part.write_text('{"owner"')
+        os.utime(stale, (time.time() - 120,) * 2)
         assert sorted(manage.orphan_volumes()) == [base / "killed-1", base / "killed-2"]
         r = nsbox("gc", "-n")
         assert f"would remove volumes {base / 'killed-1'}" in r.stdout.splitlines(), r.stdout
-        assert (base / "killed-1" / "data" / "f").is_file()
+        assert (base / "killed-1" / "data" / "f").is_file() and stale.exists()
         r = nsbox("gc")
         assert r.returncode == 0, r.stderr
         assert f"removed volumes {base / 'killed-1'}" in r.stdout.splitlines(), r.stdout
-        assert sorted(p.name for p in base.iterdir()) == ["alive", "alive.sandboxes"]
+        assert sorted(p.name for p in base.iterdir()) == ["alive", "alive.sandboxes", writing.name]
+        os.utime(writing, (time.time() - 120,) * 2)
 
         async def started() -> None:
             """A sample's recorded sandboxes keep its volumes, by their inits,

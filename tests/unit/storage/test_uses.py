@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import time
 from pathlib import Path
 
 import anyio
@@ -73,3 +74,17 @@ def test_a_store_that_cannot_be_written_records_nothing(tmp_path: Path, monkeypa
     assert stacked.layers_in_use(tmp_path / "store") == {os.path.realpath(layer)}
     stacked.forget("sb1", [layer])
     assert stacked.layers_in_use(tmp_path / "store") == set()
+
+
+def test_the_part_of_a_record_its_killed_writer_left_is_removed(tmp_path: Path) -> None:
+    """A record being written (dirs.write_whole) is not read, and is left
+    alone; one whose writer was killed is removed."""
+    layer = _layer(tmp_path)
+    in_use = tmp_path / "store" / "in-use"
+    stacked.record("sb1", os.getpid(), live.own_start_time(), [layer])
+    stale, writing = in_use / "sb2.json.tmp", in_use / "sb3.json.tmp"
+    for part in (stale, writing):
+        part.write_text('{"init_pid": 1')
+    os.utime(stale, (time.time() - 120,) * 2)
+    assert stacked.layers_in_use(tmp_path / "store") == {os.path.realpath(layer)}
+    assert sorted(p.name for p in in_use.iterdir()) == ["sb1.json", "sb3.json.tmp"]
