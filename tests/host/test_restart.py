@@ -183,33 +183,46 @@ def test_policies_parse_as_dockers() -> None:
 
 # Stops the first helper of the init's it sees (a forked nsbox-init, child
 # of process 1, not yet the command), as sandbox root may: it has the init's
-# ids. The helper lives for a few microseconds before its exec, so rather
-# than scan /proc it signals the next pid the namespace will hand out (only
-# the init forks while it waits): a fresh child stops before it first runs.
+# ids. The helper lives for microseconds before its exec, too short for a
+# scan of /proc to see: the stopper signals the next pid the namespace will
+# hand out (only the init forks while it waits) until that process exists;
+# a fresh child stops before it first runs. The init may kill the stopped
+# helper before the stopper reads its state: gone at once counts as
+# stopped (the command, once exec'd, would stop before it could exit).
 STOPPER = r"""
 import os, signal, time
+def last():
+    with open("/proc/sys/kernel/ns_last_pid") as f:
+        return int(f.read())
 def stat(p):
-    s = open(f"/proc/{p}/stat").read()
+    with open(f"/proc/{p}/stat") as f:
+        s = f.read()
     return s[s.index("(") + 1:s.rindex(")")], s[s.rindex(")") + 2:].split()
-end = time.time() + 30
+end, p, misses = time.time() + 30, last() + 1, 0
 while time.time() < end:
-    p = int(open("/proc/sys/kernel/ns_last_pid").read()) + 1
     try:
         os.kill(p, signal.SIGSTOP)
     except ProcessLookupError:
+        misses += 1
+        if misses % 1000 == 0 and last() >= p:  # it came and went unseen
+            p = last() + 1
         continue
     try:
         for _ in range(1000):  # the stop takes effect when it next runs
             name, rest = stat(p)
-            if rest[0] in "Tt":
+            if rest[0] in "TtZ":
                 break
             time.sleep(0.001)
     except OSError:
+        name, rest = "nsbox-init", ["gone", "1"]
+    if name != "nsbox-init" or rest[1] != "1" or rest[0] == "Z":  # the command by then
+        try:
+            os.kill(p, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        p = max(p, last()) + 1
         continue
-    if name != "nsbox-init" or rest[1] != "1":  # the command by then
-        os.kill(p, signal.SIGCONT)
-        continue
-    print("stopped", flush=True)
+    print("stopped", rest[0], flush=True)
     raise SystemExit
 """
 
