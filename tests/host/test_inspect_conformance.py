@@ -28,6 +28,7 @@ import nsbox
 from nsbox.inspect.provider import NsboxConfig, NsboxSandboxEnvironment
 
 from tests.conftest import MODE
+from tests.imagekit import WAITING_CHECKS
 
 ROOT_BYPASSES_MODES = "sandbox root bypasses file modes, as root in Docker does (Docker xfails it too)"
 XFAIL_ROOT_USER = {
@@ -46,7 +47,7 @@ CONFIGS = ["debian-root", "host-root"] + (["debian-user", "host-user"] if MODE.m
 # instead of one by one (the star import above brought them in).
 TIMEOUT_CHECKS: dict[str, Callable[[SandboxEnvironment], Awaitable[None]]] = {
     name: globals().pop(name)
-    for name in ("test_exec_timeout", "test_exec_timeout_kills_process", "test_exec_timeout_kills_child_processes")
+    for name in WAITING_CHECKS
 }
 
 
