@@ -275,6 +275,10 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
     async def _close_all(cls, key: Any, envs: list["NsboxSandboxEnvironment"]) -> None:
         samples = {id(e._services): e._services for e in envs if e._services is not None}
         networks = {id(n): n for e in envs for n in e._networks}
+        if len(envs) == 1 and not samples and not networks:  # most samples: no task group to start
+            cls._live.get(key, set()).discard(envs[0])
+            await envs[0].sandbox.close()
+            return
         async with anyio.create_task_group() as tg:
             for env in envs:
                 cls._live.get(key, set()).discard(env)
