@@ -50,7 +50,8 @@ def pytest_configure(config: pytest.Config) -> None:
                                        "is absent (failed under CI=true)")
     config.addinivalue_line("markers", "once: no identity mode can change its outcome (it makes no sandbox, or "
                                        "what it tests runs the same in every mode: the init once set up, the "
-                                       "host's collection of leftovers): "
+                                       "host's collection of leftovers, its waits for healthchecks, its "
+                                       "connections shared by threads): "
                                        "tests/run.sh runs it in the root pass only, as tests/unit")
 
 

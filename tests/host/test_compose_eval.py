@@ -494,6 +494,7 @@ def test_a_service_on_port_80_reached_by_name(images: dict[str, str], tmp_path: 
     _check(_run(task, [("bash", {"command": FETCH_WEB})], tmp_path), 2)
 
 
+@pytest.mark.once  # the host's wait for healthchecks
 @pytest.mark.timeout(300)
 async def test_a_slow_service_is_never_seen_before_its_healthcheck(images: dict[str, str], tmp_path: Path) -> None:
     compose = tmp_path / "compose.yaml"

@@ -414,6 +414,7 @@ THREADS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.once  # the host's registry of connections, shared by threads
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("load", ["stress", "timers"])
 def test_sandboxes_used_from_several_threads(load: str) -> None:

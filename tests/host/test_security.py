@@ -153,6 +153,7 @@ while True:
 """
 
 
+@pytest.mark.once  # the init once set up: its helpers take the command's ids in every mode
 @pytest.mark.timeout(150)
 async def test_stopped_helpers_are_noticed_not_waited_for(sandbox: nsbox.Sandbox) -> None:
     sb = sandbox

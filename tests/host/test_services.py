@@ -111,6 +111,7 @@ SLOW_SERVER = ["python3", "-c", "import http.server as h, time; time.sleep(0.6);
 PROBE = Healthcheck.from_test(["CMD-SHELL", "python3 -c \"" + GET.format("127.0.0.1") + "\""], interval=1, retries=30)
 
 
+@pytest.mark.once  # the host's wait for healthchecks
 @pytest.mark.timeout(180)
 async def test_start_waits_for_every_healthcheck_not_only_service_healthy() -> None:
     """The short form `depends_on: [web]` (service_started): start() still
@@ -262,6 +263,7 @@ async def test_a_service_starts_without_waiting_for_unrelated_ones() -> None:
         await services.close()
 
 
+@pytest.mark.once  # the host's wait for healthchecks
 async def test_a_slow_probe_gets_its_retries() -> None:
     """A probe that takes longer than its interval fails `retries` times
     before the service is unhealthy, as in Docker (the retries had been a
