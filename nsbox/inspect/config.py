@@ -296,8 +296,7 @@ def config_key(config: SandboxEnvironmentConfigType | None) -> Any:
 
 # Configurations loaded, by what names them: None, or a file as it is now.
 # Every sample of a task loads its configuration (sample_init): reading
-# and validating it again cost
-# ~0.15 ms of CPU a sample.
+# and validating it again cost ~0.15 ms of CPU a sample.
 _LOADED: dict[tuple[Any, ...], NsboxConfig] = {}
 
 
