@@ -68,15 +68,20 @@ __all__ = ["NsboxSandboxEnvironment", "NsboxExecRemoteProcess", "NsboxConfig", "
 logger = logging.getLogger(__name__)
 
 
-async def _sample_network(cfg: NsboxConfig, value: str, networks: dict[str, Network]) -> Network:
-    """The sample's network `value` ("net:NAME") names, started on first use
-    (under a name of its own: samples never share one)."""
-    name = value[len(NET):]
-    if name not in networks:
-        settings = cfg.networks.get(name, NetworkSettings())
-        networks[name] = await Network(f"{name}-{secrets.token_hex(4)}", internal=settings.internal,
-                                       host_access=settings.host_access, id_mapping=cfg.id_mapping).start()
-    return networks[name]
+async def _on_sample_network(cfg: NsboxConfig, name: str, spec: SandboxSettings,
+                             networks: dict[str, Network]) -> SandboxSettings:
+    """The settings of sandbox `name` with the service network its "net:NAME"
+    names made the sample's own: started on first use, into `networks`
+    (under a name of its own: samples never share one). Unchanged where it
+    names none."""
+    if not spec.network.startswith(NET):
+        return spec
+    net = spec.network[len(NET):]
+    if net not in networks:
+        settings = cfg.networks.get(net, NetworkSettings())
+        networks[net] = await Network(f"{net}-{secrets.token_hex(4)}", internal=settings.internal,
+                                      host_access=settings.host_access, id_mapping=cfg.id_mapping).start()
+    return spec.model_copy(update={"network": networks[net].spec_value, **_known_by(name, spec)})
 
 
 def _known_by(name: str, settings: SandboxSettings) -> dict[str, Any]:
@@ -201,10 +206,7 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
         name, spec = cfg.settings()[0]
         networks: dict[str, Network] = {}
         try:
-            if spec.network.startswith(NET):
-                spec = spec.model_copy(update={
-                    "network": (await _sample_network(cfg, spec.network, networks)).spec_value,
-                    **_known_by(name, spec)})
+            spec = await _on_sample_network(cfg, name, spec, networks)
             async with cls._make(cfg, spec, f"{task_name}: startup check"):
                 pass
         finally:
@@ -235,10 +237,7 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
                 key = (spec.rootfs, cfg.id_mapping)
                 if key not in cls._rootfs:  # sample_init without task_init (tests, tools)
                     cls._rootfs[key] = await resolve_rootfs(spec.rootfs, cfg.id_mapping)
-                if spec.network.startswith(NET):
-                    spec = spec.model_copy(update={
-                        "network": (await _sample_network(cfg, spec.network, networks)).spec_value,
-                        **_known_by(name, spec)})
+                spec = await _on_sample_network(cfg, name, spec, networks)
                 label = f"{task_name} sample {sample} ({name})" if sample != "" else f"{task_name} ({name})"
                 sb = cls._make(cfg, spec, label)
                 await sb.start()
