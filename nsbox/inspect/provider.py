@@ -274,17 +274,16 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
     async def _close_all(cls, key: Any, envs: list["NsboxSandboxEnvironment"]) -> None:
         samples = {id(e._services): e._services for e in envs if e._services is not None}
         networks = {id(n): n for e in envs for n in e._networks}
-        if len(envs) == 1 and not samples and not networks:  # most samples: no task group to start
-            cls._live.get(key, set()).discard(envs[0])
-            await envs[0].sandbox.close()
-            return
-        async with anyio.create_task_group() as tg:
-            for env in envs:
-                cls._live.get(key, set()).discard(env)
-                if env._services is None:
-                    tg.start_soon(env.sandbox.close)
-            for services in samples.values():
-                tg.start_soon(services.close)
+        for env in envs:
+            cls._live.get(key, set()).discard(env)
+        closes = [env.sandbox.close for env in envs if env._services is None]
+        closes += [services.close for services in samples.values()]
+        if len(closes) == 1:  # most samples: no task to start for one close
+            await closes[0]()
+        else:
+            async with anyio.create_task_group() as tg:
+                for close in closes:
+                    tg.start_soon(close)
         for net in networks.values():  # once its members are gone
             await net.close()
 
