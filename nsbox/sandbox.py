@@ -315,11 +315,17 @@ class Sandbox:
         sb._state = "running"
         return sb
 
-    async def close(self) -> None:
+    async def close(self, wait: bool = True) -> None:
         """Stops every process of the sandbox (all are gone on return) and
         hands its writable layer to this process's sweeper thread, which
         keeps it for reuse or deletes it (removal.wait_swept waits for that;
-        the process does when it exits). For an attached sandbox: disconnects."""
+        the process does when it exits). For an attached sandbox: disconnects.
+
+        With `wait=False`, returns once the sandbox's init is told to end
+        everything: the kernel's teardown of its namespaces, and all that
+        waits for it, finish on the sweeper thread too (killed after
+        CLOSE_WAIT s, as with wait=True). Nothing of the sandbox runs any
+        more, but its processes may still be exiting."""
         if self._state in ("new", "closed"):
             self._state = "closed"
             return
@@ -327,7 +333,7 @@ class Sandbox:
             self._network.closing = True  # its /etc/hosts no longer matters: peers leaving skip it
         with anyio.CancelScope(shield=True):
             await self._leave_network()
-            await self._teardown()
+            await self._teardown(wait)
 
     async def stop(self) -> None:
         """Ends every process of the sandbox now, keeping its writable
@@ -344,7 +350,7 @@ class Sandbox:
         if self._network is not None and not self._attached:
             await self._network.leave()
 
-    async def _teardown(self) -> None:
+    async def _teardown(self, wait: bool = True) -> None:
         self._state = "closed"
         client = procedure.take_client(self)
         if self._attached:
@@ -354,7 +360,7 @@ class Sandbox:
             if client is not None:
                 client.close()
             return
-        await procedure.teardown(self, client, CLOSE_WAIT)
+        await procedure.teardown(self, client, CLOSE_WAIT, waiting=wait)
 
     async def detach(self) -> live.SandboxInfo:
         """Lets the sandbox outlive this process; `nsbox rm` ends it later."""

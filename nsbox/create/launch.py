@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import os
+import select
 import signal
 import socket
 import struct
@@ -94,30 +95,37 @@ class Launched:
         except (OSError, IndexError, ValueError):
             return True
 
+    def _open_pidfd(self) -> int | None:
+        """A pidfd of the init, our unreaped child: its pid names it until we
+        reap it (unless something else in this process reaps children it
+        did not make, which sets self.pid to 0 where shown). -1 if there is
+        none; None if there is no descriptor to spare for one."""
+        pidfd, self.pidfd = self.pidfd, -1
+        if pidfd >= 0 or not self.pid:
+            return pidfd
+        try:
+            pidfd = os.pidfd_open(self.pid)
+        except ProcessLookupError:
+            return -1  # reaped by someone else
+        except OSError as e:
+            if e.errno not in (errno.EMFILE, errno.ENFILE):
+                raise
+            return None
+        if not self._still_ours():  # reaped by someone else, the pid reused
+            os.close(pidfd)
+            self.pid = 0
+            return -1
+        return pidfd
+
     async def reap(self, wait: float) -> None:
         """Waits up to `wait` seconds for the init to exit, kills it then,
         and reaps it."""
         global _waiting
-        pidfd, self.pidfd = self.pidfd, -1
-        if pidfd < 0 and self.pid:
-            if _waiting >= rlimits.descriptor_share():  # a thousand closes at once
-                await self._reap_without_descriptor(wait)
-            else:
-                # Our unreaped child: its pid names it until we reap it (unless
-                # something else in this process reaps children it did not make).
-                try:
-                    pidfd = os.pidfd_open(self.pid)
-                except ProcessLookupError:
-                    pass  # reaped by someone else
-                except OSError as e:
-                    if e.errno not in (errno.EMFILE, errno.ENFILE):
-                        raise
-                    await self._reap_without_descriptor(wait)
-                if pidfd >= 0 and not self._still_ours():  # reaped by someone else, the pid reused
-                    os.close(pidfd)
-                    self.pid = 0
-                    return
-        if pidfd >= 0:
+        busy = self.pidfd < 0 and self.pid and _waiting >= rlimits.descriptor_share()  # a thousand closes at once
+        pidfd = None if busy else self._open_pidfd()
+        if pidfd is None:
+            await self._reap_without_descriptor(wait)  # then reaped by pid, below
+        elif pidfd >= 0:
             _waiting += 1
             try:
                 if not await fdwait.readable(pidfd, wait):
@@ -130,12 +138,40 @@ class Launched:
             finally:
                 _waiting -= 1
                 os.close(pidfd)
-        elif self.pid and self._still_ours():  # (else the pid is another process's now)
+            self.pid = 0
+        self._reap_by_pid()
+
+    def _reap_by_pid(self) -> None:
+        if self.pid and self._still_ours():  # (else the pid is another process's now)
             try:
                 os.waitpid(self.pid, 0)
             except ChildProcessError:
                 pass
         self.pid = 0
+
+    def reap_blocking(self, wait: float) -> None:
+        """reap() on a thread that may block (the sweeper's, for a sandbox
+        closed without waiting)."""
+        pidfd = self._open_pidfd()
+        if pidfd is None:  # no descriptor to spare: polls
+            deadline = time.monotonic() + wait
+            while not self.exited and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if not self.exited and self._still_ours():
+                os.kill(self.pid, signal.SIGKILL)
+        elif pidfd >= 0:
+            try:
+                poll = select.poll()
+                poll.register(pidfd, select.POLLIN)
+                if not poll.poll(wait * 1000):
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                os.waitid(os.P_PIDFD, pidfd, os.WEXITED)  # blocks until it is gone
+            except ChildProcessError:
+                pass  # reaped by someone else
+            finally:
+                os.close(pidfd)
+            self.pid = 0
+        self._reap_by_pid()
 
     async def _reap_without_descriptor(self, wait: float) -> None:
         """reap() when this process has no descriptor to spare: polls."""

@@ -20,11 +20,12 @@ import contextlib
 import functools
 import os
 import secrets
+import sys
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
-from ..errors import SandboxSetupError, note_once
-from ..host import dirs, idmap, layers, live, stacked
+from ..errors import SandboxSetupError, describe, note_once
+from ..host import dirs, idmap, layers, live, removal, stacked
 from ..host.idmap import IdMap
 from ..init import users
 from ..init.client import InitClient
@@ -165,34 +166,71 @@ async def end_init(launched: Launched, client: InitClient | None, wait: float) -
     (the init kills everything and exits; killed after `wait` seconds if
     not), else by killing it at once: opening a connection to say goodbye
     would cost a descriptor, which a thousand closes at once may not have."""
+    polite = _tell_to_end(client)
+    if launched.pid:
+        await launched.reap(wait if polite else 0)
+
+
+def _tell_to_end(client: InitClient | None) -> bool:
+    """Asks the init to end everything, through the client's connection if
+    one is open; whether it was asked (else it is to be killed)."""
     polite = client is not None and client.connected
     if client is not None:
         if polite:
             client.shutdown()
         client.close()
-    if launched.pid:
-        await launched.reap(wait if polite else 0)
+    return polite
 
 
-async def teardown(sb: Member, client: InitClient | None, wait: float) -> None:
+async def teardown(sb: Member, client: InitClient | None, wait: float, *, waiting: bool = True) -> None:
     """Ends what creating the sandbox made, as far as it got: its network
     (unless detached), its init (through `client`, taken from the
-    sandbox), the plan's cleanups, its layer and runtime directory."""
+    sandbox), the plan's cleanups, its layer and runtime directory.
+    Without `waiting`, returns once the init is told to end: its exit, and
+    all that follows it, are left to the sweeper thread
+    (nsbox/host/removal.py), which waits for the init as end_init would."""
     if sb._network is not None and not sb._detached:  # a detached sandbox's ends with this process
         await sb._network.stop()
-    await end_init(sb._launched, client, wait)
-    for cleanup in sb._launched.cleanups:  # the init is gone (its cgroups are empty)
-        cleanup()
+    launched, after = sb._launched, _after_init(sb)
+    if waiting:
+        await end_init(launched, client, wait)
+        after()
+        return
+    wait = wait if _tell_to_end(client) else 0
+
+    def finish() -> None:
+        try:
+            launched.reap_blocking(wait)
+            after()
+        except Exception as e:
+            print(f"nsbox: ending sandbox {sb.id} failed: {describe(e)}", file=sys.stderr)
+
+    removal.release_later(finish, first=True)
+
+
+def _after_init(sb: Member) -> Callable[[], None]:
+    """What is left to do once the sandbox's init is gone: the plan's
+    cleanups (its cgroups are empty then), its layer handed to the sweeper,
+    its runtime directory and in-use record removed. Taken from the
+    sandbox now."""
+    cleanups = list(sb._launched.cleanups)
     sb._launched.cleanups.clear()
-    if sb._layer is not None:  # nothing runs in the sandbox any more
-        assert sb.idmap is not None
-        # Its runtime entry goes first: until the sweeper has it, only its
-        # age keeps `nsbox gc` from taking the layer for an orphan.
-        with contextlib.suppress(OSError):
-            os.utime(sb._layer, follow_symlinks=False)
-        layer.release_later(sb.id, sb._layer, sb.rootfs, sb.idmap)
-        sb._layer = None
-    if sb._rundir is not None:
-        live.remove_dir(sb._rundir)
-        sb._rundir = None
-        stacked.forget(sb.id, _store_layers(sb))
+    sandbox_id, rootfs, mapping = sb.id, sb.rootfs, sb.idmap
+    sandbox_layer, sb._layer = sb._layer, None
+    rundir, sb._rundir = sb._rundir, None
+    store_layers = _store_layers(sb)
+
+    def after() -> None:
+        for cleanup in cleanups:
+            cleanup()
+        if sandbox_layer is not None:  # nothing runs in the sandbox any more
+            assert mapping is not None
+            # Its runtime entry goes first: until the sweeper has it, only its
+            # age keeps `nsbox gc` from taking it for an orphan.
+            with contextlib.suppress(OSError):
+                os.utime(sandbox_layer, follow_symlinks=False)
+            layer.release_later(sandbox_id, sandbox_layer, rootfs, mapping)
+        if rundir is not None:
+            live.remove_dir(rundir)
+            stacked.forget(sandbox_id, store_layers)
+    return after

@@ -185,7 +185,8 @@ SWEEP_WAIT = 120.0
 
 class _Sweeper:
     """Releases the layers of closed sandboxes (`later`: see
-    Sandbox._teardown) and empties trash directories (see
+    Sandbox._teardown), ends those closed without waiting (see
+    procedure.teardown) and empties trash directories (see
     layers.set_aside_work) on a thread of its own. Each directory made or
     removed costs a journal transaction, on a disk mounted with `discard` a
     discard as well, and no sandbox needs to wait for that. A process
@@ -199,6 +200,7 @@ class _Sweeper:
         self._idle.set()
         self._dirs: set[str] = set()
         self._jobs: list[Callable[[], None]] = []
+        self._firsts = 0  # how many of the jobs, at their head, were queued `first`
         self._thread: threading.Thread | None = None
         self._at_exit = False
 
@@ -207,10 +209,16 @@ class _Sweeper:
             self._dirs.add(os.fspath(trash))
             self._start()
 
-    def later(self, job: Callable[[], None]) -> None:
-        """Runs `job` on the thread, in order; it reports its own failures."""
+    def later(self, job: Callable[[], None], first: bool = False) -> None:
+        """Runs `job` on the thread, in order, or with `first` before every
+        job queued without it (a sandbox's end need not wait behind the
+        deletion of another's large layer); it reports its own failures."""
         with self._lock:
-            self._jobs.append(job)
+            if first:
+                self._jobs.insert(self._firsts, job)
+                self._firsts += 1
+            else:
+                self._jobs.append(job)
             self._start()
             if not self._at_exit:
                 self._at_exit = True
@@ -236,6 +244,7 @@ class _Sweeper:
         """In a forked child: the parent's work is the parent's."""
         self._lock = threading.Lock()
         self._jobs.clear()
+        self._firsts = 0
         self._dirs.clear()
         self._wake.clear()
         self._idle.set()
@@ -250,6 +259,7 @@ class _Sweeper:
                     if not self._jobs:
                         break
                     job = self._jobs.pop(0)
+                    self._firsts = max(0, self._firsts - 1)
                 try:
                     job()
                 except Exception as e:  # a job reports its own failures; this one did not

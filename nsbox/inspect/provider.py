@@ -9,6 +9,7 @@ projects compose.py's.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import secrets
@@ -276,7 +277,10 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
         networks = {id(n): n for e in envs for n in e._networks}
         for env in envs:
             cls._live.get(key, set()).discard(env)
-        closes = [env.sandbox.close for env in envs if env._services is None]
+        # A sandbox's end is not waited for: once its init is told to end,
+        # nothing of it runs, and the kernel's teardown finishes beside the
+        # next sample (Sandbox.close).
+        closes = [functools.partial(env.sandbox.close, wait=False) for env in envs if env._services is None]
         closes += [services.close for services in samples.values()]
         if len(closes) == 1:  # most samples: no task to start for one close
             await closes[0]()

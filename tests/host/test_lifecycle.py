@@ -115,6 +115,42 @@ async def test_create_destroy_loop_leaves_nothing(mode: str) -> None:
     assert children() == before_children  # nothing unreaped
 
 
+def process_state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return None
+
+
+@pytest.mark.parametrize("init", ["ends when told", "stopped"])
+async def test_a_close_that_does_not_wait_ends_everything_on_the_sweeper(init: str) -> None:
+    """close(wait=False), the Inspect provider's sample_cleanup, returns
+    once the init is told to end; the sweeper thread then waits for it
+    (killing it after CLOSE_WAIT s if it has not ended: here one stopped
+    from the host), and releases the rest. Nothing is left: no process of
+    the sandbox, the daemons that try to outlive it included, no live
+    entry, no layer but the pool's, no unreaped child."""
+    before, before_children = await before_a_loop()
+    sb = await nsbox.Sandbox.create()
+    await sb.exec(["sh", "-c", ESCAPERS])
+    pid, ns = sb.pid, pidns(sb.pid)
+    if init == "stopped":
+        os.kill(pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while process_state(pid) != "T" and time.monotonic() < deadline:
+            await anyio.sleep(0.01)
+    await sb.close(wait=False)
+    assert not sb.running
+    if init == "stopped":
+        assert process_state(pid) == "T", "close(wait=False) waited for the init"
+    assert removal.wait_swept(30), "the sweeper did not finish"
+    assert process_state(pid) is None
+    assert wait_until_empty(ns, 2) == []
+    assert host_state() == before
+    assert children() == before_children
+
+
 async def test_a_cancelled_create_leaves_nothing() -> None:
     """Cancelled at every moment of its making (here: each few tenths of a
     millisecond), a sandbox without limits, whose process the zygote lets

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 from pathlib import Path
 
 import pytest
 
-from nsbox.host import dirs, idmap
+from nsbox.host import dirs, idmap, live, removal
 from nsbox.inspect.provider import NsboxConfig, NsboxSandboxEnvironment
 
 from tests.conftest import fixture_tar
@@ -85,3 +86,20 @@ async def test_task_cleanup_finds_the_sandboxes_of_its_samples(tmp_path: Path, g
         assert not any(sb is env.sandbox for live in NsboxSandboxEnvironment._live.values() for env in live)
     finally:
         await sb.close()
+
+
+async def test_sample_cleanup_does_not_wait_for_the_kernel_to_end_a_sandbox() -> None:
+    """sample_cleanup returns once each sandbox's init is told to end: the
+    next sample need not wait for the kernel to tear the last one's
+    namespaces down. The sweeper thread finishes the end (an init that
+    does not end, here stopped from the host, is killed after CLOSE_WAIT s),
+    and then nothing of the sample is left."""
+    envs = await NsboxSandboxEnvironment.sample_init("ends", None, {"__sample_id__": "1"})
+    sb = envs["default"].sandbox
+    assert (await envs["default"].exec(["true"])).success
+    pid, entry = sb.pid, live.sandbox_dir(sb.id)
+    os.kill(pid, signal.SIGSTOP)
+    await NsboxSandboxEnvironment.sample_cleanup("ends", None, envs, False)
+    assert os.path.exists(f"/proc/{pid}"), "sample_cleanup waited for the init"
+    assert removal.wait_swept(30), "the sweeper did not finish"
+    assert not os.path.exists(f"/proc/{pid}") and not entry.exists()

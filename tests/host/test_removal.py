@@ -6,11 +6,13 @@ go on past an entry they cannot remove, saying so in one line."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -137,6 +139,23 @@ def test_the_walk_never_leaves_the_tree(tmp_path: Path, monkeypatch: pytest.Monk
         remove_tree(tree)
     assert (outside / "precious").read_text() == "keep me\n"
     assert (tree / "a").is_dir()
+
+
+@pytest.mark.once
+def test_the_end_of_a_sandbox_is_not_queued_behind_layer_releases() -> None:
+    """The sweeper runs the end of a sandbox closed without waiting (queued
+    `first`) before the layer releases queued earlier, which may be long
+    deletions; each kind in its own order."""
+    ran: list[str] = []
+    gate = threading.Event()
+    removal.release_later(lambda: None if gate.wait(10) else ran.append("gate timed out"))
+    for name in ("release 1", "release 2"):
+        removal.release_later(functools.partial(ran.append, name))
+    for name in ("end 1", "end 2"):
+        removal.release_later(functools.partial(ran.append, name), first=True)
+    gate.set()
+    assert removal.wait_swept(10)
+    assert ran == ["end 1", "end 2", "release 1", "release 2"]
 
 
 async def test_files_of_other_sandbox_users(tmp_path: Path, mode: str) -> None:
