@@ -60,10 +60,12 @@ def ps_rows() -> dict[str, dict[str, str]]:
 
 def assert_removed(info: live.SandboxInfo) -> None:
     """Nothing is left of the sandbox: entry, init, layer, runtime dir."""
+    # Closed in this process: ended (the provider's sample_cleanup does not
+    # wait for that) and released on its sweeper's thread.
+    assert removal.wait_swept(10)
     assert live.read(info.id) is None
     assert not live.sandbox_dir(info.id).exists()
     assert wait_for(lambda: not info.init_alive), f"init {info.init_pid} still runs"
-    assert removal.wait_swept(10)  # closed in this process: released on its sweeper's thread
     assert not Path(info.layer).exists(), info.layer
     assert info.id not in ps_rows()
 
