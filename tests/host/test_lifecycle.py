@@ -124,13 +124,15 @@ def process_state(pid: int) -> str | None:
 
 
 @pytest.mark.parametrize("init", ["ends when told", "stopped"])
-async def test_a_close_that_does_not_wait_ends_everything_on_the_sweeper(init: str) -> None:
+async def test_a_close_that_does_not_wait_ends_everything_on_the_sweeper(init: str,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """close(wait=False), the Inspect provider's sample_cleanup, returns
     once the init is told to end; the sweeper thread then waits for it
     (killing it after CLOSE_WAIT s if it has not ended: here one stopped
     from the host), and releases the rest. Nothing is left: no process of
     the sandbox, the daemons that try to outlive it included, no live
     entry, no layer but the pool's, no unreaped child."""
+    monkeypatch.setattr(nsbox.sandbox, "CLOSE_WAIT", 0.3)  # (2 s) the stopped init's wait, shorter
     before, before_children = await before_a_loop()
     sb = await nsbox.Sandbox.create()
     await sb.exec(["sh", "-c", ESCAPERS])

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import nsbox.sandbox
 from nsbox.host import dirs, idmap, live, removal
 from nsbox.inspect.provider import NsboxConfig, NsboxSandboxEnvironment
 
@@ -88,12 +89,13 @@ async def test_task_cleanup_finds_the_sandboxes_of_its_samples(tmp_path: Path, g
         await sb.close()
 
 
-async def test_sample_cleanup_does_not_wait_for_the_kernel_to_end_a_sandbox() -> None:
+async def test_sample_cleanup_does_not_wait_for_the_kernel_to_end_a_sandbox(monkeypatch: pytest.MonkeyPatch) -> None:
     """sample_cleanup returns once each sandbox's init is told to end: the
     next sample need not wait for the kernel to tear the last one's
     namespaces down. The sweeper thread finishes the end (an init that
     does not end, here stopped from the host, is killed after CLOSE_WAIT s),
     and then nothing of the sample is left."""
+    monkeypatch.setattr(nsbox.sandbox, "CLOSE_WAIT", 0.3)  # (2 s) the stopped init's wait, shorter
     envs = await NsboxSandboxEnvironment.sample_init("ends", None, {"__sample_id__": "1"})
     sb = envs["default"].sandbox
     assert (await envs["default"].exec(["true"])).success
