@@ -200,7 +200,7 @@ class _Sweeper:
         self._idle.set()
         self._dirs: set[str] = set()
         self._jobs: list[Callable[[], None]] = []
-        self._firsts = 0  # how many of the jobs, at their head, were queued `first`
+        self._firsts: list[Callable[[], None]] = []  # queued `first`: run before any of _jobs
         self._thread: threading.Thread | None = None
         self._at_exit = False
 
@@ -214,11 +214,7 @@ class _Sweeper:
         job queued without it (a sandbox's end need not wait behind the
         deletion of another's large layer); it reports its own failures."""
         with self._lock:
-            if first:
-                self._jobs.insert(self._firsts, job)
-                self._firsts += 1
-            else:
-                self._jobs.append(job)
+            (self._firsts if first else self._jobs).append(job)
             self._start()
             if not self._at_exit:
                 self._at_exit = True
@@ -244,7 +240,7 @@ class _Sweeper:
         """In a forked child: the parent's work is the parent's."""
         self._lock = threading.Lock()
         self._jobs.clear()
-        self._firsts = 0
+        self._firsts.clear()
         self._dirs.clear()
         self._wake.clear()
         self._idle.set()
@@ -256,10 +252,10 @@ class _Sweeper:
             self._wake.clear()
             while True:
                 with self._lock:
-                    if not self._jobs:
+                    queue = self._firsts or self._jobs
+                    if not queue:
                         break
-                    job = self._jobs.pop(0)
-                    self._firsts = max(0, self._firsts - 1)
+                    job = queue.pop(0)
                 try:
                     job()
                 except Exception as e:  # a job reports its own failures; this one did not
