@@ -199,7 +199,9 @@ async def test_host_layer_times_flags_and_fsid_do_not_carry_over(mode: str) -> N
             assert (mode == "single" and "ch" in change) or (
                 in_memory and change.startswith("chattr") and "/etc/" in change), (change, r.stderr)
             continue
-        t0 = time.time()
+        # Whole seconds, as stat prints them: the kernel stamps files from a
+        # coarse clock that may lag time.time() by a tick across a second.
+        t0 = int(time.time())
         async with nsbox.Sandbox() as b:
             r = await b.exec(["sh", "-c", "stat -f -c %i /; stat -c '%X %Y %g' / /etc/hosts /etc/hostname; "
                                           "lsattr -d / /etc/hosts | cut -d' ' -f1"])
