@@ -18,9 +18,9 @@ every directory and symlink on the way must belong to you or to root, and
 no directory may be writable by others unless it is sticky (as /tmp is:
 there only an entry's owner may rename it, and that owner is checked in
 turn). The state directory itself must be yours, and is made mode 0700.
-The check runs each time a directory is asked for, so that a long-lived
-process notices one removed (by a /tmp cleaner, say) and made again by
-someone else.
+The check runs again whenever the last one is older than a second, so
+that a long-lived process notices a directory removed (by a /tmp cleaner,
+say) and made again by someone else.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import stat
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 from ..errors import NsboxError
 
@@ -187,19 +188,44 @@ def _state_dir() -> Path | None:
     return Path(value)
 
 
+# Each state directory as last chosen and checked, by what chose it (the
+# environment's values): a sandbox's create asks for them several times,
+# and choosing costs path arithmetic and a stat. Chosen again, and walked,
+# once the answer is older than _RECHECK_AFTER, like any check.
+_chosen: dict[tuple[str | int | None, ...], tuple[Path, float]] = {}
+
+
+def _chosen_dir(kind: str, env_vars: tuple[str, ...], choose: Callable[[], Path]) -> Path:
+    """`choose()`'s directory, made and checked, or the same answer given
+    less than _RECHECK_AFTER ago for the same environment."""
+    env = os.environ
+    key = (kind, os.geteuid(), env.get("NSBOX_STATE_DIR"), *(env.get(v) for v in env_vars))
+    now = time.monotonic()
+    hit = _chosen.get(key)
+    if hit is not None and now - hit[1] < _RECHECK_AFTER:
+        return hit[0]
+    path = _checked_private_dir(choose())
+    _chosen[key] = (path, now)
+    return path
+
+
 def runtime_dir() -> Path:
     """The live-sandbox list and the sandboxes' sockets: small files, best on tmpfs."""
+    return _chosen_dir("run", ("XDG_RUNTIME_DIR", "TMPDIR"), _choose_runtime_dir)
+
+
+def _choose_runtime_dir() -> Path:
     override = _state_dir()
     if override:
-        return _checked_private_dir(override / "run")
+        return override / "run"
     base = _usable_runtime_base(os.environ.get("XDG_RUNTIME_DIR"))
     if base is not None:
-        return _checked_private_dir(base / "nsbox")
+        return base / "nsbox"
     # /dev/shm is a tmpfs almost everywhere, and world-writable like /tmp.
     name = f"nsbox-{os.geteuid()}"
     if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK | os.X_OK):
-        return _checked_private_dir(Path("/dev/shm") / name)
-    return _checked_private_dir(Path(tempfile.gettempdir()) / name)
+        return Path("/dev/shm") / name
+    return Path(tempfile.gettempdir()) / name
 
 
 def _home_based(env: str, default: str) -> Path:
@@ -219,10 +245,11 @@ def cache_dir() -> Path:
 
 
 def _xdg_dir(kind: str, env_var: str, default: str) -> Path:
-    override = _state_dir()
-    if override:
-        return _checked_private_dir(override / kind)
-    return _checked_private_dir(_home_based(env_var, default) / "nsbox")
+    def choose() -> Path:
+        override = _state_dir()
+        return override / kind if override else _home_based(env_var, default) / "nsbox"
+
+    return _chosen_dir(kind, (env_var, "HOME"), choose)
 
 
 PARTIAL = ".tmp"

@@ -114,7 +114,9 @@ _made: set[Path] = set()
 _verified: dict[Path, tuple[tuple[int, int, int], bytes]] = {}
 _VERIFIED_MAX = 512
 _VERIFIED_MAX_BYTES = 1 << 20
-_records: dict[Path, tuple[tuple[int, int, int], dict[str, "Record"]]] = {}
+# refs.json as last read, by its file identity: the names, and the same
+# records by image id (a compose service's sandbox names its image by id).
+_records: dict[Path, tuple[tuple[int, int, int], dict[str, "Record"], dict[str, "Record"]]] = {}
 
 
 def _file_id(path: Path) -> tuple[int, int, int]:
@@ -315,17 +317,22 @@ class Store:
     def records(self) -> dict[str, Record]:
         """The names, as last written (refs.json is replaced by a rename:
         an unchanged inode, size and mtime mean unchanged names)."""
+        return dict(self._read_records()[0])
+
+    def _read_records(self) -> tuple[dict[str, Record], dict[str, Record]]:
+        """The names and the ids (the last name of each), shared: not to be changed."""
         try:
             ident = _file_id(self.refs_file)
             seen = _records.get(self.refs_file)
             if seen is not None and seen[0] == ident:
-                return dict(seen[1])
+                return seen[1], seen[2]
             raw = json.loads(self.refs_file.read_text())
         except FileNotFoundError:
-            return {}
+            return {}, {}
         records = {name: Record(**{"name": name, **r}) for name, r in raw.items()}
-        _records[self.refs_file] = (ident, records)
-        return dict(records)
+        by_id = {r.id: r for r in records.values()}
+        _records[self.refs_file] = (ident, records, by_id)
+        return records, by_id
 
     async def tag(self, name: str, digest: str, *, source: str, pinned: bool = False) -> Record:
         """Names the image whose manifest is `digest`. A name with a digest
@@ -363,10 +370,13 @@ class Store:
 
     def _lookup(self, ref: str) -> tuple[Record, bool]:
         """(record, whether `ref` named it by id)."""
-        records = self.records()
+        records, by_id = self._read_records()
         m = IMAGE_ID.fullmatch(ref)
         if m:
-            hits = {r.id: r for r in records.values() if r.id.split(":")[1].startswith(m.group(1))}
+            prefix = m.group(1)
+            whole = by_id.get(f"sha256:{prefix}")  # a whole id is looked up, not searched for
+            hits = {whole.id: whole} if whole is not None else {
+                r.id: r for r in by_id.values() if r.id.split(":")[1].startswith(prefix)}
             if len(hits) == 1:
                 return next(iter(hits.values())), True
             if len(hits) > 1:

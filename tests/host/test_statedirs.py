@@ -184,3 +184,21 @@ def test_a_relative_state_directory_is_refused(use_state: Callable[[Path], Path]
             find()
         assert e.value.hint and "\n" not in str(e.value)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_changed_environment_names_its_directories_at_once(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The directories chosen are kept for a moment (a create asks for them
+    several times), but not across a change of what chose them."""
+    monkeypatch.delenv("NSBOX_STATE_DIR", raising=False)
+    for n in (1, 2):
+        home, data, cache, run = (tmp_path / f"{k}{n}" for k in ("home", "data", "cache", "run"))
+        for d in (home, data, run):
+            d.mkdir(mode=0o700)
+        monkeypatch.setenv("HOME", str(home))
+        monkeypatch.setenv("XDG_DATA_HOME", str(data))
+        monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(run))
+        assert [find() for find in FINDERS] == [run / "nsbox", data / "nsbox", home / ".cache" / "nsbox"]
+    monkeypatch.setenv("NSBOX_STATE_DIR", str(tmp_path / "state"))
+    assert [find() for find in FINDERS] == [tmp_path / "state" / k for k in ("run", "data", "cache")]
