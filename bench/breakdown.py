@@ -4,6 +4,7 @@ Inspect provider (docs/performance.md holds the figures and what they say).
 
     python bench/breakdown.py             # both tables
     python bench/breakdown.py --top 25    # and the host's hottest functions (cProfile)
+    python bench/breakdown.py --compose 20 --execs 0 --samples 0   # a compose sample's steps
 
 For each operation, run N times in a row: wall time per operation, and CPU
 time per operation split by process:
@@ -20,6 +21,11 @@ time per operation split by process:
   clone, a child of this process: it counts in "sandboxes";
 - helpers: the other processes nsbox started (network helpers).
 
+With --compose N, N compose samples of bench/provider.py's compose row run
+one after another, and the CPU of this process's main thread is split by
+the step of nsbox it ran in (each step inclusive of the steps it awaits in
+the same task; the services are made and started in tasks of their own).
+
 CPU times come from the kernel's accounting in clock ticks (usually 10 ms),
 summed over hundreds of operations. A 2-core machine runs the host and the
 sandbox side at once, so the wall time is less than the CPU sum.
@@ -28,7 +34,10 @@ sandbox side at once, so the wall time is less than the CPU sum.
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
+import functools
+import inspect
 import os
 import pstats
 import resource
@@ -110,9 +119,147 @@ async def profiled(fn: Callable[[], Awaitable[Any]], n: int, top: int) -> None:
     pstats.Stats(pr).sort_stats("tottime").print_stats(top)
 
 
+class Steps:
+    """This thread's CPU while each instrumented function of nsbox runs
+    (a coroutine: while one of its steps runs), counted once when nested."""
+
+    def __init__(self) -> None:
+        self.cpu: collections.Counter[str] = collections.Counter()
+        self.calls: collections.Counter[str] = collections.Counter()
+        self._depth: collections.Counter[str] = collections.Counter()
+        self._wrapped: list[tuple[Any, str, Any]] = []
+
+    def timed(self, key: str, step: Callable[..., Any], *args: Any) -> Any:
+        outer = self._depth[key] == 0
+        self._depth[key] += 1
+        t0 = time.thread_time()
+        try:
+            return step(*args)
+        finally:
+            self._depth[key] -= 1
+            if outer:
+                self.cpu[key] += time.thread_time() - t0
+
+    def wrap(self, owner: Any, name: str) -> None:
+        orig, key = getattr(owner, name), f"{getattr(owner, '__name__', owner)}.{name}"
+        steps = self
+
+        class Timed:  # the coroutine, each step of it timed
+            def __init__(self, coro: Any) -> None:
+                self.coro = coro
+
+            def __await__(self) -> "Timed":
+                return self
+
+            def __next__(self) -> Any:
+                return self.send(None)
+
+            def send(self, value: Any) -> Any:
+                return steps.timed(key, self.coro.send, value)
+
+            def throw(self, *exc: Any) -> Any:
+                return steps.timed(key, self.coro.throw, *exc)
+
+            def close(self) -> None:
+                self.coro.close()
+
+        @functools.wraps(orig)
+        def wrapper(*a: Any, **k: Any) -> Any:
+            self.calls[key] += 1
+            if inspect.iscoroutinefunction(orig):
+                return Timed(orig(*a, **k))
+            return self.timed(key, functools.partial(orig, *a, **k))
+
+        self._wrapped.append((owner, name, orig))
+        setattr(owner, name, wrapper)
+
+    def unwrap(self) -> None:
+        for owner, name, orig in reversed(self._wrapped):
+            setattr(owner, name, orig)
+        self._wrapped.clear()
+
+
+async def compose_steps(n: int) -> None:
+    """Where this process's CPU goes in a compose sample (bench/provider.py's)."""
+    import tempfile
+
+    import provider as row
+    from nsbox import sandbox
+    from nsbox.compose.services import Services
+    from nsbox.create import layer, netattach, procedure
+    from nsbox.init import users
+
+    if not os.path.isfile(os.path.join(row.OCI_LAYOUT, "index.json")):
+        print("\ncompose: skipped, the OCI fixture is missing (bash rootfs/images.sh makes it)")
+        return
+    steps = Steps()
+    for owner, name in [
+            (Provider, "sample_init"), (Provider, "sample_cleanup"), (Services, "_create"),
+            (Services, "_run_command"), (Services, "_wait_ready"), (Services, "close"),
+            (sandbox.Sandbox, "_use_image"), (sandbox.Sandbox, "_create"), (sandbox.Sandbox, "_settle_identity"),
+            (sandbox.Sandbox, "exec"), (sandbox.Sandbox, "close"), (procedure, "launch"), (procedure, "register"),
+            (layer, "prepare"), (netattach.NetAttachment, "reserve"), (netattach.NetAttachment, "_join"),
+            (netattach.NetAttachment, "start"), (netattach.NetAttachment, "_write_as_root"),
+            (users, "identity_files")]:
+        steps.wrap(owner, name)
+    await row.ensure_image()
+    os.environ["NSBOX_COMPOSE_PATHS"] = os.pathsep.join(filter(None, (os.environ.get("NSBOX_COMPOSE_PATHS"), "/usr")))
+    work = tempfile.mkdtemp(prefix="nsbox-breakdown-")
+    path = os.path.join(work, "compose.yaml")
+    with open(path, "w") as f:
+        f.write(row.COMPOSE)
+    thread = process = 0.0
+    try:
+        await Provider.task_init("profile", path)
+        for i in range(n + 3):  # the first three: the image's first use
+            if i == 3:
+                steps.cpu.clear()
+                steps.calls.clear()
+                t0, c0, helpers0 = time.thread_time(), rusage_cpu(resource.RUSAGE_SELF), helper_cpu()
+            envs = await Provider.sample_init("profile", path, {"__sample_id__": str(i)})
+            r = await envs["default"].exec(["python3", "-c", row.FETCH.format(host="web", port=row.PORT)])
+            assert r.success, r.stderr
+            await Provider.sample_cleanup("profile", path, envs, False)
+        thread, process = time.thread_time() - t0, rusage_cpu(resource.RUSAGE_SELF) - c0
+        helpers = {k: (own - helpers0[k][0], reaped - helpers0[k][1])
+                   for k, (own, reaped) in helper_cpu().items() if k in helpers0}
+    finally:
+        steps.unwrap()  # the rows after this one time nsbox itself
+        await Provider.task_cleanup("profile", path, True)
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"\na compose sample (2 services, web's healthcheck, one fetch), x{n}, one at a time: CPU of this process "
+          f"{process / n * 1e3:.2f} ms, of it the main thread {thread / n * 1e3:.2f} ms")
+    print(f"  {'ms':>7} {'calls':>6}  step (main thread, inclusive)")
+    for key, cpu in steps.cpu.most_common():
+        print(f"  {cpu / n * 1e3:7.2f} {steps.calls[key] / n:6.1f}  {key}")
+    print("  nsbox's helper processes, CPU per sample: own, and of the children they reaped (pasta, slirp4netns)")
+    for (pid, name), (own, reaped) in sorted(helpers.items(), key=lambda kv: -sum(kv[1])):
+        print(f"  {own / n * 1e3:7.2f} {reaped / n * 1e3:7.2f}  {name} ({pid})")
+
+
+def helper_cpu() -> dict[tuple[int, str], tuple[float, float]]:
+    """(own, reaped) CPU seconds of this process's children that are not
+    sandboxes (the zygote, the network helper and its bridge workers)."""
+    out = {}
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                head, tail = f.read().rsplit(")", 1)
+            if tail.split()[1] != str(os.getpid()) and not head.endswith("nsbox-bridge"):
+                continue
+            if os.readlink(f"/proc/{name}/ns/pid") != os.readlink("/proc/self/ns/pid"):
+                continue  # a sandbox's init
+            out[(int(name), head.split("(", 1)[1])] = stat_cpu(int(name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
 async def amain(args: argparse.Namespace) -> None:
     if Provider is None:
         raise SystemExit("bench/breakdown.py needs inspect_ai (pip install 'nsbox[inspect]')")
+    if args.compose > 0:
+        await compose_steps(args.compose)
     await Provider.task_init("profile", None)
     envs = await Provider.sample_init("profile", None, {})
     env = envs["default"]
@@ -177,6 +324,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--execs", type=int, default=2000)
     p.add_argument("--samples", type=int, default=200)
+    p.add_argument("--compose", type=int, default=0, help="also split N compose samples by step")
     p.add_argument("--top", type=int, default=0, help="also print the host's N hottest functions (cProfile)")
     anyio.run(amain, p.parse_args())
 

@@ -370,8 +370,13 @@ class LeakCheck:
         from nsbox.net import client
 
         keep = zygote.helper_pids() | ({client._default.pid} if client._default and client._default.pid else set())
-        procs = {(p.pid, p.create_time(), p.name()) for p in psutil.Process().children(recursive=True)
-                 if p.pid not in keep}
+        procs = set()
+        for p in psutil.Process().children(recursive=True):
+            try:
+                if p.pid not in keep:
+                    procs.add((p.pid, p.create_time(), p.name()))
+            except psutil.Error:
+                continue  # gone since it was listed
         for p in psutil.process_iter(["name", "cmdline"]):
             try:
                 if p.info["name"] == "nsbox-init" and set(p.info["cmdline"][1:2]) & self.ids:
