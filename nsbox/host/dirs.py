@@ -205,7 +205,8 @@ def _chosen_dir(kind: str, env_vars: tuple[str, ...], choose: Callable[[], Path]
     if hit is not None and now - hit[1] < _RECHECK_AFTER:
         return hit[0]
     path = _checked_private_dir(choose())
-    _chosen[key] = (path, now)
+    # As old as the walk it relies on, which another key may have made.
+    _chosen[key] = (path, _checked_at.get(path, now))
     return path
 
 

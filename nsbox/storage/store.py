@@ -374,7 +374,8 @@ class Store:
         m = IMAGE_ID.fullmatch(ref)
         if m:
             prefix = m.group(1)
-            whole = by_id.get(f"sha256:{prefix}")  # a whole id is looked up, not searched for
+            # A whole id is looked up, not searched for.
+            whole = by_id.get(f"sha256:{prefix}") if len(prefix) == 64 else None
             hits = {whole.id: whole} if whole is not None else {
                 r.id: r for r in by_id.values() if r.id.split(":")[1].startswith(prefix)}
             if len(hits) == 1:

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 from typing import Callable
 
@@ -202,3 +203,31 @@ def test_a_changed_environment_names_its_directories_at_once(tmp_path: Path,
         assert [find() for find in FINDERS] == [run / "nsbox", data / "nsbox", home / ".cache" / "nsbox"]
     monkeypatch.setenv("NSBOX_STATE_DIR", str(tmp_path / "state"))
     assert [find() for find in FINDERS] == [tmp_path / "state" / k for k in ("run", "data", "cache")]
+
+
+def test_a_directory_is_walked_again_a_second_after_its_last_walk(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two spellings of one state directory share its walk: the second may
+    not make that walk count for longer than a second."""
+    clock = [1000.0]
+    # This module's clock only (the process's other threads keep theirs).
+    monkeypatch.setattr(dirs, "time", types.SimpleNamespace(monotonic=lambda: clock[0], time=time.time))
+    # Fresh memories, put back afterwards: none of this clock's times may stay.
+    monkeypatch.setattr(dirs, "_chosen", {})
+    monkeypatch.setattr(dirs, "_checked_at", {})
+    walks: list[Path] = []
+    real_open = dirs._open_private_dir
+
+    def counted(path: Path) -> int:
+        walks.append(path)
+        return real_open(path)
+
+    monkeypatch.setattr(dirs, "_open_private_dir", counted)
+    state = tmp_path / "state"
+    monkeypatch.setenv("NSBOX_STATE_DIR", str(state))
+    assert dirs.data_dir() == state / "data" and len(walks) == 1
+    clock[0] += 0.9
+    monkeypatch.setenv("NSBOX_STATE_DIR", f"{state}/")  # the same directory, another key
+    assert dirs.data_dir() == state / "data" and len(walks) == 1  # the walk 0.9 s ago holds
+    clock[0] += 0.3
+    assert dirs.data_dir() == state / "data" and len(walks) == 2, "trusted a walk 1.2 s old"
