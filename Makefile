@@ -35,4 +35,4 @@ profile:
 	$(PYTHON) bench/breakdown.py --top 25 --compose 20
 
 clean:
-	rm -rf build dist *.egg-info nsbox/_native*.so nsbox/_text*.so nsbox/_native.c nsbox/nsbox-init nsbox/nsbox-create rootfs/build
+	rm -rf build dist *.egg-info nsbox/_native*.so nsbox/_text*.so nsbox/_native.c nsbox/nsbox-init nsbox/nsbox-create nsbox/nsbox-tied rootfs/build

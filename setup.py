@@ -14,21 +14,23 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).parent.resolve()
-# The static programs nsbox runs: the sandbox's PID 1, and the helper that
-# creates a sandbox's namespaces.
+# The static programs nsbox runs: the sandbox's PID 1, the helper that
+# creates a sandbox's namespaces, and the one that ties the network helper's
+# programs (pasta) to its life.
 PROGRAMS = {
     "nsbox-init": ["init/main.c", "init/child.c", "init/spawn.c", "init/open.c", "init/kill.c", "init/reply.c",
                    "init/seccomp.c"],
     "nsbox-create": ["create/main.c", "create/child.c", "create/idmap.c", "create/lock.c", "create/proc.c",
                      "common/clone_request.c"],
+    "nsbox-tied": ["tied/main.c"],
 }
 
 
 class BuildExtWithPrograms(build_ext):
-    """Builds the extensions, then the two static programs.
+    """Builds the extensions, then the static programs.
 
     The init runs as PID 1 inside root filesystems that may have no C library
-    at all, so both are linked statically (the helper for a fast exec).
+    at all, so it is linked statically, and the others too (for a fast exec).
     """
 
     def run(self) -> None:

@@ -26,6 +26,22 @@ from nsbox.net.client import Namespaces
 
 from . import components
 
+def gone(pid: int | None, within: float = 5.0) -> bool:
+    """Whether process `pid` exits within `within` seconds (a zombie has:
+    it waits only for its parent to reap it)."""
+    deadline = time.monotonic() + within
+    while pid is not None and Path(f"/proc/{pid}").exists():
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z":
+                return True
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 SERVER = textwrap.dedent("""
     import socket, sys
     s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -25,7 +25,7 @@ Ops:
   connect  {net_fd, user_fd?, host, port}        -> socket connecting inside (non-blocking)
   spawn    {argv, fds: [i...], ready, watch_fd?, user_fd?}
                                                   -> {id, pid}: a long-running helper
-           (pasta, slirp4netns) with descriptors i... as its fds 3, 4, ...;
+           (pasta, slirp4netns, run through nsbox-tied) with descriptors i... as its fds 3, 4, ...;
            ``ready`` is "pidfile" (it writes its pid to fd N, given as
            ready_fd_at) or "none". It gets SIGKILL when this helper dies
            (PR_SET_PDEATHSIG) and when the process behind watch_fd (a pidfd,
@@ -152,6 +152,12 @@ def _pdeathsig() -> None:
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
+# Runs a program with the same parent-death signal, set in C after a vfork
+# (csrc/tied/main.c): a preexec_fn would make Python fork this whole
+# process and run Python in the child, ~3 ms per program.
+TIED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "nsbox-tied")
+
+
 def op_spawn(req: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
     """Starts a long-running program and waits until it says it is ready.
 
@@ -168,10 +174,10 @@ def op_spawn(req: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[
     names["{ready_fd}"] = str(ready_w)
     argv = [_substitute(a, names) for a in req["argv"]]
     try:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err_w,
-                                pass_fds=[*passed, ready_w], preexec_fn=_pdeathsig, close_fds=True)
-    except OSError as e:
-        raise Refused(f"cannot start {argv[0]}: {e.strerror}") from None
+        proc = subprocess.Popen([TIED, str(os.getpid()), *argv], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=err_w, pass_fds=[*passed, ready_w], close_fds=True)
+    except OSError as e:  # nsbox-tied itself (the program's own failure comes on stderr)
+        raise Refused(f"cannot start {argv[0]}: {TIED}: {e.strerror}") from None
     finally:
         os.close(ready_w)
         os.close(err_w)

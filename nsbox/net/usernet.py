@@ -19,7 +19,8 @@ Both programs need /dev/net/tun. `check_tun()` turns an unusable one into
 one line naming the fix.
 
 Lifetime: the program runs as a child of the network helper with
-PR_SET_PDEATHSIG, and the helper kills it when the sandbox's init exits
+PR_SET_PDEATHSIG (set by nsbox-tied, csrc/tied/main.c, before it execs the
+program), and the helper kills it when the sandbox's init exits
 (given its pidfd), when `UserNet.stop()` is called, and when the nsbox
 process goes away. pasta does not quit by itself when a namespace given as
 /proc/PID/ns/net disappears (it holds the namespace, so it never does).

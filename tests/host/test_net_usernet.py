@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -16,10 +17,10 @@ import pytest
 
 import nsbox
 from nsbox.net import usernet
-from nsbox.net.client import NetError, Namespaces
+from nsbox.net.client import NetError, NetHelper, Namespaces
 from nsbox.net.hosts import render_hosts
 
-from tests.net_members import CLIENT, Member, host_server, tun_usable  # noqa: F401 (fixture)
+from tests.net_members import CLIENT, Member, gone, host_server, tun_usable  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.timeout(60)
 needs_tun = pytest.mark.needs("tun", "usernet")
@@ -129,6 +130,25 @@ async def test_stops_when_the_sandbox_init_exits(member: Member) -> None:
             break
         await anyio.sleep(0.02)
     assert not Path(f"/proc/{net.pid}").exists()
+
+
+@needs_tun
+@pytest.mark.parametrize("tool", TOOLS)
+async def test_dies_with_a_helper_killed_outright(tool: usernet.Tool, member: Member) -> None:
+    """A helper killed by SIGKILL cannot stop what it started: the kernel
+    does (the parent-death signal nsbox-tied asks for before it execs the
+    program), else the program would hold the namespace for ever."""
+    via = NetHelper()
+    net = await usernet.start(member.ns, tool=tool, via=via)
+    try:
+        assert os.path.basename(os.readlink(f"/proc/{net.pid}/exe")) != "nsbox-tied"  # it exec'd the program
+        assert via.pid is not None
+        os.kill(via.pid, signal.SIGKILL)
+        assert gone(net.pid), f"{tool} outlived the helper that started it"
+    finally:
+        if not gone(net.pid, 0):
+            os.kill(net.pid, signal.SIGKILL)
+        await via.aclose()
 
 
 @needs_tun

@@ -19,7 +19,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,7 @@ from nsbox.net import usernet
 from nsbox.net.client import NetError
 
 from tests.conftest import script_result
-from tests.net_members import CLIENT, host_server, http_server, tun_usable  # noqa: F401 (fixtures)
+from tests.net_members import CLIENT, gone, host_server, http_server, tun_usable  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.timeout(90)
 needs_tun = pytest.mark.needs("tun", "usernet")
@@ -62,20 +61,6 @@ def _refused(port: int) -> bool:
         return False
     except ConnectionRefusedError:
         return True
-
-
-def _gone(pid: int | None, within: float = 5.0) -> bool:
-    deadline = time.monotonic() + within
-    while pid is not None and Path(f"/proc/{pid}").exists():
-        try:
-            if Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z":
-                return True  # a zombie of this process: it has exited
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 # ---- the spec ---------------------------------------------------------------
@@ -133,7 +118,7 @@ async def test_nat_reaches_the_hosts_loopback_by_name_when_asked(host_server: in
         attached = sb._network.attached if sb._network else None
         pid = attached.usernet_pid if attached else None
         assert pid is not None and Path(f"/proc/{pid}").exists()
-    assert _gone(pid), "pasta/slirp4netns outlived the sandbox"
+    assert gone(pid), "pasta/slirp4netns outlived the sandbox"
 
 
 @needs_tun
@@ -293,10 +278,10 @@ def test_nothing_is_left_after_sigkill_of_the_owner(network: str, children: str)
         owner.wait()
         assert state["helper"] and state["port"]
         for pid in [*state["inits"], state["helper"], state["usernet"]]:
-            assert _gone(pid), f"process {pid} outlived its owner"
+            assert gone(pid), f"process {pid} outlived its owner"
         assert _refused(state["port"])
         if children == "fork":
-            assert not _gone(state["child"], 0)
+            assert not gone(state["child"], 0)
     finally:
         owner.kill()
         owner.wait()
