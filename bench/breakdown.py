@@ -215,14 +215,14 @@ async def compose_steps(n: int) -> None:
             if i == 3:
                 steps.cpu.clear()
                 steps.calls.clear()
-                t0, c0, helpers0 = time.thread_time(), rusage_cpu(resource.RUSAGE_SELF), helper_cpu()
+                t0, c0, helpers0 = time.thread_time(), rusage_cpu(resource.RUSAGE_SELF), row.helper_split()
             envs = await Provider.sample_init("profile", path, {"__sample_id__": str(i)})
             r = await envs["default"].exec(["python3", "-c", row.FETCH.format(host="web", port=row.PORT)])
             assert r.success, r.stderr
             await Provider.sample_cleanup("profile", path, envs, False)
         thread, process = time.thread_time() - t0, rusage_cpu(resource.RUSAGE_SELF) - c0
         helpers = {k: (own - helpers0[k][0], reaped - helpers0[k][1])
-                   for k, (own, reaped) in helper_cpu().items() if k in helpers0}
+                   for k, (own, reaped) in row.helper_split().items() if k in helpers0}
     finally:
         steps.unwrap()  # the rows after this one time nsbox itself
         await Provider.task_cleanup("profile", path, True)
@@ -233,26 +233,8 @@ async def compose_steps(n: int) -> None:
     for key, cpu in steps.cpu.most_common():
         print(f"  {cpu / n * 1e3:7.2f} {steps.calls[key] / n:6.1f}  {key}")
     print("  nsbox's helper processes, CPU per sample: own, and of the children they reaped (pasta, slirp4netns)")
-    for (pid, name), (own, reaped) in sorted(helpers.items(), key=lambda kv: -sum(kv[1])):
+    for (pid, _, name), (own, reaped) in sorted(helpers.items(), key=lambda kv: -sum(kv[1])):
         print(f"  {own / n * 1e3:7.2f} {reaped / n * 1e3:7.2f}  {name} ({pid})")
-
-
-def helper_cpu() -> dict[tuple[int, str], tuple[float, float]]:
-    """(own, reaped) CPU seconds of this process's children that are not
-    sandboxes (the zygote, the network helper and its bridge workers)."""
-    out = {}
-    for name in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                head, tail = f.read().rsplit(")", 1)
-            if tail.split()[1] != str(os.getpid()) and not head.endswith("nsbox-bridge"):
-                continue
-            if os.readlink(f"/proc/{name}/ns/pid") != os.readlink("/proc/self/ns/pid"):
-                continue  # a sandbox's init
-            out[(int(name), head.split("(", 1)[1])] = stat_cpu(int(name))
-        except (OSError, ValueError, IndexError):
-            continue
-    return out
 
 
 async def amain(args: argparse.Namespace) -> None:

@@ -316,19 +316,23 @@ def reaped_cpu(pid: int) -> float:
 
 
 def helpers() -> dict[tuple[int, float, str], float]:
+    """nsbox's helper processes below this one -> CPU s. The network
+    helper's and bridge workers' include what their reaped children used
+    (pasta, per-request forks); the zygote's does not (its reaped children
+    are sandboxes, services included)."""
+    return {k: own + (0.0 if k[2] == "nsbox-create" else reaped) for k, (own, reaped) in helper_split().items()}
+
+
+def helper_split() -> dict[tuple[int, float, str], tuple[float, float]]:
     """nsbox's helper processes below this one, not sandboxes: (pid, start,
-    name) -> CPU s. The network helper's and bridge workers' include what
-    their reaped children used (pasta, per-request forks); the zygote's
-    does not (its reaped children are sandboxes, services included)."""
+    name) -> (own CPU s, CPU s of the children it reaped)."""
     import psutil  # the test extra's (`pip install -e '.[test]'`)
 
     out = {}
     for p in psutil.Process().children(recursive=True):
         try:
             if not is_sandboxed(p.pid):
-                name = p.name()
-                out[(p.pid, p.create_time(), name)] = cpu_seconds(p.pid) + (
-                    0.0 if name == "nsbox-create" else reaped_cpu(p.pid))
+                out[(p.pid, p.create_time(), p.name())] = (cpu_seconds(p.pid), reaped_cpu(p.pid))
         except psutil.Error:
             continue
     return out
