@@ -8,7 +8,6 @@ projects compose.py's.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
@@ -16,7 +15,7 @@ import secrets
 import shlex
 import sys
 from pathlib import Path
-from typing import Any, AsyncIterator, Literal, Union, overload
+from typing import Any, Literal, Union, overload
 
 import anyio
 from pydantic import BaseModel
@@ -62,6 +61,7 @@ from .config import (
 )
 from .errors import as_inspect_errors
 from .exec_remote import NsboxExecRemoteProcess, forward_exec_remote
+from .throttle import subprocess_slot
 
 __all__ = ["NsboxSandboxEnvironment", "NsboxExecRemoteProcess", "NsboxConfig", "SandboxSettings",
            "NetworkSettings", "load_config", "shell_command"]
@@ -93,23 +93,6 @@ def _known_by(name: str, settings: SandboxSettings) -> dict[str, Any]:
     if name != settings.hostname and name not in settings.network_aliases:
         return {"network_aliases": (*settings.network_aliases, name)}
     return {}
-
-
-@contextlib.asynccontextmanager
-async def _throttle(enabled: bool) -> AsyncIterator[None]:
-    """Inspect's throttle for local subprocesses, the one its `local`
-    sandbox uses (max_subprocesses, default: the CPU count)."""
-    if not enabled:
-        yield
-        return
-    try:
-        from inspect_ai.util import concurrency
-        from inspect_ai.util._subprocess import max_subprocesses_context_var
-    except ImportError:  # another Inspect version: run unthrottled
-        yield
-        return
-    async with concurrency("subprocesses", max_subprocesses_context_var.get(), resizable=True):
-        yield
 
 
 @sandboxenv(name="nsbox")
@@ -371,7 +354,7 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
         timeout_retry: bool = True,  # advisory; a local runtime does not need retries
         concurrency: bool = True,
     ) -> ExecResult[str]:
-        async with _throttle(concurrency):
+        async with subprocess_slot(concurrency):
             with as_inspect_errors():
                 r = await self.sandbox.exec(cmd, input=input, cwd=cwd, env=env, user=user, timeout=timeout)
         if r.truncated:
@@ -427,7 +410,7 @@ class NsboxSandboxEnvironment(SandboxEnvironment):
         opts = options if options is not None else (ExecRemoteStreamingOptions() if stream
                                                      else ExecRemoteAwaitableOptions())
         stdin_open = isinstance(opts, ExecRemoteStreamingOptions) and opts.stdin_open
-        async with _throttle(opts.concurrency):
+        async with subprocess_slot(opts.concurrency):
             with as_inspect_errors():
                 proc = await self.sandbox.start_process(cmd, input=opts.input, stdin_open=stdin_open, cwd=opts.cwd,
                                                         env=opts.env, user=opts.user)

@@ -1,0 +1,111 @@
+"""The provider's exec throttle: Inspect's own subprocess limit
+(max_subprocesses), entered without Inspect's event-loop round trip when a
+slot is free, and through Inspect's queue when none is."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import anyio
+import pytest
+from inspect_ai.util._concurrency import concurrency_status_display, init_concurrency, subprocess_limiter
+from inspect_ai.util._subprocess import max_subprocesses_context_var
+
+from nsbox.inspect.throttle import KEY, subprocess_slot
+
+pytestmark = pytest.mark.timeout(20)
+
+
+@pytest.fixture
+def limit_of_two() -> Iterator[None]:
+    """A fresh Inspect registry (as each eval starts with) and a limit of 2."""
+    init_concurrency()
+    token = max_subprocesses_context_var.set(2)
+    yield
+    max_subprocesses_context_var.reset(token)
+    init_concurrency()
+
+
+def in_use() -> int:
+    return concurrency_status_display().get(KEY, (0, 0))[0]
+
+
+async def holder(entered: list[str], name: str, leave: anyio.Event) -> None:
+    async with subprocess_slot():
+        entered.append(name)
+        await leave.wait()
+
+
+async def test_a_third_command_waits_for_one_of_two_slots(limit_of_two: None) -> None:
+    entered: list[str] = []
+    leave = {n: anyio.Event() for n in "abc"}
+    async with anyio.create_task_group() as tg:
+        for n in "abc":
+            tg.start_soon(holder, entered, n, leave[n])
+            await anyio.sleep(0.01)
+        assert entered == ["a", "b"], "the limit of 2 let a third command in"
+        assert in_use() == 2  # Inspect's status display counts them
+        leave["a"].set()
+        with anyio.fail_after(5):
+            while entered != ["a", "b", "c"]:
+                await anyio.sleep(0.005)
+        leave["b"].set()
+        leave["c"].set()
+    assert in_use() == 0
+
+
+async def test_a_free_slot_goes_to_who_queued_first(limit_of_two: None) -> None:
+    """A slot freed while a command waits is the waiter's: a command that
+    comes just then does not take it first."""
+    entered: list[str] = []
+    leave = {n: anyio.Event() for n in "abcd"}
+    async with anyio.create_task_group() as tg:
+        for n in "abc":
+            tg.start_soon(holder, entered, n, leave[n])
+            await anyio.sleep(0.01)
+        leave["a"].set()  # c, queued, is owed a's slot ...
+        await anyio.sleep(0)  # ... a leaves
+        tg.start_soon(holder, entered, "d", leave["d"])  # d comes before c has run again
+        with anyio.fail_after(5):
+            while len(entered) < 3:
+                await anyio.sleep(0.005)
+        await anyio.sleep(0.02)
+        assert entered == ["a", "b", "c"], "a newcomer took the slot of a command that queued before it"
+        for n in "bcd":
+            leave[n].set()
+    assert entered == ["a", "b", "c", "d"]
+    assert in_use() == 0
+
+
+async def test_a_slot_is_given_back_when_the_block_raises(limit_of_two: None) -> None:
+    for _ in range(3):
+        with pytest.raises(RuntimeError):
+            async with subprocess_slot():
+                assert in_use() == 1
+                raise RuntimeError("the command failed")
+    assert in_use() == 0
+
+
+async def test_unthrottled_takes_no_slot(limit_of_two: None) -> None:
+    async with subprocess_slot(False), subprocess_slot(False), subprocess_slot(False):
+        assert in_use() == 0
+
+
+async def test_the_control_channel_finds_and_retunes_the_limit(limit_of_two: None) -> None:
+    """As after Inspect's own subprocess(): the limiter is registered, and a
+    limit lowered to 1 keeps a second command out."""
+    async with subprocess_slot():
+        pass
+    limiter = subprocess_limiter()
+    assert limiter is not None and limiter.concurrency == 2
+    limiter.concurrency = 1
+    entered: list[str] = []
+    leave = {n: anyio.Event() for n in "ab"}
+    async with anyio.create_task_group() as tg:
+        for n in "ab":
+            tg.start_soon(holder, entered, n, leave[n])
+            await anyio.sleep(0.01)
+        assert entered == ["a"], "the retuned limit of 1 let a second command in"
+        leave["a"].set()
+        leave["b"].set()
+    assert entered == ["a", "b"]
