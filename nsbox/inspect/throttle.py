@@ -21,10 +21,13 @@ import anyio
 
 try:
     from inspect_ai.util import concurrency
-    from inspect_ai.util._concurrency import get_or_create_semaphore, register_subprocess_limiter
     from inspect_ai.util._subprocess import max_subprocesses_context_var
 except ImportError:  # another Inspect version: commands run unthrottled
     concurrency = None  # type: ignore[assignment]
+try:  # the registry's own doors, for a free slot taken at once
+    from inspect_ai.util._concurrency import get_or_create_semaphore, register_subprocess_limiter
+except ImportError:  # another Inspect version: every entry goes through concurrency()
+    get_or_create_semaphore = None  # type: ignore[assignment]
 
 KEY = "subprocesses"  # the registry key of Inspect's subprocess() limit
 
@@ -37,9 +40,11 @@ async def subprocess_slot(enabled: bool = True) -> AsyncIterator[None]:
         yield
         return
     limit = max_subprocesses_context_var.get()
-    semaphore = await get_or_create_semaphore(KEY, limit, None, True, resizable=True)
-    register_subprocess_limiter(semaphore)  # as subprocess() does: the control channel finds it
-    release = take_free_slot(semaphore)
+    release = None
+    if get_or_create_semaphore is not None:
+        semaphore = await get_or_create_semaphore(KEY, limit, None, True, resizable=True)
+        register_subprocess_limiter(semaphore)  # as subprocess() does: the control channel finds it
+        release = take_free_slot(semaphore)
     if release is None:
         async with concurrency(KEY, limit, resizable=True):
             yield

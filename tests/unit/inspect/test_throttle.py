@@ -11,6 +11,7 @@ import pytest
 from inspect_ai.util._concurrency import concurrency_status_display, init_concurrency, subprocess_limiter
 from inspect_ai.util._subprocess import max_subprocesses_context_var
 
+from nsbox.inspect import throttle
 from nsbox.inspect.throttle import KEY, subprocess_slot
 
 pytestmark = pytest.mark.timeout(20)
@@ -43,7 +44,13 @@ async def holder(entered: list[str], name: str, leave: anyio.Event) -> None:
         await leave.wait()
 
 
-async def test_a_third_command_waits_for_one_of_two_slots(limit_of_two: None) -> None:
+@pytest.mark.parametrize("registry_doors", [True, False], ids=["free-slot-path", "without-registry-doors"])
+async def test_a_third_command_waits_for_one_of_two_slots(limit_of_two: None, registry_doors: bool,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Also where an Inspect version lacks the registry's private doors:
+    every entry then goes through Inspect's concurrency()."""
+    if not registry_doors:
+        monkeypatch.setattr(throttle, "get_or_create_semaphore", None)
     entered: list[str] = []
     leave = {n: anyio.Event() for n in "abc"}
     async with anyio.create_task_group() as tg:
