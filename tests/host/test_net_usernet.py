@@ -142,8 +142,8 @@ async def test_dies_with_a_helper_killed_outright(tool: usernet.Tool, member: Me
     net = await usernet.start(member.ns, tool=tool, via=via)
     try:
         # It exec'd the program (its name, as /proc shows to anyone: pasta is not dumpable).
-        assert Path(f"/proc/{net.pid}/stat").read_text().split("(", 1)[1].startswith(("pasta", "passt", "slirp")), \
-            Path(f"/proc/{net.pid}/stat").read_text()
+        stat = Path(f"/proc/{net.pid}/stat").read_text()
+        assert stat.split("(", 1)[1].startswith(("pasta", "passt", "slirp")), stat
         assert via.pid is not None
         os.kill(via.pid, signal.SIGKILL)
         assert gone(net.pid), f"{tool} outlived the helper that started it"

@@ -44,6 +44,20 @@ async def holder(entered: list[str], name: str, leave: anyio.Event) -> None:
         await leave.wait()
 
 
+async def start_in_turn(tg: anyio.abc.TaskGroup, entered: list[str], leave: dict[str, anyio.Event],
+                        names: str) -> None:
+    """A holder for each name, each given time to enter (or queue) before the next."""
+    for n in names:
+        tg.start_soon(holder, entered, n, leave[n])
+        await anyio.sleep(0.01)
+
+
+async def until_entered(entered: list[str], count: int) -> None:
+    with anyio.fail_after(5):
+        while len(entered) < count:
+            await anyio.sleep(0.005)
+
+
 @pytest.mark.parametrize("registry_doors", [True, False], ids=["free-slot-path", "without-registry-doors"])
 async def test_a_third_command_waits_for_one_of_two_slots(limit_of_two: None, registry_doors: bool,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
@@ -54,15 +68,12 @@ async def test_a_third_command_waits_for_one_of_two_slots(limit_of_two: None, re
     entered: list[str] = []
     leave = {n: anyio.Event() for n in "abc"}
     async with anyio.create_task_group() as tg:
-        for n in "abc":
-            tg.start_soon(holder, entered, n, leave[n])
-            await anyio.sleep(0.01)
+        await start_in_turn(tg, entered, leave, "abc")
         assert entered == ["a", "b"], "the limit of 2 let a third command in"
         assert in_use() == 2  # Inspect's status display counts them
         leave["a"].set()
-        with anyio.fail_after(5):
-            while entered != ["a", "b", "c"]:
-                await anyio.sleep(0.005)
+        await until_entered(entered, 3)
+        assert entered == ["a", "b", "c"]
         leave["b"].set()
         leave["c"].set()
     assert in_use() == 0
@@ -74,15 +85,11 @@ async def test_a_free_slot_goes_to_who_queued_first(limit_of_two: None) -> None:
     entered: list[str] = []
     leave = {n: anyio.Event() for n in "abcd"}
     async with anyio.create_task_group() as tg:
-        for n in "abc":
-            tg.start_soon(holder, entered, n, leave[n])
-            await anyio.sleep(0.01)
+        await start_in_turn(tg, entered, leave, "abc")
         leave["a"].set()  # c, queued, is owed a's slot ...
         await anyio.sleep(0)  # ... a leaves
         tg.start_soon(holder, entered, "d", leave["d"])  # d comes before c has run again
-        with anyio.fail_after(5):
-            while len(entered) < 3:
-                await anyio.sleep(0.005)
+        await until_entered(entered, 3)
         await anyio.sleep(0.02)
         assert entered == ["a", "b", "c"], "a newcomer took the slot of a command that queued before it"
         for n in "bcd":
@@ -116,9 +123,7 @@ async def test_the_control_channel_finds_and_retunes_the_limit(limit_of_two: Non
     entered: list[str] = []
     leave = {n: anyio.Event() for n in "ab"}
     async with anyio.create_task_group() as tg:
-        for n in "ab":
-            tg.start_soon(holder, entered, n, leave[n])
-            await anyio.sleep(0.01)
+        await start_in_turn(tg, entered, leave, "ab")
         assert entered == ["a"], "the retuned limit of 1 let a second command in"
         leave["a"].set()
         leave["b"].set()
