@@ -19,8 +19,9 @@ Layout of one network:
   by name and alias); the caller writes it into every member whenever one
   joins or leaves.
 - Outbound (a network that is not `internal`): each member gets its own
-  pasta/slirp4netns, exactly as in nat mode (default route via its tap,
-  the bridge subnet stays on eth0). The alternative, one pasta on the
+  pasta/slirp4netns, as in nat mode (default route via its tap, the
+  bridge subnet stays on eth0); pasta starts only at the member's first
+  packet out (ondemand.py), on a tap the worker makes at the join. The alternative, one pasta on the
   bridge namespace with NAT there, needs nf_tables masquerading inside the
   namespace (kernel modules and configuration that HPC kernels often lack,
   and a second routing hop); per-member user-mode networking needs nothing
@@ -230,22 +231,29 @@ class Network:
         if member is None or member.host_ifname:
             member = await self.reserve(name, aliases)
         fds = [ns.net, *([watch_pidfd] if watch_pidfd is not None else [])]
+        outbound = outbound and not self.internal
+        # pasta starts at the member's first packet out, on a tap the worker
+        # makes with the member's interface (nsbox/net/ondemand.py).
+        tap = usernet.on_demand_tap(tool) if outbound else None
         try:
-            got = await self._ask("take", fds, name=name, member_fd=0, ifname=ifname,
-                                  pidfd_fd=1 if watch_pidfd is not None else None)
+            got, tap_fds = await self._request("take", fds, name=name, member_fd=0, ifname=ifname,
+                                               pidfd_fd=1 if watch_pidfd is not None else None, tap=tap)
         except NetError as e:
             await self.forget(name)
             raise NetError(f"joining {name}: {e.message}",
                            hint=None if "not permitted" not in e.message else
                            "the sandbox must be created inside the network owner's user namespace") from None
         member.host_ifname = got["host_ifname"]
-        if not self.internal and outbound:
-            try:
+        try:
+            if outbound:
                 member.usernet = await usernet.start(ns, host_loopback=self.host_access, tool=tool,
-                                                     watch_pidfd=watch_pidfd, via=self._via)
-            except BaseException:
-                await self.disconnect(name)
-                raise
+                                                     watch_pidfd=watch_pidfd, tap=tap_fds or None, via=self._via)
+        except BaseException:
+            await self.disconnect(name)
+            raise
+        finally:
+            for fd in tap_fds:
+                os.close(fd)
         return member
 
     async def forget(self, name: str, *, sandbox: str | None = None) -> None:

@@ -28,7 +28,9 @@ Requests (the helper's framing: one JSON object plus descriptors, fields
   info                                   -> {subnet, internal, host_access, mapping, members}
                                             + the owner's user namespace (fd)
   reserve {name, aliases, sandbox, extra} -> {address, members}   (extra: its extra /etc/hosts entries)
-  take    {name, member_fd, pidfd_fd?, ifname?} -> {host_ifname}   (ifname: eth0 unless given, ethN)
+  take    {name, member_fd, pidfd_fd?, ifname?, tap?} -> {host_ifname}   (ifname: eth0 unless given, ethN)
+                                            + with tap ({ifname, address, prefix, gateway, dns, mtu}):
+                                            the member's tap and a packet socket onto it (ondemand.py)
   leave   {name, sandbox?, unlink}       -> {members}   (only if the name is still that sandbox's)
           {members: [[name, sandbox]...], unlink}          (several at once)
   stop                                   (named networks; refused while members live)
@@ -46,6 +48,7 @@ import socket
 import struct
 from typing import Any
 
+import ondemand
 from nscalls import (CLONE_NEWNET, CLONE_NEWUSER, MAX_FDS, MAX_MESSAGE, PR_SET_NAME, describe, libc, send_reply,
                      setns, unshare)
 
@@ -115,6 +118,9 @@ class BridgeWorker:
                           peer={"ifname": ifname, "net_ns_fd": netns})
             made = True
             configure(ifname, member["address"])
+            tap = req.get("tap")
+            out = ondemand.make_tap(tap["ifname"], tap["address"], int(tap["prefix"]), tap["gateway"],
+                                    tap["dns"], int(tap["mtu"])) if tap else []
         except BaseException:
             if made:
                 self._unlink(host)
@@ -125,7 +131,7 @@ class BridgeWorker:
         self.reserved_by.pop(member["name"], None)
         if req.get("pidfd_fd") is not None:
             self.watched[os.dup(fds[req["pidfd_fd"]])] = member["name"]
-        return {"host_ifname": host}, []
+        return {"host_ifname": host}, out
 
     def leave(self, req: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
         for name, sandbox in req.get("members") or [(req["name"], req.get("sandbox"))]:

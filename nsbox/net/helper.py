@@ -30,6 +30,12 @@ Ops:
            ready_fd_at) or "none". It gets SIGKILL when this helper dies
            (PR_SET_PDEATHSIG) and when the process behind watch_fd (a pidfd,
            e.g. the sandbox's init) exits.
+  standby  {argv, fds, ready, watch_fd?, tap_fd, sender_fd}
+                                                  -> {id, pid: 0}: as spawn, but the program
+           is started only when the namespace first sends a frame out of the tap (tap_fd, made by
+           the bridge worker with a packet socket onto it, sender_fd: ondemand.py)
+  query    {id}                                   -> {pid}: the program's pid, 0 while standing
+           by, null once stopped
   kill     {id}                                   -> stops a spawned process
   userns   {uid_map, gid_map, newuidmap?, newgidmap?, deny_setgroups}
                                                   -> a new user namespace (fd)
@@ -56,6 +62,7 @@ from typing import Any
 
 READY_TIMEOUT = 10.0
 
+import ondemand  # noqa: E402
 from nscalls import (CLONE_NEWNET, CLONE_NEWUSER, MAX_FDS, MAX_MESSAGE, PR_SET_NAME,  # noqa: E402
                      PR_SET_PDEATHSIG, describe as _describe, libc as _libc, send_reply, setns, unshare)
 
@@ -166,13 +173,20 @@ def op_spawn(req: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[
     ready: "line" (it writes a line there, as pasta's pid file), "byte" (as
     slirp4netns --ready-fd) or "none".
     """
-    ready = req.get("ready", "none")
+    proc = start_program(req["argv"], req.get("ready", "none"), [fds[i] for i in req.get("fds", [])])
+    watch = os.dup(fds[req["watch_fd"]]) if req.get("watch_fd") is not None else None
+    ident = next(_next_id)
+    spawned[ident] = Spawned(proc, watch)
+    return {"id": ident, "pid": proc.pid}, []
+
+
+def start_program(template: list[str], ready: str, passed: list[int]) -> subprocess.Popen[bytes]:
+    """op_spawn's program, started and ready, or Refused."""
     ready_r, ready_w = os.pipe()
     err_r, err_w = os.pipe()
-    passed = [fds[i] for i in req.get("fds", [])]
     names = {f"{{fd{n}}}": str(fd) for n, fd in enumerate(passed)}
     names["{ready_fd}"] = str(ready_w)
-    argv = [_substitute(a, names) for a in req["argv"]]
+    argv = [_substitute(a, names) for a in template]
     try:
         proc = subprocess.Popen([TIED, str(os.getpid()), *argv], stdin=subprocess.DEVNULL,
                                 stdout=subprocess.DEVNULL, stderr=err_w, pass_fds=[*passed, ready_w], close_fds=True)
@@ -202,10 +216,7 @@ def op_spawn(req: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[
     finally:
         os.close(ready_r)
         os.close(err_r)  # later messages go nowhere
-    watch = os.dup(fds[req["watch_fd"]]) if req.get("watch_fd") is not None else None
-    ident = next(_next_id)
-    spawned[ident] = Spawned(proc, watch)
-    return {"id": ident, "pid": proc.pid}, []
+    return proc
 
 
 def _substitute(arg: str, names: dict[str, str]) -> str:
@@ -230,7 +241,72 @@ def op_kill(req: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[i
     entry = spawned.pop(int(req["id"]), None)
     if entry is not None:
         entry.stop(wait=req.get("wait", True))
+    waiting = standing.pop(int(req["id"]), None)
+    if waiting is not None:
+        waiting.close()
     return {}, []
+
+
+def op_query(req: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
+    ident = int(req["id"])
+    if ident in standing:
+        return {"pid": 0}, []
+    entry = spawned.get(ident)
+    return {"pid": entry.proc.pid if entry is not None and entry.proc.poll() is None else None}, []
+
+
+class Standby:
+    """A program to start when its namespace first sends a frame out of the
+    tap made for it (ondemand.py): the tap, a packet socket onto it, the
+    descriptors the program will be given, and the pidfd that ends it all."""
+
+    def __init__(self, req: dict[str, Any], fds: list[int]) -> None:
+        self.argv: list[str] = req["argv"]
+        self.ready: str = req.get("ready", "none")
+        self.tap = self.sender = -1
+        self.passed: list[int] = []
+        self.watch: int | None = None
+        try:
+            self.tap, self.sender = os.dup(fds[req["tap_fd"]]), os.dup(fds[req["sender_fd"]])
+            os.set_blocking(self.tap, False)
+            self.passed = [os.dup(fds[i]) for i in req.get("fds", [])]
+            if req.get("watch_fd") is not None:
+                self.watch = os.dup(fds[req["watch_fd"]])
+        except BaseException:
+            self.close()
+            raise
+
+    def wake(self) -> Spawned:
+        """Starts the program on the tap and hands it the frames that woke
+        us; the tap is let go of first (it takes one reader at a time)."""
+        frames = ondemand.read_frames(self.tap)
+        os.close(self.tap)
+        self.tap = -1
+        try:
+            proc = start_program(self.argv, self.ready, self.passed)
+            ondemand.send_frames(self.sender, frames)
+            spawned_entry = Spawned(proc, self.watch)
+            self.watch = None
+            return spawned_entry
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        for fd in [self.tap, self.sender, *self.passed, *([self.watch] if self.watch is not None else [])]:
+            if fd >= 0:
+                os.close(fd)
+        self.tap = self.sender = -1
+        self.passed, self.watch = [], None
+
+
+standing: dict[int, Standby] = {}
+
+
+def op_standby(req: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
+    """spawn's program, started on the namespace's first frame out."""
+    ident = next(_next_id)
+    standing[ident] = Standby(req, fds)
+    return {"id": ident, "pid": 0}, []
 
 
 def op_userns(req: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
@@ -336,8 +412,8 @@ def _reap_workers(signum: int, frame: object) -> None:
             workers.discard(pid)
 
 
-IN_HELPER = {"spawn": op_spawn, "kill": op_kill, "userns": op_userns,
-             "network": op_network}
+IN_HELPER = {"spawn": op_spawn, "standby": op_standby, "query": op_query, "kill": op_kill,
+             "userns": op_userns, "network": op_network}
 
 
 # ---- the loop -------------------------------------------------------------
@@ -356,14 +432,22 @@ def serve(chan: socket.socket) -> None:
     while True:
         poller = select.poll()
         poller.register(chan, select.POLLIN)
-        watched = {s.watch: ident for ident, s in spawned.items() if s.watch is not None}
-        for fd in watched:
+        watched = {s.watch: ident for ident, s in [*spawned.items(), *standing.items()] if s.watch is not None}
+        taps = {s.tap: ident for ident, s in standing.items()}
+        for fd in [*watched, *taps]:
             poller.register(fd, select.POLLIN)
         events = dict(poller.poll(20 if dying else None))
         dying[:] = [p for p in dying if p.poll() is None]
         for fd in watched:
             if fd in events:  # a watched process (a sandbox's init) exited
-                spawned.pop(watched[fd]).stop(wait=False)
+                ident = watched[fd]
+                if ident in spawned:
+                    spawned.pop(ident).stop(wait=False)
+                else:
+                    standing.pop(ident).close()
+        for fd, ident in taps.items():
+            if fd in events and ident in standing:  # its namespace reaches out
+                wake(ident)
         if chan.fileno() not in events:
             continue
         try:
@@ -379,6 +463,17 @@ def serve(chan: socket.socket) -> None:
         finally:
             for fd in fds:
                 os.close(fd)
+
+
+def wake(ident: int) -> None:
+    """Starts a standing-by program; a failure has nobody to answer, so it
+    is said on stderr (the nsbox process's), and that sandbox stays without
+    outbound traffic."""
+    try:
+        spawned[ident] = standing.pop(ident).wake()
+    except (Refused, OSError) as e:
+        print(f"nsbox: starting user-mode networking on a sandbox's first packet out failed: "
+              f"{e if isinstance(e, Refused) else _describe(e)}", file=sys.stderr, flush=True)
 
 
 def handle(chan: socket.socket, data: bytes, fds: list[int]) -> None:

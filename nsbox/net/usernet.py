@@ -32,7 +32,7 @@ import errno
 import os
 import shutil
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Sequence
 
 from .client import NetError, NetHelper, Namespaces, helper
 
@@ -83,7 +83,8 @@ def check_tun(device: str = TUN_DEVICE) -> None:
 
 @dataclass
 class UserNet:
-    """A running pasta or slirp4netns attached to one network namespace."""
+    """A running pasta or slirp4netns attached to one network namespace
+    (pid 0: one that starts on the namespace's first packet out)."""
 
     tool: Tool
     pid: int
@@ -93,6 +94,14 @@ class UserNet:
     dns: str = DNS
     _id: int = 0
     _via: NetHelper | None = field(default=None, repr=False)
+
+    async def program_pid(self) -> int | None:
+        """The program's pid now: 0 while it stands by for the first packet
+        out (start(on_demand=True)), None once it is stopped."""
+        if not self._id or self._via is None:
+            return None
+        answer, _ = await self._via.request("query", id=self._id)
+        return answer["pid"]
 
     @property
     def host_address(self) -> str | None:
@@ -111,12 +120,14 @@ class UserNet:
 
 
 def command(tool: Tool, path: str, *, host_loopback: bool, ifname: str = "tap0",
-            with_user: bool = True) -> tuple[list[str], str]:
+            with_user: bool = True, configure: bool = True) -> tuple[list[str], str]:
     """argv (with {fd0} = the network namespace, {fd1} = the user namespace,
-    {ready_fd} = the readiness pipe) and how it signals readiness."""
+    {ready_fd} = the readiness pipe) and how it signals readiness.
+    configure=False: pasta attaches to a tap already made and configured
+    (nsbox.net.ondemand)."""
     netns, userns = "/proc/self/fd/{fd0}", "/proc/self/fd/{fd1}"
     if tool == "pasta":
-        argv = [path, "--foreground", "--quiet", "--stderr", "--config-net", "--ns-ifname", ifname,
+        argv = [path, "--foreground", "--quiet", "--stderr", *(["--config-net"] if configure else []), "--ns-ifname", ifname,
                 "--mtu", str(MTU), "--address", ADDRESS, "--netmask", str(PREFIX), "--gateway", GATEWAY,
                 "--dns-forward", DNS, "--ipv4-only",
                 # No automatic port forwarding either way: the host's loopback
@@ -145,27 +156,46 @@ def command(tool: Tool, path: str, *, host_loopback: bool, ifname: str = "tap0",
     return argv + [netns, ifname], "byte"
 
 
+def on_demand_tap(tool: Tool | None = None, ifname: str = "tap0") -> dict[str, object] | None:
+    """How to make the tap for a pasta that starts at the namespace's first
+    packet out (nsbox.net.ondemand.make_tap's arguments), or None where the
+    program starts at once (slirp4netns: cheap to start, and it makes its
+    own). Raises NetError, naming the fix, if the tun device is unusable."""
+    check_tun()
+    if find_tool(tool)[0] != "pasta":
+        return None
+    return {"ifname": ifname, "address": ADDRESS, "prefix": PREFIX, "gateway": GATEWAY, "dns": DNS, "mtu": MTU}
+
+
 async def start(ns: Namespaces, *, host_loopback: bool = False, tool: Tool | None = None,
                 watch_pidfd: int | None = None, tun_device: str = TUN_DEVICE, ifname: str = "tap0",
-                via: NetHelper | None = None) -> UserNet:
+                tap: Sequence[int] | None = None, via: NetHelper | None = None) -> UserNet:
     """Attaches user-mode networking to the namespace (its loopback need not
     be up) and returns once the interface is configured.
 
     watch_pidfd: a pidfd of the sandbox's init; the program is stopped when
     that process exits, whoever holds the UserNet.
+    tap: the tap made in the namespace as on_demand_tap() said, and the
+    packet socket onto it (the caller's, still): pasta then starts only when
+    the namespace first sends a frame out of it.
     """
     check_tun(tun_device)
     tool_name, path = find_tool(tool)
+    if tap is not None and tool_name != "pasta":
+        raise ValueError("only pasta starts on demand")
     argv, ready = command(tool_name, path, host_loopback=host_loopback, ifname=ifname,
-                          with_user=ns.user is not None)
+                          with_user=ns.user is not None, configure=tap is None)
     fds = [ns.net, ns.user if ns.user is not None else ns.net]
     fields: dict[str, object] = {"argv": argv, "fds": [0, 1], "ready": ready}
     if watch_pidfd is not None:
         fds.append(watch_pidfd)
         fields["watch_fd"] = 2
+    if tap is not None:
+        fields.update(tap_fd=len(fds), sender_fd=len(fds) + 1)
+        fds += list(tap)
     via = via or helper()
     try:
-        answer, _ = await via.request("spawn", fds, **fields)
+        answer, _ = await via.request("spawn" if tap is None else "standby", fds, **fields)
     except NetError as e:
         raise NetError(f"starting {tool_name} for the nat network failed: {e.message}",
                        hint=None if "tun" not in e.message else "check that /dev/net/tun is usable") from None

@@ -26,11 +26,25 @@ import pytest
 
 import nsbox
 from nsbox.host import idmap
+from nsbox.net import usernet
 from nsbox.net.bridge import Network, OwnerUserns
-from nsbox.net.client import Namespaces
+from nsbox.net.client import Namespaces, helper
+from nsbox.net.usernet import UserNet
 
 from tests import components
-from tests.net_members import CLIENT, SERVER, Member
+from tests.net_members import CLIENT, SERVER, Member, gone
+
+
+def children_of(pid: int) -> list[int]:
+    return [int(c) for t in Path(f"/proc/{pid}/task").iterdir()
+            for c in (t / "children").read_text().split()]
+
+
+def comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -103,13 +117,88 @@ async def test_close_leaves_nothing(owner: OwnerUserns, members: dict[str, Membe
     net = await Network("n", internal=not outbound).start(owner)
     m = await net.connect("web", members["web"].ns, watch_pidfd=members["web"].pidfd)
     assert "eth0" in members["web"].links()
+    program = None
     if outbound:
-        assert m.usernet is not None and Path(f"/proc/{m.usernet.pid}").exists()
+        assert m.usernet is not None
+        members["web"].run(UDP_ONCE, m.usernet.dns, "53", "0")  # a packet out: pasta starts, if on demand
+        program = await running_program(m.usernet)
     await net.close()
     await anyio.sleep(0.2)  # the kernel removes a namespace's interfaces asynchronously
     assert "eth0" not in members["web"].links()
-    if outbound:
-        assert m.usernet is not None and not Path(f"/proc/{m.usernet.pid}").exists()
+    assert gone(program), "the member's user-mode networking outlived the network"
+
+
+# One datagram, sent once: nothing would send it again if it were lost.
+UDP_ONCE = textwrap.dedent("""
+    import socket, sys
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.sendto(b"ping", (sys.argv[1], int(sys.argv[2])))
+    s.settimeout(float(sys.argv[3]) or None)
+    try:
+        print("got", s.recv(100).decode()) if float(sys.argv[3]) else None
+    except OSError as e:
+        print("failed", type(e).__name__)
+""")
+# The namespace's count of retransmitted TCP segments (RetransSegs).
+RETRANSMITS = "print(open('/proc/net/snmp').read().split('Tcp:')[2].split()[11])"
+
+
+async def running_program(un: UserNet, within: float = 10.0) -> int:
+    """The pid of the member's user-mode networking program, once it runs."""
+    deadline = time.monotonic() + within
+    while not (pid := await un.program_pid()):
+        assert pid == 0 and time.monotonic() < deadline, f"no program started (pid {pid})"
+        await anyio.sleep(0.02)
+    return pid
+
+
+@pytest.mark.needs("tun", "pasta")
+async def test_pasta_starts_on_the_first_packet_out_and_loses_none(owner: OwnerUserns,
+                                                                   members: dict[str, Member]) -> None:
+    """A member's pasta stands by until the member sends a packet out. The
+    packets that woke it still arrive: a lone UDP datagram (sent once) is
+    answered, and a first TCP connection needs no retransmission."""
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    udp.bind(("127.0.0.1", 0))
+    udp.settimeout(10)
+    tcp = socket.create_server(("127.0.0.1", 0))
+    tcp.settimeout(10)
+    net = await Network("n", host_access=True).start(owner)
+    try:
+        client, web = members["client"], members["web"]
+        by_udp = await net.connect("client", client.ns, watch_pidfd=client.pidfd, tool="pasta")
+        by_tcp = await net.connect("web", web.ns, watch_pidfd=web.pidfd, tool="pasta")
+        assert by_udp.usernet is not None and by_tcp.usernet is not None
+        assert await by_udp.usernet.program_pid() == 0 and await by_tcp.usernet.program_pid() == 0
+        assert not [p for p in children_of(helper().pid) if comm(p).startswith("pas")], "pasta ran before any packet"
+
+        def echo() -> None:
+            data, peer = udp.recvfrom(100)
+            udp.sendto(b"back " + data, peer)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(anyio.to_thread.run_sync, echo)
+            out = await anyio.to_thread.run_sync(client.run, UDP_ONCE, usernet.GATEWAY, str(udp.getsockname()[1]), "10")
+        assert out == "got back ping"
+        pasta = await running_program(by_udp.usernet)
+        assert comm(pasta).startswith("pas") and await by_tcp.usernet.program_pid() == 0  # one member's only
+
+        def accept() -> None:
+            c, _ = tcp.accept()
+            c.sendall(b"host")
+            c.close()
+
+        before = web.run(RETRANSMITS)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(anyio.to_thread.run_sync, accept)
+            out = await anyio.to_thread.run_sync(web.run, CLIENT, usernet.GATEWAY, str(tcp.getsockname()[1]), "10")
+        assert out == "got host"
+        assert web.run(RETRANSMITS) == before, "the first SYN was lost and sent again"
+        await running_program(by_tcp.usernet)
+    finally:
+        await net.close()
+        udp.close()
+        tcp.close()
 
 
 @pytest.mark.needs("tun", "usernet")
@@ -158,6 +247,74 @@ async def test_outbound_network_and_host_access(owner: OwnerUserns, members: dic
         listener.close()
 
 
+FLOOD = textwrap.dedent("""
+    import socket, sys
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    for i in range(int(sys.argv[3])):
+        try:
+            s.sendto(bytes(1400), (sys.argv[1], int(sys.argv[2])))
+        except OSError:
+            pass  # a full queue: the flood goes on
+""")
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+@pytest.mark.needs("tun", "pasta")
+async def test_standing_by_leaves_nothing_and_survives_a_flood(owner: OwnerUserns,
+                                                                members: dict[str, Member]) -> None:
+    """The helper lets go of a standing-by member's tap and descriptors when
+    the member's sandbox ends and when the network closes; a member that
+    floods its tap before pasta runs wakes it once, and its later packets
+    still go out."""
+    net = await Network("n", host_access=True).start(owner)
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    udp.bind(("127.0.0.1", 0))
+    udp.settimeout(10)
+    try:
+        web, client = members["web"], members["client"]
+        await net.connect("client", client.ns, watch_pidfd=client.pidfd, tool="pasta")  # the helper starts
+        baseline = open_fds(helper().pid)
+        m = await net.connect("web", web.ns, watch_pidfd=web.pidfd, tool="pasta")
+        assert m.usernet is not None and await m.usernet.program_pid() == 0
+        assert open_fds(helper().pid) > baseline  # it holds the tap, the namespaces, the pidfd
+        web.proc.kill()  # the sandbox ends while its pasta stands by
+        web.proc.wait()
+        deadline = time.monotonic() + 10
+        while open_fds(helper().pid) > baseline:
+            assert time.monotonic() < deadline, "the helper kept a gone member's descriptors"
+            await anyio.sleep(0.05)
+        assert await m.usernet.program_pid() is None
+
+        by_client = net.members["client"].usernet
+        assert by_client is not None
+        port = str(udp.getsockname()[1])
+        client.run(FLOOD, usernet.GATEWAY, port, "5000")
+        pasta = await running_program(by_client)
+        while True:  # what the flood brought (pasta passes on what reached it)
+            try:
+                udp.settimeout(0.5)
+                udp.recvfrom(2000)
+            except TimeoutError:
+                break
+        udp.settimeout(10)
+
+        def echo() -> None:
+            data, peer = udp.recvfrom(100)
+            udp.sendto(b"back " + data, peer)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(anyio.to_thread.run_sync, echo)
+            out = await anyio.to_thread.run_sync(client.run, UDP_ONCE, usernet.GATEWAY, port, "10")
+        assert out == "got back ping" and await by_client.program_pid() == pasta
+    finally:
+        await net.close()
+        udp.close()
+    assert open_fds(helper().pid) < baseline, "the helper kept the closed network's member's descriptors"
+
+
 OWNER_SCRIPT = textwrap.dedent("""
     import anyio, os, subprocess, sys, time
     from nsbox.host import idmap
@@ -172,7 +329,14 @@ OWNER_SCRIPT = textwrap.dedent("""
             time.sleep(0.01)
         net = await Network("n", internal=sys.argv[1] == "internal").start(owner)
         m = await net.connect("a", Namespaces.of_pid(p.pid, with_user=True))
-        print(p.pid, helper().pid, m.usernet.pid if m.usernet else 0, flush=True)
+        pasta = 0
+        if m.usernet:  # a packet out, so that pasta runs (it starts on demand)
+            subprocess.run(["nsenter", "--preserve-credentials", "-t", str(p.pid), "-U", "-n", sys.executable, "-c",
+                            "import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'', ('10.0.2.3', 53))"],
+                           check=True, timeout=30)
+            while not (pasta := await m.usernet.program_pid()):
+                await anyio.sleep(0.02)
+        print(p.pid, helper().pid, pasta, flush=True)
         await anyio.sleep(300)
     anyio.run(main)
 """)
@@ -185,6 +349,7 @@ def test_sigkill_of_the_owner_leaves_nothing() -> None:
     try:
         assert owner.stdout is not None
         member, helper_pid, pasta = map(int, owner.stdout.readline().split())
+        assert pasta or kind == "internal", "no user-mode networking ran"
     except BaseException:
         owner.kill()
         raise
