@@ -258,41 +258,47 @@ FLOOD = textwrap.dedent("""
 """)
 
 
-def open_fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
+def holds(pid: int, target: str) -> bool:
+    """Whether process `pid` holds a descriptor of `target` (e.g. net:[N])."""
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
+                return True
+        except OSError:
+            continue  # closed since listed
+    return False
 
 
 @pytest.mark.needs("tun", "pasta")
 async def test_standing_by_leaves_nothing_and_survives_a_flood(owner: OwnerUserns,
                                                                 members: dict[str, Member]) -> None:
-    """The helper lets go of a standing-by member's tap and descriptors when
-    the member's sandbox ends and when the network closes; a member that
-    floods its tap before pasta runs wakes it once, and its later packets
-    still go out."""
+    """The helper lets go of a standing-by member's namespaces (and tap)
+    when the member's sandbox ends, when its pasta starts and when the
+    network closes; a member that floods its tap before pasta runs wakes it
+    once, and its later packets still go out."""
     net = await Network("n", host_access=True).start(owner)
     udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     udp.bind(("127.0.0.1", 0))
-    udp.settimeout(10)
     try:
         web, client = members["web"], members["client"]
-        await net.connect("client", client.ns, watch_pidfd=client.pidfd, tool="pasta")  # the helper starts
-        baseline = open_fds(helper().pid)
+        web_net, client_net = (os.readlink(f"/proc/{m.proc.pid}/ns/net") for m in (web, client))
+        by_client = (await net.connect("client", client.ns, watch_pidfd=client.pidfd, tool="pasta")).usernet
         m = await net.connect("web", web.ns, watch_pidfd=web.pidfd, tool="pasta")
         assert m.usernet is not None and await m.usernet.program_pid() == 0
-        assert open_fds(helper().pid) > baseline  # it holds the tap, the namespaces, the pidfd
+        assert holds(helper().pid, web_net) and holds(helper().pid, client_net)  # for pasta, later
         web.proc.kill()  # the sandbox ends while its pasta stands by
         web.proc.wait()
         deadline = time.monotonic() + 10
-        while open_fds(helper().pid) > baseline:
-            assert time.monotonic() < deadline, "the helper kept a gone member's descriptors"
+        while holds(helper().pid, web_net):
+            assert time.monotonic() < deadline, "the helper kept a gone member's namespace"
             await anyio.sleep(0.05)
         assert await m.usernet.program_pid() is None
 
-        by_client = net.members["client"].usernet
         assert by_client is not None
         port = str(udp.getsockname()[1])
         client.run(FLOOD, usernet.GATEWAY, port, "5000")
         pasta = await running_program(by_client)
+        assert not holds(helper().pid, client_net)  # pasta has it now
         while True:  # what the flood brought (pasta passes on what reached it)
             try:
                 udp.settimeout(0.5)
@@ -312,7 +318,20 @@ async def test_standing_by_leaves_nothing_and_survives_a_flood(owner: OwnerUsern
     finally:
         await net.close()
         udp.close()
-    assert open_fds(helper().pid) < baseline, "the helper kept the closed network's member's descriptors"
+
+
+@pytest.mark.needs("tun", "pasta")
+async def test_closing_the_network_lets_go_of_standing_members(owner: OwnerUserns,
+                                                               members: dict[str, Member]) -> None:
+    net = await Network("n").start(owner)
+    web = members["web"]
+    web_net = os.readlink(f"/proc/{web.proc.pid}/ns/net")
+    try:
+        await net.connect("web", web.ns, tool="pasta")  # no pidfd: only the close ends its standby
+        assert holds(helper().pid, web_net)
+    finally:
+        await net.close()
+    assert not holds(helper().pid, web_net), "the helper kept a member of a closed network"
 
 
 OWNER_SCRIPT = textwrap.dedent("""
