@@ -21,11 +21,12 @@ Layout of one network:
 - Outbound (a network that is not `internal`): each member gets its own
   pasta/slirp4netns, as in nat mode (default route via its tap, the
   bridge subnet stays on eth0); pasta starts only at the member's first
-  packet out (ondemand.py), on a tap the worker makes at the join. The alternative, one pasta on the
-  bridge namespace with NAT there, needs nf_tables masquerading inside the
-  namespace (kernel modules and configuration that HPC kernels often lack,
-  and a second routing hop); per-member user-mode networking needs nothing
-  beyond what nat mode needs, and keeps each member's traffic separate.
+  packet out (ondemand.py), on a tap the worker makes at the join. The
+  alternative, one pasta on the bridge namespace with NAT there, needs
+  nf_tables masquerading inside the namespace (kernel modules and
+  configuration that HPC kernels often lack, and a second routing hop);
+  per-member user-mode networking needs nothing beyond what nat mode
+  needs, and keeps each member's traffic separate.
   `host_access` decides whether host.nsbox.internal works.
 
 Ownership rule (the kernel's, not ours): making a veth pair between two

@@ -97,7 +97,7 @@ class UserNet:
 
     async def program_pid(self) -> int | None:
         """The program's pid now: 0 while it stands by for the first packet
-        out (start(on_demand=True)), None once it is stopped."""
+        out (start(tap=...)), None once it is stopped."""
         if not self._id or self._via is None:
             return None
         answer, _ = await self._via.request("query", id=self._id)
@@ -127,9 +127,9 @@ def command(tool: Tool, path: str, *, host_loopback: bool, ifname: str = "tap0",
     (nsbox.net.ondemand)."""
     netns, userns = "/proc/self/fd/{fd0}", "/proc/self/fd/{fd1}"
     if tool == "pasta":
-        argv = [path, "--foreground", "--quiet", "--stderr", *(["--config-net"] if configure else []), "--ns-ifname", ifname,
-                "--mtu", str(MTU), "--address", ADDRESS, "--netmask", str(PREFIX), "--gateway", GATEWAY,
-                "--dns-forward", DNS, "--ipv4-only",
+        argv = [path, "--foreground", "--quiet", "--stderr", *(["--config-net"] if configure else []),
+                "--ns-ifname", ifname, "--mtu", str(MTU), "--address", ADDRESS, "--netmask", str(PREFIX),
+                "--gateway", GATEWAY, "--dns-forward", DNS, "--ipv4-only",
                 # No automatic port forwarding either way: the host's loopback
                 # is reachable only through the gateway address.
                 "-t", "none", "-u", "none", "-T", "none", "-U", "none",

@@ -350,9 +350,9 @@ OWNER_SCRIPT = textwrap.dedent("""
         m = await net.connect("a", Namespaces.of_pid(p.pid, with_user=True))
         pasta = 0
         if m.usernet:  # a packet out, so that pasta runs (it starts on demand)
-            subprocess.run(["nsenter", "--preserve-credentials", "-t", str(p.pid), "-U", "-n", sys.executable, "-c",
-                            "import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'', ('10.0.2.3', 53))"],
-                           check=True, timeout=30)
+            send = "import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'', ('10.0.2.3', 53))"
+            subprocess.run(["nsenter", "--preserve-credentials", "-t", str(p.pid), "-U", "-n", sys.executable,
+                            "-c", send], check=True, timeout=30)
             while not (pasta := await m.usernet.program_pid()):
                 await anyio.sleep(0.02)
         print(p.pid, helper().pid, pasta, flush=True)
