@@ -9,7 +9,7 @@ Modules (each takes namespace descriptors and addresses, nothing of Sandbox):
   usernet.py  start(): pasta or slirp4netns on a namespace (nat mode);
               check_tun(), find_tool().
   ondemand.py the tap a network member's pasta starts on at its first
-              packet out (run in the helper).
+              packet out (made by the bridge worker, held by the helper).
   bridge.py   OwnerUserns, Network: service networks (bridge + veth pairs).
   ports.py    PortSpec, PublishedPort: `-p [ADDRESS:]HOSTPORT:PORT`.
   hosts.py    render_hosts(), render_resolv_conf().

@@ -38,22 +38,18 @@ Requests (the helper's framing: one JSON object plus descriptors, fields
 
 from __future__ import annotations
 
-import fcntl
 import ipaddress
 import json
 import os
 import re
 import select
 import socket
-import struct
 from typing import Any
 
 import ondemand
-from nscalls import (CLONE_NEWNET, CLONE_NEWUSER, MAX_FDS, MAX_MESSAGE, PR_SET_NAME, describe, libc, send_reply,
-                     setns, unshare)
+from nscalls import (CLONE_NEWNET, CLONE_NEWUSER, MAX_FDS, MAX_MESSAGE, PR_SET_NAME, configure, describe, libc,
+                     send_reply, setns, unshare)
 
-SIOCGIFFLAGS, SIOCSIFFLAGS, SIOCSIFADDR, SIOCSIFNETMASK = 0x8913, 0x8914, 0x8916, 0x891C
-IFF_UP = 0x1
 IFNAME = "eth0"
 
 
@@ -118,9 +114,7 @@ class BridgeWorker:
                           peer={"ifname": ifname, "net_ns_fd": netns})
             made = True
             configure(ifname, member["address"])
-            tap = req.get("tap")
-            out = ondemand.make_tap(tap["ifname"], tap["address"], int(tap["prefix"]), tap["gateway"],
-                                    tap["dns"], int(tap["mtu"])) if tap else []
+            out = ondemand.make_tap(**req["tap"]) if req.get("tap") else []
         except BaseException:
             if made:
                 self._unlink(host)
@@ -248,21 +242,6 @@ def _no_ipv6(*which: str) -> None:
                 f.write("1")
         except FileNotFoundError:
             return  # a kernel without IPv6: nothing to turn off
-
-
-def configure(ifname: str, address: str) -> None:
-    """Addresses (a /24) and raises an interface of the namespace this
-    process is in, and its loopback (plain ioctls: no second netlink socket)."""
-
-    def ifreq_addr(addr: str) -> bytes:
-        return struct.pack("16sHH4s8x", ifname.encode(), socket.AF_INET, 0, socket.inet_aton(addr))
-
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        fcntl.ioctl(s, SIOCSIFADDR, ifreq_addr(address))
-        fcntl.ioctl(s, SIOCSIFNETMASK, ifreq_addr("255.255.255.0"))
-        for name in (ifname, "lo"):
-            flags = struct.unpack("16sH14x", fcntl.ioctl(s, SIOCGIFFLAGS, struct.pack("16sH14x", name.encode(), 0)))[1]
-            fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH14x", name.encode(), flags | IFF_UP))
 
 
 def run(chan: socket.socket, req: dict[str, Any], fds: list[int]) -> None:

@@ -1,10 +1,11 @@
 """User-mode networking started on a namespace's first frame out.
 
 pasta costs ~30 ms of CPU and ~20 MiB of memory at start, and most members
-of a service network never reach past their peers. So the network helper
-(helper.py) can stand by instead: it makes the tap device pasta would make,
-configures it as pasta would, keeps it open, and starts pasta only when the
-namespace sends the tap its first frame.
+of a service network never reach past their peers. So the bridge worker
+(bridge_worker.py) makes, at a member's join, the tap device pasta would
+make and configures it as pasta would; the network helper (helper.py)
+holds it and starts pasta only when the namespace sends the tap its first
+frame.
 
 No packet of the sandbox's is lost on the way:
 
@@ -22,8 +23,9 @@ No packet of the sandbox's is lost on the way:
   is parsed here. Frames sent while pasta starts (~20 ms) are dropped, as on
   any link: TCP sends them again.
 
-Runs inside the helper (plain script, standard library only); make_tap()
-runs in the helper's forked child, inside the sandbox's namespaces.
+Plain script module, standard library only: make_tap() runs in the bridge
+worker, inside the member's network namespace; read_frames() and
+send_frames() in the helper.
 """
 
 from __future__ import annotations
@@ -36,11 +38,11 @@ import socket
 import struct
 import time
 
+from nscalls import configure
+
 TUNSETIFF, TUNSETPERSIST = 0x400454CA, 0x400454CB
 IFF_TAP, IFF_NO_PI = 0x0002, 0x1000
-SIOCSIFADDR, SIOCSIFNETMASK, SIOCGIFFLAGS, SIOCSIFFLAGS, SIOCSIFMTU = 0x8916, 0x891C, 0x8913, 0x8914, 0x8922
-SIOCADDRT, SIOCSARP = 0x890B, 0x8955
-IFF_UP = 0x1
+SIOCSIFMTU, SIOCADDRT, SIOCSARP = 0x8922, 0x890B, 0x8955
 RTF_UP, RTF_GATEWAY = 0x1, 0x2
 ATF_COM, ATF_PERM = 0x02, 0x04
 ARPHRD_ETHER = 1
@@ -91,12 +93,9 @@ def make_tap(ifname: str, address: str, prefix: int, gateway: str, dns: str, mtu
                 f.write("1")  # no router solicitations: the first frame out is the sandbox's
         except FileNotFoundError:
             pass  # a kernel without IPv6
+        configure(ifname, address, _netmask(prefix))
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             fcntl.ioctl(s, SIOCSIFMTU, struct.pack("16si20x", name, mtu))
-            fcntl.ioctl(s, SIOCSIFADDR, struct.pack("16s", name) + _sockaddr(address) + bytes(8))
-            fcntl.ioctl(s, SIOCSIFNETMASK, struct.pack("16s", name) + _sockaddr(_netmask(prefix)) + bytes(8))
-            flags = struct.unpack("16sH22x", fcntl.ioctl(s, SIOCGIFFLAGS, struct.pack("16sH22x", name, 0)))[1]
-            fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH22x", name, flags | IFF_UP))
             for neighbour in (gateway, dns):
                 hw = struct.pack("H6s8x", ARPHRD_ETHER, GATEWAY_MAC)
                 fcntl.ioctl(s, SIOCSARP, _sockaddr(neighbour) + hw + struct.pack("i", ATF_COM | ATF_PERM)

@@ -179,7 +179,8 @@ async def start(ns: Namespaces, *, host_loopback: bool = False, tool: Tool | Non
     packet socket onto it (the caller's, still): pasta then starts only when
     the namespace first sends a frame out of it.
     """
-    check_tun(tun_device)
+    if tap is None:  # else the tun device has served already
+        check_tun(tun_device)
     tool_name, path = find_tool(tool)
     if tap is not None and tool_name != "pasta":
         raise ValueError("only pasta starts on demand")
