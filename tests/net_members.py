@@ -82,7 +82,7 @@ class Member:
                  f"ip link set lo up && mount --bind {self.hosts} /etc/hosts && exec sleep 300"]
         self.proc = subprocess.Popen([*(enter_owner(owner) if owner else []), *inner])
         deadline = time.monotonic() + 10
-        while _comm(self.proc.pid) != "sleep":
+        while comm(self.proc.pid) != "sleep":
             assert self.proc.poll() is None and time.monotonic() < deadline, "the member did not start"
             time.sleep(0.01)
         self.ns = Namespaces.of_pid(self.proc.pid, with_user=True)
@@ -123,7 +123,7 @@ def enter_owner(owner: OwnerUserns) -> list[str]:
     return ["nsenter", f"--user={owner.path}", *(["--preserve-credentials"] if os.geteuid() else []), "--"]
 
 
-def _comm(pid: int) -> str:
+def comm(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:

@@ -32,19 +32,12 @@ from nsbox.net.client import Namespaces, helper
 from nsbox.net.usernet import UserNet
 
 from tests import components
-from tests.net_members import CLIENT, SERVER, Member, gone
+from tests.net_members import CLIENT, SERVER, Member, comm, gone
 
 
 def children_of(pid: int) -> list[int]:
     return [int(c) for t in Path(f"/proc/{pid}/task").iterdir()
             for c in (t / "children").read_text().split()]
-
-
-def comm(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -143,6 +136,20 @@ UDP_ONCE = textwrap.dedent("""
 RETRANSMITS = "print(open('/proc/net/snmp').read().split('Tcp:')[2].split()[11])"
 
 
+async def udp_round_trip(member: Member, udp: socket.socket) -> str:
+    """UDP_ONCE from `member` to `udp` (a socket on the host's 127.0.0.1,
+    through the gateway), which answers "back " + what came; the member's
+    output."""
+
+    def echo() -> None:
+        data, peer = udp.recvfrom(100)
+        udp.sendto(b"back " + data, peer)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(anyio.to_thread.run_sync, echo)
+        return await anyio.to_thread.run_sync(member.run, UDP_ONCE, usernet.GATEWAY, str(udp.getsockname()[1]), "10")
+
+
 async def running_program(un: UserNet, within: float = 10.0) -> int:
     """The pid of the member's user-mode networking program, once it runs."""
     deadline = time.monotonic() + within
@@ -172,14 +179,7 @@ async def test_pasta_starts_on_the_first_packet_out_and_loses_none(owner: OwnerU
         assert await by_udp.usernet.program_pid() == 0 and await by_tcp.usernet.program_pid() == 0
         assert not [p for p in children_of(helper().pid) if comm(p).startswith("pas")], "pasta ran before any packet"
 
-        def echo() -> None:
-            data, peer = udp.recvfrom(100)
-            udp.sendto(b"back " + data, peer)
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(anyio.to_thread.run_sync, echo)
-            out = await anyio.to_thread.run_sync(client.run, UDP_ONCE, usernet.GATEWAY, str(udp.getsockname()[1]), "10")
-        assert out == "got back ping"
+        assert await udp_round_trip(client, udp) == "got back ping"
         pasta = await running_program(by_udp.usernet)
         assert comm(pasta).startswith("pas") and await by_tcp.usernet.program_pid() == 0  # one member's only
 
@@ -307,14 +307,7 @@ async def test_standing_by_leaves_nothing_and_survives_a_flood(owner: OwnerUsern
                 break
         udp.settimeout(10)
 
-        def echo() -> None:
-            data, peer = udp.recvfrom(100)
-            udp.sendto(b"back " + data, peer)
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(anyio.to_thread.run_sync, echo)
-            out = await anyio.to_thread.run_sync(client.run, UDP_ONCE, usernet.GATEWAY, port, "10")
-        assert out == "got back ping" and await by_client.program_pid() == pasta
+        assert await udp_round_trip(client, udp) == "got back ping" and await by_client.program_pid() == pasta
     finally:
         await net.close()
         udp.close()
