@@ -404,3 +404,47 @@ async def test_real_sandboxes_talk_by_name() -> None:
             assert r.stdout.strip() == "got web-in-a-sandbox"
     finally:
         await net.close()
+
+
+RTNL_SCRIPT = textwrap.dedent("""
+    import os, socket, subprocess, sys
+    sys.path.insert(0, sys.argv[1])
+    import bridge_worker as bw, nscalls
+    nscalls.unshare(nscalls.CLONE_NEWUSER | nscalls.CLONE_NEWNET, "user and network namespaces")
+    rtnl = bw.Rtnl()
+    rtnl.link(bw.RTM_NEWLINK, index=1, up=True)
+    rtnl.link(bw.RTM_NEWLINK, ifname="br9", kind="bridge", up=True, create=True)
+    here = os.open("/proc/self/ns/net", os.O_RDONLY)
+    rtnl.link(bw.RTM_NEWLINK, ifname="veth9", kind="veth", master=socket.if_nametoindex("br9"), up=True,
+              create=True, peer=[("IFLA_IFNAME", "peer9"), ("IFLA_NET_NS_FD", here)])
+    print(subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout.replace(chr(10), "|"))
+    for what, ask in [("again", lambda: rtnl.link(bw.RTM_NEWLINK, ifname="br9", kind="bridge", create=True)),
+                      ("del", lambda: rtnl.link(bw.RTM_DELLINK, ifname="veth9")),
+                      ("del again", lambda: rtnl.link(bw.RTM_DELLINK, ifname="veth9"))]:
+        try:
+            ask()
+            print(what, "ok")
+        except OSError as e:
+            print(what, e.errno, e.strerror)
+    print("left", sorted(name for _, name in socket.if_nameindex()))
+""")
+
+
+@pytest.mark.needs("iproute2")
+def test_link_requests_make_the_links_and_report_the_kernels_refusal() -> None:
+    """The bridge worker's netlink requests (bridge_worker.Rtnl), in a user
+    and network namespace of their own: the bridge and a veth pair on it
+    are made, up, and a refused request raises the kernel's errno instead of
+    passing silently."""
+    import errno
+
+    out = subprocess.run([sys.executable, "-c", RTNL_SCRIPT, str(Path(nsbox.__file__).parent / "net")],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    links, *answers = out.stdout.splitlines()
+    veth = next(line for line in links.split("|") if "veth9@peer9" in line)
+    assert "master br9" in veth and ",UP" in veth, links
+    assert any("br9:" in line and ",UP" in line for line in links.split("|")), links
+    assert any(line.startswith("1: lo:") and ",UP" in line for line in links.split("|")), links
+    assert answers == [f"again {errno.EEXIST} netlink: {os.strerror(errno.EEXIST)}", "del ok",
+                       f"del again {errno.ENODEV} netlink: {os.strerror(errno.ENODEV)}", "left ['br9', 'lo']"]
