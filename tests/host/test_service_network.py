@@ -111,6 +111,34 @@ async def test_members_closed_together_leave_in_one_request() -> None:
             assert "m1" not in (await again.exec(["cat", "/etc/hosts"])).stdout.split()
 
 
+async def test_emptied_networks_serve_later_samples_up_to_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Networks a sample gives back idle are taken again, as they are, by the
+    next samples; past the pool's limit, and with members left, they close."""
+    from nsbox.compose.services import _Spares
+
+    spares = _Spares()
+    monkeypatch.setattr(spares, "LIMIT", 2)
+    nets = [await spares.take(True, False, "auto") for _ in range(3)]
+    assert len({id(n) for n in nets}) == 3
+    kept = await nsbox.Sandbox.create(network=nets[2], hostname="kept")
+    try:
+        for net in [nets[2], *nets[:2]]:
+            await spares.give(net)
+        assert spares.nets == nets[:2]
+        assert not nets[2]._net.running(), "a network with a member left was kept"
+        again = [await spares.take(True, False, "auto") for _ in range(2)]
+        assert {id(n) for n in again} == {id(n) for n in nets[:2]} and not spares.nets
+        other = await spares.take(False, False, "auto")  # another kind: never one of those
+        assert all(other is not n for n in nets)
+        for net in [*again, other]:
+            await spares.give(net)
+        assert len(spares.nets) == 2 and not other._net.running()
+    finally:
+        await kept.close()
+        for net in [*nets, *spares.nets]:
+            await net.close()
+
+
 async def test_spec_and_lookup_errors() -> None:
     with pytest.raises(ValueError, match="network_aliases apply to a service network"):
         nsbox.SandboxSpec(network="nat", network_aliases=("x",))
