@@ -42,6 +42,7 @@ and every member's. As root no owner namespace is needed (pass None).
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import socket
 from dataclasses import dataclass, field
@@ -49,9 +50,10 @@ from typing import Any, Sequence
 
 import anyio
 
+from ..host.fdpass import recv_fds
 from ..host.idmap import IdMap
 from . import usernet
-from .client import NetError, NetHelper, Namespaces, helper
+from .client import MAX_MESSAGE, NetError, NetHelper, Namespaces, helper
 from .hosts import check_name, render_hosts
 
 BRIDGE = "br0"
@@ -101,6 +103,30 @@ class Member:
     extra: dict[str, str] = field(default_factory=dict)  # its own extra /etc/hosts entries, name -> address
 
 
+async def _worker_ready(chan: socket.socket) -> int:
+    """Waits for a new bridge worker's ready message (the helper answered
+    once it forked it): the network's namespace (a descriptor), or raises
+    the worker's error."""
+    chan.setblocking(False)
+    data, fds = b"", []
+    with anyio.move_on_after(REQUEST_TIMEOUT) as waited:
+        while True:
+            await anyio.wait_readable(chan)
+            try:
+                data, fds = recv_fds(chan, MAX_MESSAGE, 1)
+                break
+            except BlockingIOError:
+                continue
+    if waited.cancelled_caught:
+        raise NetError(f"the network's bridge worker was not ready within {REQUEST_TIMEOUT:g}s")
+    answer = json.loads(data) if data else {"error": "the bridge worker exited while starting"}
+    if "error" not in answer and len(fds) == 1:
+        return fds[0]
+    for fd in fds:
+        os.close(fd)
+    raise NetError(answer.get("error", "the bridge worker's ready message had no namespace"))
+
+
 @dataclass
 class Network:
     """A service network: a client of its bridge worker (bridge_worker.py),
@@ -136,13 +162,18 @@ class Network:
             _, got = await self._via.request("network", fds, user_fd=0 if fds else None, bridge=BRIDGE,
                                              subnet=str(self.subnet), internal=self.internal,
                                              host_access=self.host_access, mapping=mapping, path=path)
+            chan = socket.socket(fileno=got[0])
+            try:
+                self._netns = await _worker_ready(chan)
+            except BaseException:
+                chan.close()  # a worker of this process ends with it
+                raise
         except BaseException:  # failed or cancelled: the subnet is free again
             if allocated:
                 self._release_subnet()
                 self.subnet = None
             raise
-        self._netns = got[0]
-        self._worker = NetHelper(socket.socket(fileno=got[1]))
+        self._worker = NetHelper(chan)
         return self
 
     @classmethod

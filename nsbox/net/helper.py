@@ -40,9 +40,11 @@ Ops:
   userns   {uid_map, gid_map, newuidmap?, newgidmap?, deny_setgroups}
                                                   -> a new user namespace (fd)
   network  {user_fd?, bridge, subnet, internal, host_access, mapping, path?}
-                                                  -> the network's namespace (fd)
-           and a socket to its bridge worker (fd): a forked process that
-           stays in that namespace (bridge_worker.py)
+                                                  -> a socket to its bridge worker (fd): a
+           forked process that makes the network's namespace and stays in it
+           (bridge_worker.py). Answered once forked: the worker's first message
+           on that socket is its ready one ({} and the namespace's fd, or
+           {error}), for the caller to wait for, not the helper.
 
 When the nsbox process closes its end (it exited, crashed or was killed),
 the helper kills every process it spawned and exits.
@@ -355,7 +357,10 @@ def _write_maps(pid: int, req: dict[str, Any]) -> None:
 
 def op_network(req: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], list[int]]:
     """Forks the network's bridge worker (bridge_worker.py) and answers with
-    the network's namespace and a socket to the worker.
+    a socket to it at once: the worker's setup (~10 ms) runs while this
+    helper serves other requests, and the caller reads the worker's ready
+    message itself (nsbox/net/bridge.py), so that networks made at once
+    are made side by side.
 
     A network of this process: the worker stays this helper's child (reaped
     on SIGCHLD) and dies with it (PR_SET_PDEATHSIG) or when its socket
@@ -385,19 +390,7 @@ def op_network(req: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], lis
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
     theirs.close()
-    try:
-        ours.settimeout(READY_TIMEOUT)
-        data, got, _, _ = socket.recv_fds(ours, MAX_MESSAGE, 1)
-        ours.settimeout(None)
-        answer = json.loads(data) if data else {"error": "the bridge worker exited while starting"}
-        if "error" in answer:
-            for fd in got:
-                os.close(fd)
-            raise Refused(answer["error"])
-    except BaseException:
-        ours.close()
-        raise
-    return {}, [got[0], ours.detach()]
+    return {}, [ours.detach()]
 
 
 workers: set[int] = set()

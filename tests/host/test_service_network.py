@@ -283,6 +283,32 @@ async def test_a_cancelled_network_start_frees_its_subnet() -> None:
     assert bridge._subnets_in_use == before
 
 
+async def test_a_network_whose_worker_fails_says_why_and_keeps_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The helper answers once it forked the bridge worker; the worker's
+    own failure then reaches the caller from the worker, in its words, and
+    leaves no subnet, descriptor or process behind."""
+    from nsbox.net import bridge
+    from nsbox.net.client import helper
+
+    await (await nsbox.Network("warm").start()).close()
+    subnets, fds = set(bridge._subnets_in_use), set(os.listdir("/proc/self/fd"))
+    helper_children = lambda: set(psutil.Process(helper().pid).children())  # noqa: E731
+    children = helper_children()
+    monkeypatch.setattr(bridge, "BRIDGE", "b" * 20)  # longer than an interface name may be
+    with pytest.raises(NetError, match="netlink: "):
+        await nsbox.Network("broken").start()
+    monkeypatch.undo()
+    assert bridge._subnets_in_use == subnets
+    assert set(os.listdir("/proc/self/fd")) == fds
+    deadline = time.monotonic() + 5
+    while helper_children() - children and time.monotonic() < deadline:
+        await anyio.sleep(0.02)
+    assert not helper_children() - children, "the failed worker is still there"
+    async with nsbox.Network("fine", internal=True) as net:  # the helper serves on
+        async with nsbox.Sandbox(network=net, hostname="a") as a:
+            assert (await a.exec(["cat", "/etc/hosts"])).stdout.split().count("a") == 1
+
+
 CANCELLED_STARTS = """\
 import anyio, nsbox
 async def main():
