@@ -5,6 +5,7 @@ Inspect provider (docs/performance.md holds the figures and what they say).
     python bench/breakdown.py             # both tables
     python bench/breakdown.py --top 25    # and the host's hottest functions (cProfile)
     python bench/breakdown.py --compose 20 --execs 0 --samples 0   # a compose sample's steps
+    python bench/breakdown.py --networks 30 --execs 0 --samples 0  # what a service network costs
 
 For each operation, run N times in a row: wall time per operation, and CPU
 time per operation split by process:
@@ -42,6 +43,7 @@ import os
 import pstats
 import resource
 import shutil
+import statistics
 import subprocess
 import time
 from typing import Any, Awaitable, Callable
@@ -237,9 +239,62 @@ async def compose_steps(n: int) -> None:
         print(f"  {own / n * 1e3:7.2f} {reaped / n * 1e3:7.2f}  {name} ({pid})")
 
 
+async def network_costs(n: int) -> None:
+    """What a service network costs: made and closed `n` times one after
+    another (wall, and CPU by process), then `n` made at once (wall) and
+    held (the host's MemAvailable, and the bridge workers' PSS)."""
+    import nsbox
+    import provider as row
+
+    def available_kib() -> int:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+
+    def pss_kib(pid: int) -> int:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("Pss:"))
+
+    warm = nsbox.Network("breakdown-warm", internal=True)  # the helper and its first import
+    await warm.start()
+    try:
+        helpers0, c0, t0 = row.helper_split(), time.process_time(), time.perf_counter()
+        for i in range(n):
+            net = nsbox.Network(f"breakdown-{i}", internal=True)
+            await net.start()
+            await net.close()
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        await anyio.sleep(0.5)  # the last worker reaped
+        print(f"\na service network made and closed, x{n}, one after another: wall {wall / n * 1e3:.2f} ms, "
+              f"CPU of this process {cpu / n * 1e3:.2f} ms")
+        for key, (own, reaped) in row.helper_split().items():
+            if key in helpers0 and key[2] != "nsbox-bridge":  # the network helper (the warm network's worker idles)
+                (pid, _, name), (own0, reaped0) = key, helpers0[key]
+                print(f"  {name} ({pid}): own {(own - own0) / n * 1e3:.2f} ms, of the children it reaped "
+                      f"(the workers) {(reaped - reaped0) / n * 1e3:.2f} ms")
+        before, held = available_kib(), [nsbox.Network(f"breakdown-held-{i}", internal=True) for i in range(n)]
+        try:
+            t0 = time.perf_counter()
+            async with anyio.create_task_group() as tg:  # as samples starting together make theirs
+                for net in held:
+                    tg.start_soon(net.start)
+            print(f"  {n} made at once: {(time.perf_counter() - t0) * 1e3:.0f} ms until the last was ready")
+            await anyio.sleep(1)
+            fell = (before - available_kib()) / n
+            workers = [p for (p, _, name) in row.helper_split() if name == "nsbox-bridge"]
+            print(f"  held {n} at once: MemAvailable fell by {fell:.0f} KiB each; the bridge workers' PSS "
+                  f"{statistics.mean(pss_kib(p) for p in workers):.0f} KiB each ({len(workers)} workers)")
+        finally:
+            for net in held:
+                await net.close()
+    finally:
+        await warm.close()
+
+
 async def amain(args: argparse.Namespace) -> None:
     if Provider is None:
         raise SystemExit("bench/breakdown.py needs inspect_ai (pip install 'nsbox[inspect]')")
+    if args.networks > 0:
+        await network_costs(args.networks)
     if args.compose > 0:
         await compose_steps(args.compose)
     await Provider.task_init("profile", None)
@@ -307,6 +362,7 @@ def main() -> None:
     p.add_argument("--execs", type=int, default=2000)
     p.add_argument("--samples", type=int, default=200)
     p.add_argument("--compose", type=int, default=0, help="also split N compose samples by step")
+    p.add_argument("--networks", type=int, default=0, help="also make and close N service networks, then hold N")
     p.add_argument("--top", type=int, default=0, help="also print the host's N hottest functions (cProfile)")
     anyio.run(amain, p.parse_args())
 

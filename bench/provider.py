@@ -35,7 +35,7 @@ from typing import Any, Callable
 import anyio
 
 import nsbox
-from timing import (BENCH_IMAGE, BWRAP_ARGS, OCI_LAYOUT, OCI_TAG, OUT_BYTES, Op, free_port, interleaved, pct, proc_pss,
+from timing import (BENCH_IMAGE, BWRAP_ARGS, OCI_LAYOUT, OCI_TAG, OUT_BYTES, Op, free_ports, interleaved, pct, proc_pss,
                     rusage_cpu, spawn_floor, stat_cpu, sync_op)
 
 try:
@@ -514,8 +514,8 @@ async def bench_compose(samples: int, count: int, notes: list[str]) -> list[Row]
                 await server.wait()
 
         async with anyio.create_task_group() as tg:
-            for _ in range(samples):
-                tg.start_soon(sample, free_port())
+            for port in free_ports(samples):  # distinct: a server whose port another took exits at once
+                tg.start_soon(sample, port)
 
     try:
         await Provider.task_init("bench", path)
