@@ -30,9 +30,9 @@ bench:
 	$(PYTHON) bench/eval.py --samples 200 --rounds 3
 	$(PYTHON) bench/eval.py --wide $(if $(BENCH_FULL),,--samples 100 --concurrency 100 --rounds 2)
 
-# Where the CPU of an exec, a sample's sandbox and a compose sample goes (docs/performance.md).
+# Where the CPU of an exec, a sample's sandbox, a compose sample and a service network goes (docs/performance.md).
 profile:
-	$(PYTHON) bench/breakdown.py --top 25 --compose 20
+	$(PYTHON) bench/breakdown.py --top 25 --compose 20 --networks 20
 
 clean:
 	rm -rf build dist *.egg-info nsbox/_native*.so nsbox/_text*.so nsbox/_native.c nsbox/nsbox-init nsbox/nsbox-create nsbox/nsbox-tied rootfs/build
