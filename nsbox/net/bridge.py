@@ -50,10 +50,9 @@ from typing import Any, Sequence
 
 import anyio
 
-from ..host.fdpass import recv_fds
 from ..host.idmap import IdMap
 from . import usernet
-from .client import MAX_MESSAGE, NetError, NetHelper, Namespaces, helper
+from .client import NetError, NetHelper, Namespaces, helper, receive
 from .hosts import check_name, render_hosts
 
 BRIDGE = "br0"
@@ -110,13 +109,7 @@ async def _worker_ready(chan: socket.socket) -> int:
     chan.setblocking(False)
     data, fds = b"", []
     with anyio.move_on_after(REQUEST_TIMEOUT) as waited:
-        while True:
-            await anyio.wait_readable(chan)
-            try:
-                data, fds = recv_fds(chan, MAX_MESSAGE, 1)
-                break
-            except BlockingIOError:
-                continue
+        data, fds = await receive(chan, 1)
     if waited.cancelled_caught:
         raise NetError(f"the network's bridge worker was not ready within {REQUEST_TIMEOUT:g}s")
     answer = json.loads(data) if data else {"error": "the bridge worker exited while starting"}

@@ -48,9 +48,11 @@ import socket
 import struct
 from typing import Any
 
+from pyroute2.netlink.rtnl.ifinfmsg import ifinfmsg
+
 import ondemand
 from nscalls import (CLONE_NEWNET, CLONE_NEWUSER, IFF_UP, MAX_FDS, MAX_MESSAGE, PR_SET_NAME, configure, describe,
-                     libc, send_reply, setns, unshare)
+                     libc, no_ipv6, send_reply, setns, unshare)
 
 IFNAME = "eth0"
 NETLINK_ROUTE = 0
@@ -64,7 +66,7 @@ class Stop(Exception):
 
 class BridgeWorker:
     def __init__(self, req: dict[str, Any]) -> None:
-        _no_ipv6("all", "default")  # nothing in here speaks IPv6; it makes every new link slower
+        no_ipv6("all", "default")  # nothing in here speaks IPv6; it makes every new link slower
         self.rtnl = Rtnl()
         self.rtnl.link(RTM_NEWLINK, index=1, up=True)
         self.rtnl.link(RTM_NEWLINK, ifname=req["bridge"], kind="bridge", up=True, create=True)
@@ -111,7 +113,7 @@ class BridgeWorker:
         # stays bound to the network's namespace.
         setns(netns, CLONE_NEWNET, "member's network namespace")
         try:
-            _no_ipv6("default")  # its eth0, as Docker's: IPv4 only (its loopback keeps ::1)
+            no_ipv6("default")  # its eth0, as Docker's: IPv4 only (its loopback keeps ::1)
             self.rtnl.link(RTM_NEWLINK, ifname=host, kind="veth", master=self.bridge, up=True, create=True,
                            peer=[("IFLA_IFNAME", ifname), ("IFLA_NET_NS_FD", netns)])
             made = True
@@ -255,8 +257,6 @@ class Rtnl:
              peer: list[tuple[str, Any]] | None = None) -> None:
         """One RTM_NEWLINK or RTM_DELLINK request (a link named by `index` or
         `ifname`); raises OSError with the kernel's errno if refused."""
-        from pyroute2.netlink.rtnl.ifinfmsg import ifinfmsg
-
         attrs: list[tuple[str, Any]] = [("IFLA_IFNAME", ifname)] if ifname else []
         if master is not None:
             attrs.append(("IFLA_MASTER", master))
@@ -291,16 +291,6 @@ class Rtnl:
                         raise OSError(err, f"netlink: {os.strerror(err)}")
                     return
                 at += max((length + 3) & ~3, 16)
-
-
-def _no_ipv6(*which: str) -> None:
-    """IPv6 off for these interface settings of the current network namespace."""
-    for name in which:
-        try:
-            with open(f"/proc/sys/net/ipv6/conf/{name}/disable_ipv6", "w") as f:
-                f.write("1")
-        except FileNotFoundError:
-            return  # a kernel without IPv6: nothing to turn off
 
 
 def run(chan: socket.socket, req: dict[str, Any], fds: list[int]) -> None:

@@ -126,11 +126,7 @@ class NetHelper:
                         raise NetError("the network helper process has exited") from None
                     raise
             while True:
-                await anyio.wait_readable(chan)
-                try:
-                    data, got = recv_fds(chan, MAX_MESSAGE, 16)
-                except BlockingIOError:
-                    continue
+                data, got = await receive(chan)
                 if not data:
                     break
                 answer = json.loads(data)
@@ -166,6 +162,17 @@ class NetHelper:
             with anyio.CancelScope(shield=True):
                 while proc.poll() is None:
                     await anyio.sleep(0.005)
+
+
+async def receive(chan: socket.socket, maxfds: int = 16) -> tuple[bytes, list[int]]:
+    """The next message on a non-blocking channel and its descriptors
+    (b"" once the other side closed it)."""
+    while True:
+        await anyio.wait_readable(chan)
+        try:
+            return recv_fds(chan, MAX_MESSAGE, maxfds)
+        except BlockingIOError:
+            continue
 
 
 _default: NetHelper | None = None

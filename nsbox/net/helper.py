@@ -366,8 +366,7 @@ def op_network(req: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], lis
     on SIGCHLD) and dies with it (PR_SET_PDEATHSIG) or when its socket
     closes. A named one (``path`` given, where it listens) outlives us: it
     is forked twice, so that it is nobody's child here."""
-    import bridge_worker
-    import pyroute2.netlink.rtnl.ifinfmsg  # noqa: F401  (once, in the helper: every worker inherits it)
+    import bridge_worker  # and pyroute2 with it, once: every worker inherits them
 
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     # SIGCHLD held until the pid is recorded, so that the reaper knows it.

@@ -56,6 +56,17 @@ def configure(ifname: str, address: str, netmask: str = "255.255.255.0") -> None
             fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH14x", name.encode(), flags | IFF_UP))
 
 
+def no_ipv6(*which: str) -> None:
+    """IPv6 off for these interface settings (`all`, `default` or a device)
+    of the current network namespace."""
+    for name in which:
+        try:
+            with open(f"/proc/sys/net/ipv6/conf/{name}/disable_ipv6", "w") as f:
+                f.write("1")
+        except FileNotFoundError:
+            return  # a kernel without IPv6: nothing to turn off
+
+
 def describe(e: BaseException) -> str:
     """An exception as the one-line error a reply carries."""
     if isinstance(e, OSError) and e.strerror:

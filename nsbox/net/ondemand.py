@@ -38,7 +38,7 @@ import socket
 import struct
 import time
 
-from nscalls import configure
+from nscalls import configure, no_ipv6
 
 TUNSETIFF, TUNSETPERSIST = 0x400454CA, 0x400454CB
 IFF_TAP, IFF_NO_PI = 0x0002, 0x1000
@@ -88,11 +88,7 @@ def make_tap(ifname: str, address: str, prefix: int, gateway: str, dns: str, mtu
     try:
         fcntl.ioctl(tap, TUNSETIFF, struct.pack("16sH22x", name, IFF_TAP | IFF_NO_PI))
         fcntl.ioctl(tap, TUNSETPERSIST, 1)
-        try:
-            with open(f"/proc/sys/net/ipv6/conf/{ifname}/disable_ipv6", "w") as f:
-                f.write("1")  # no router solicitations: the first frame out is the sandbox's
-        except FileNotFoundError:
-            pass  # a kernel without IPv6
+        no_ipv6(ifname)  # no router solicitations: the first frame out is the sandbox's
         configure(ifname, address, _netmask(prefix))
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             fcntl.ioctl(s, SIOCSIFMTU, struct.pack("16si20x", name, mtu))
