@@ -51,7 +51,7 @@ from typing import Any, Awaitable, Callable
 import anyio
 
 from nsbox.create import zygote
-from timing import BWRAP_ARGS, rusage_cpu, stat_cpu
+from timing import BWRAP_ARGS, proc_pss, rusage_cpu, stat_cpu
 
 try:
     from nsbox.inspect.provider import NsboxSandboxEnvironment as Provider
@@ -246,14 +246,6 @@ async def network_costs(n: int) -> None:
     import nsbox
     import provider as row
 
-    def available_kib() -> int:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
-
-    def pss_kib(pid: int) -> int:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("Pss:"))
-
     warm = nsbox.Network("breakdown-warm", internal=True)  # the helper and its first import
     await warm.start()
     try:
@@ -271,7 +263,7 @@ async def network_costs(n: int) -> None:
                 (pid, _, name), (own0, reaped0) = key, helpers0[key]
                 print(f"  {name} ({pid}): own {(own - own0) / n * 1e3:.2f} ms, of the children it reaped "
                       f"(the workers) {(reaped - reaped0) / n * 1e3:.2f} ms")
-        before, held = available_kib(), [nsbox.Network(f"breakdown-held-{i}", internal=True) for i in range(n)]
+        before, held = row.available_kib(), [nsbox.Network(f"breakdown-held-{i}", internal=True) for i in range(n)]
         try:
             t0 = time.perf_counter()
             async with anyio.create_task_group() as tg:  # as samples starting together make theirs
@@ -279,10 +271,10 @@ async def network_costs(n: int) -> None:
                     tg.start_soon(net.start)
             print(f"  {n} made at once: {(time.perf_counter() - t0) * 1e3:.0f} ms until the last was ready")
             await anyio.sleep(1)
-            fell = (before - available_kib()) / n
+            fell = (before - row.available_kib()) / n
             workers = [p for (p, _, name) in row.helper_split() if name == "nsbox-bridge"]
             print(f"  held {n} at once: MemAvailable fell by {fell:.0f} KiB each; the bridge workers' PSS "
-                  f"{statistics.mean(pss_kib(p) for p in workers):.0f} KiB each ({len(workers)} workers)")
+                  f"{statistics.mean(proc_pss(p) or 0 for p in workers):.0f} KiB each ({len(workers)} workers)")
         finally:
             for net in held:
                 await net.close()
